@@ -1,0 +1,272 @@
+"""Run configuration: pydantic models that reject unknown keys, plus YAML loading.
+
+Every cross-field rule is checked here, before any worker starts, and each
+error names every factor involved (``dp(2) * pp(3) = 6 != num_workers(4)``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Strict):
+    """Naming and reporting."""
+
+    name: str | None = Field(None, description="Run name; actors are named after it. Default: et-<time>.")
+    log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
+
+
+class ModelSection(_Strict):
+    """The model: the built-in byte-level GPT, or a user factory returning (blocks, loss_fn)."""
+
+    kind: Literal["gpt", "factory"] = "gpt"
+    n_layer: int = Field(4, ge=1)
+    n_head: int = Field(4, ge=1)
+    d_model: int = Field(128, ge=1)
+    seq_len: int | None = Field(None, ge=1, description="Context length; default: data.seq_len.")
+    vocab_size: int = Field(256, ge=2)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    factory: str | None = Field(None, description='"package.module:function" returning (blocks, loss_fn).')
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSection":
+        if self.factory is not None:
+            if not _FACTORY_RE.match(self.factory):
+                raise ValueError(
+                    f"model.factory({self.factory!r}) is not of the form 'package.module:function'"
+                )
+            if self.kind != "factory":
+                object.__setattr__(self, "kind", "factory")
+        elif self.kind == "factory":
+            raise ValueError("model.kind is 'factory' but model.factory is not set")
+        if self.kind == "gpt" and self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model({self.d_model}) is not divisible by model.n_head({self.n_head})"
+            )
+        return self
+
+
+class DataSection(_Strict):
+    """Token sequences in Parquet: one row per sequence of at least seq_len + 1 ids."""
+
+    path: str = Field(..., description="Parquet file or directory; local path or pyarrow filesystem URI.")
+    column: str = "tokens"
+    seq_len: int = Field(128, ge=1)
+    prepare: Literal["stdlib"] | None = Field(
+        None, description="'stdlib': build the byte corpus of Python's standard library at path if it is missing."
+    )
+    shuffle: bool = True
+
+
+class TrainSection(_Strict):
+    """Optimisation. AdamW; anything not set keeps torch's default."""
+
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    micro_batch_size: int = Field(4, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] | None = None
+    eps: float | None = Field(None, gt=0)
+    seed: int = 0
+    grad_clip: float | None = Field(None, gt=0)
+
+
+class ParallelSection(_Strict):
+    """How the workers split the model (pp) and the batch (dp)."""
+
+    dp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = Field(2, ge=1, description="Stages per rank for the interleaved schedule.")
+
+
+class ScalingSection(_Strict):
+    """Where workers run."""
+
+    num_workers: int | None = Field(None, ge=1, description="Default: dp * pp.")
+    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    workers_per_node: int | None = Field(
+        None, ge=1, description="Default: one per GPU on GPU workers, one per node on CPU workers."
+    )
+    replica_placement: Literal["spread", "pack"] = Field(
+        "spread",
+        description="spread: a stage's replicas on different nodes (a live replica survives a node loss); "
+        "pack: a stage's replicas share a node (gradient all-reduce stays on the node).",
+    )
+    placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the cluster to fit the workers.")
+    torch_threads: int | None = Field(1, ge=1, description="torch.set_num_threads in CPU workers; None leaves torch's default.")
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.resources_per_worker.get("GPU", 0) > 0
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.uses_gpu else "gloo"
+
+
+class CommSection(_Strict):
+    """Gradient communication."""
+
+    bucket_mb: float = Field(25.0, gt=0, description="All-reduce bucket size in MiB.")
+    timeout_s: float = Field(300.0, gt=0, description="Timeout of every collective.")
+
+
+class _Reserved(_Strict):
+    """A section whose fields are not defined yet: any key is rejected by name."""
+
+
+class TrainerConfig(_Strict):
+    """The whole run. Load with :meth:`from_yaml` or ``TrainerConfig.model_validate(dict)``."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    scaling: ScalingSection = Field(default_factory=ScalingSection)
+    comm: CommSection = Field(default_factory=CommSection)
+    checkpoint: _Reserved = Field(default_factory=_Reserved)
+    failure: _Reserved = Field(default_factory=_Reserved)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "TrainerConfig":
+        p, t, s = self.parallel, self.train, self.scaling
+        world = p.dp * p.pp
+        if s.num_workers is not None and s.num_workers != world:
+            raise ValueError(f"dp({p.dp}) * pp({p.pp}) = {world} != num_workers({s.num_workers})")
+        per_step = p.dp * t.micro_batch_size
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size({t.global_batch_size}) is not divisible by "
+                f"dp({p.dp}) * micro_batch_size({t.micro_batch_size}) = {per_step}"
+            )
+        n_micro = t.global_batch_size // per_step
+        if p.schedule == "interleaved":
+            if p.pp < 2:
+                raise ValueError(f"schedule 'interleaved' needs pp >= 2, got pp({p.pp})")
+            rounds = max(1, n_micro // p.pp)
+            if n_micro % rounds:
+                raise ValueError(
+                    f"schedule 'interleaved' needs micro-batches per replica({n_micro}) to be a multiple "
+                    f"of max(1, micro-batches // pp({p.pp})) = {rounds}; try a multiple of pp"
+                )
+        if self.model.kind == "gpt":
+            if self.model.seq_len is None:
+                object.__setattr__(self.model, "seq_len", self.data.seq_len)
+            elif self.data.seq_len > self.model.seq_len:
+                raise ValueError(
+                    f"data.seq_len({self.data.seq_len}) > model.seq_len({self.model.seq_len}): "
+                    "the model has no position for the extra tokens"
+                )
+            n_blocks = self.model.n_layer + 2
+            stages = p.pp * (p.virtual_stages if p.schedule == "interleaved" else 1)
+            if n_blocks < stages:
+                raise ValueError(
+                    f"the GPT has {n_blocks} blocks (n_layer({self.model.n_layer}) + embedding + head), "
+                    f"fewer than the {stages} pipeline stages asked for"
+                )
+        return self
+
+    # -- derived values -------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.parallel.dp * self.parallel.pp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each replica runs per step: global_batch / (dp * micro_batch)."""
+        return self.train.global_batch_size // (self.parallel.dp * self.train.micro_batch_size)
+
+    # -- loading ----------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "TrainerConfig":
+        """Load a job file; ``overrides`` are ``section.key=value`` strings applied on top."""
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"job file {str(path)!r} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"job file {str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"job file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+        return cls.from_dict(apply_overrides(raw, overrides or []), source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "TrainerConfig":
+        """Validate a plain dict, turning pydantic's errors into one ConfigError."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e, source)) from None
+
+    def with_overrides(self, overrides: list[str]) -> "TrainerConfig":
+        return self.from_dict(apply_overrides(self.model_dump(mode="json"), overrides))
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` strings; values are parsed as YAML scalars (``3`` -> int, ``true`` -> bool)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        parts = key.strip().split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            else:
+                child = node[part] = dict(child)
+            node = child
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def format_validation_error(e: ValidationError, source: str) -> str:
+    lines = [f"invalid {source}:"]
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key{_allowed_keys(err['loc'])}")
+        elif err["type"] == "missing":
+            lines.append(f"  {loc}: required but not given")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            given = err.get("input")
+            shown = "" if isinstance(given, dict) or given is None else f" (given {given!r})"
+            lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: tuple) -> str:
+    model: type[BaseModel] = TrainerConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    names = ", ".join(model.model_fields)
+    return f" (allowed: {names})" if names else " (this section takes no keys yet)"

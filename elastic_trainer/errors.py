@@ -1,0 +1,25 @@
+"""Exceptions users can catch. Each message names what was given and what would fit."""
+
+
+class ElasticTrainerError(Exception):
+    """Base class for every error elastic_trainer raises on purpose."""
+
+
+class ConfigError(ElasticTrainerError, ValueError):
+    """The configuration is invalid; raised before any worker starts."""
+
+
+class DataError(ElasticTrainerError):
+    """The training data is missing, empty, corrupt or of the wrong shape."""
+
+
+class ModelError(ElasticTrainerError):
+    """The model factory could not be imported or returned something unusable."""
+
+
+class PlacementError(ElasticTrainerError):
+    """The cluster could not host the requested workers within the wait allowed."""
+
+
+class WorkerError(ElasticTrainerError):
+    """A worker failed during set-up or a training step."""

@@ -1,0 +1,37 @@
+"""Progress lines on the driver: step, loss, tokens/s, step time and plan."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from .config import TrainerConfig
+
+
+class ProgressPrinter:
+    def __init__(self, cfg: TrainerConfig, stream: TextIO):
+        self.cfg = cfg
+        self.stream = stream
+        self.every = cfg.run.log_every
+        self.total = cfg.train.steps
+
+    def step(self, rec: dict) -> None:
+        s = rec["step"]
+        if s == 1 or s % self.every == 0 or s == self.total:
+            print(
+                f"step {s:>5}/{self.total} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:>9,.0f} tok/s"
+                f" | {rec['step_time_s'] * 1000:7.1f} ms/step | comm {rec['comm_s'] * 1000:6.1f} ms"
+                f" | dp={rec['dp']} pp={rec['pp']}",
+                file=self.stream, flush=True,
+            )
+
+    def done(self, history: list[dict]) -> None:
+        if not history:
+            return
+        first, last = history[0]["loss"], history[-1]["loss"]
+        steady = history[len(history) // 2:]
+        tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
+        print(
+            f"done: {len(history)} steps, loss {first:.4f} -> {last:.4f} "
+            f"({(1 - last / first) * 100:.1f}% lower), {tps:,.0f} tok/s steady",
+            file=self.stream, flush=True,
+        )

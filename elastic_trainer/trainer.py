@@ -1,0 +1,117 @@
+"""The driver-side API: ``Trainer(cfg).fit() -> Result``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .config import TrainerConfig
+from .controller.controller import Controller
+from .data.dataset import TokenDataset, ensure_prepared
+from .models.factory import resolve_factory
+from .progress import ProgressPrinter
+
+
+@dataclass
+class Result:
+    """What a run produced."""
+
+    run_name: str
+    history: list[dict]          # one record per step: step, loss, dp, pp, world_size, step_time_s, tokens_per_s, ...
+    events: list[dict]           # controller state transitions (failures and recoveries join here)
+    plan: dict                   # topology, stage cut and node of every rank
+    workers: list[dict] = field(default_factory=list)
+    model_state: dict[str, Any] | None = None  # global parameter name -> tensor, when asked for
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.history[-1]["loss"] if self.history else None
+
+
+class Trainer:
+    """Runs one training job on a Ray cluster.
+
+    Ray connection: an existing ``ray.init`` in this process is used as is;
+    else ``RAY_ADDRESS`` names the cluster to join; else a local single-node
+    cluster is started (and shut down after ``fit``).
+    """
+
+    def __init__(self, config: TrainerConfig, on_step: Callable[[dict], None] | None = None, verbose: bool = True):
+        self.config = config
+        self.on_step = on_step
+        self.verbose = verbose
+
+    def fit(self, return_model_state: bool = False) -> Result:
+        cfg = self.config
+        run_name = cfg.run.name or time.strftime("et-%Y%m%d-%H%M%S")
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name})})
+        cfg = self._check_inputs(cfg)
+        started_ray = self._connect(cfg)
+        if started_ray and cfg.scaling.workers_per_node is None:
+            # One machine: every worker lives on the one node there is.
+            cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"workers_per_node": cfg.world_size})})
+        try:
+            return self._run(cfg, run_name, return_model_state)
+        finally:
+            if started_ray:
+                ray.shutdown()
+
+    def _check_inputs(self, cfg: TrainerConfig) -> TrainerConfig:
+        """Fail before any worker starts: bad data and bad factories are cheap to find here."""
+        resolve_factory(cfg.model)
+        data = cfg.data
+        if "://" not in data.path:
+            # Workers do not share the driver's working directory.
+            data = data.model_copy(update={"path": os.path.abspath(os.path.expanduser(data.path))})
+        ensure_prepared(data)
+        TokenDataset.open(data)
+        return cfg.model_copy(update={"data": data})
+
+    def _connect(self, cfg: TrainerConfig) -> bool:
+        if ray.is_initialized():
+            return False
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"])
+            return False
+        res = cfg.scaling.resources_per_worker
+        num_cpus = max(os.cpu_count() or 1, int(res.get("CPU", 1) * cfg.world_size + 0.999))
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        return True
+
+    def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool) -> Result:
+        node_id = ray.get_runtime_context().get_node_id()
+        controller = ray.remote(Controller).options(
+            name=f"{run_name}-controller", num_cpus=0, max_concurrency=8, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(cfg.model_dump(mode="json"), run_name)
+        printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
+        done_ref = controller.run.remote(return_model_state)
+        seen = 0
+        try:
+            while True:
+                ready, _ = ray.wait([done_ref], timeout=0.5)
+                prog = ray.get(controller.progress.remote(seen))
+                for rec in prog["records"]:
+                    if printer:
+                        printer.step(rec)
+                    if self.on_step:
+                        self.on_step(rec)
+                seen += len(prog["records"])
+                if ready:
+                    break
+            try:
+                out = ray.get(done_ref)
+            except ray.exceptions.RayTaskError as e:
+                raise e.as_instanceof_cause() from None
+        finally:
+            ray.kill(controller, no_restart=True)
+        if printer:
+            printer.done(out["history"])
+        return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
+                      workers=out["workers"], model_state=out["model_state"])

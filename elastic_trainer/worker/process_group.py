@@ -1,0 +1,53 @@
+"""torch.distributed set-up for one rank: the world group plus its DP and PP subgroups."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..parallel.topology import Topology
+
+
+@dataclass
+class Groups:
+    """The subgroups one rank belongs to."""
+
+    dp: object  # ranks holding the same stage in other replicas
+    pp: object  # ranks holding the other stages of the same replica
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_groups(
+    backend: str, master_addr: str, master_port: int, topo: Topology, rank: int, timeout_s: float
+) -> Groups:
+    """Join the world group and build every DP and PP subgroup.
+
+    ``new_group`` is collective over the world, so every rank creates every
+    group in the same order, then keeps the two it belongs to.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        world_size=topo.world_size,
+        rank=rank,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    dp_groups = [dist.new_group(topo.dp_group_ranks(s)) for s in range(topo.pp)]
+    pp_groups = [dist.new_group(topo.pp_group_ranks(r)) for r in range(topo.dp)]
+    replica, stage = topo.coords(rank)
+    return Groups(dp=dp_groups[stage], pp=pp_groups[replica])
+
+
+def destroy_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
