@@ -1,0 +1,38 @@
+import os
+
+# Keep Ray on loopback: with this unset to 0, Ray binds 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray nodes started by the tests inherit this, so workers can import tests.helpers factories.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+
+import pytest
+
+from elastic_trainer.data.corpus import prepare_stdlib_corpus
+
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> str:
+    """A small real corpus: 256 KiB of stdlib source as rows of SEQ_LEN + 1 bytes."""
+    out = tmp_path_factory.mktemp("corpus") / "stdlib"
+    prepare_stdlib_corpus(out, SEQ_LEN, max_bytes=256 << 10)
+    return str(out)
+
+
+def tiny_config(corpus: str, **sections) -> dict:
+    """A config dict for a GPT small enough to step in milliseconds; sections override by key."""
+    cfg = {
+        "run": {"log_every": 1000},
+        "model": {"kind": "gpt", "n_layer": 6, "n_head": 2, "d_model": 32},
+        "data": {"path": corpus, "seq_len": SEQ_LEN},
+        "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 1, "lr": 1e-3, "seed": 1,
+                  "grad_clip": 1.0},
+        "parallel": {"dp": 1, "pp": 1},
+        "scaling": {"placement_timeout_s": 60},
+        "comm": {"timeout_s": 60},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg

@@ -1,0 +1,85 @@
+"""Whole runs on the simulated cluster: placement, user models, the CLI, and errors."""
+
+import time
+
+import pytest
+import ray
+
+from elastic_trainer import PlacementError, Trainer, TrainerConfig
+from elastic_trainer.cli import main
+
+from ..conftest import tiny_config
+from .conftest import NUM_NODES
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(180)
+def test_default_cpu_placement_is_one_worker_per_node(cluster, corpus_dir):
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, parallel={"dp": 2, "pp": 2}, run={"name": "place"}))
+    seen = []
+
+    def names_during_run(rec):
+        if rec["step"] == 1:
+            seen.extend(a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+
+    result = Trainer(cfg, verbose=False, on_step=names_during_run).fit()
+    assert "place-controller" in seen
+    assert {"place-rank0-r0s0", "place-rank1-r0s1", "place-rank2-r1s0", "place-rank3-r1s1"} <= set(seen)
+    nodes = result.plan["rank_nodes"]
+    assert len(set(nodes.values())) == 4
+    assert sorted(w["rank"] for w in result.workers) == [0, 1, 2, 3]
+    assert len({w["pid"] for w in result.workers}) == 4
+    # Actors were named after the run and rank, and are gone after the run.
+    time.sleep(1)
+    assert not any(a["name"].startswith("place-") for a in ray.util.list_named_actors(all_namespaces=True))
+
+
+@pytest.mark.timeout(180)
+def test_pack_places_a_stage_replicas_together(cluster, corpus_dir):
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, parallel={"dp": 2, "pp": 1},
+        scaling={"workers_per_node": 2, "replica_placement": "pack", "placement_timeout_s": 60,
+                 "resources_per_worker": {"CPU": 0.5}}))
+    result = Trainer(cfg, verbose=False).fit()
+    nodes = result.plan["rank_nodes"]
+    assert nodes[0] == nodes[1]
+
+
+@pytest.mark.timeout(180)
+def test_user_factory_model_trains_through_a_pipeline(cluster, corpus_dir):
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, model={"kind": "factory", "factory": "tests.helpers:build_mlp", "kwargs": {"width": 16}},
+        parallel={"dp": 1, "pp": 2}, train={"steps": 20, "lr": 1e-2}))
+    result = Trainer(cfg, verbose=False).fit()
+    assert len(result.history) == 20
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+
+
+@pytest.mark.timeout(120)
+def test_fewer_nodes_than_workers_fails_after_a_bounded_wait(cluster, corpus_dir):
+    n = NUM_NODES + 1
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, parallel={"dp": n}, train={"global_batch_size": n, "micro_batch_size": 1},
+        scaling={"placement_timeout_s": 3}))
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=rf"could not place {n} workers .* the cluster has {NUM_NODES + 1} alive nodes"):
+        Trainer(cfg, verbose=False).fit()
+    assert time.monotonic() - t0 < 60
+    # Nothing is left holding the cluster's resources.
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < NUM_NODES and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == NUM_NODES
+
+
+@pytest.mark.timeout(180)
+def test_cli_run_with_overrides(cluster, corpus_dir, tmp_path, capsys):
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(tiny_config(corpus_dir)))
+    rc = main(["run", str(job), "--set", "train.steps=3", "--set", "parallel.pp=2", "--set", "run.log_every=1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "step     3/3" in out and "dp=1 pp=2" in out and "tok/s" in out

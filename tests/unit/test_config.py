@@ -1,0 +1,111 @@
+import pytest
+
+from elastic_trainer.config import TrainerConfig, apply_overrides
+from elastic_trainer.errors import ConfigError
+
+BASE = {"data": {"path": "x"}}
+
+
+def make(**sections):
+    return TrainerConfig.from_dict({**BASE, **sections})
+
+
+def test_defaults_and_derived_values():
+    cfg = make(parallel={"dp": 2, "pp": 2}, train={"global_batch_size": 16, "micro_batch_size": 2})
+    assert cfg.world_size == 4
+    assert cfg.micro_batches == 4
+    assert cfg.model.seq_len == cfg.data.seq_len
+    assert cfg.scaling.resolved_backend() == "gloo"
+
+
+def test_gpu_resources_pick_nccl():
+    cfg = make(scaling={"resources_per_worker": {"GPU": 1, "CPU": 4}})
+    assert cfg.scaling.resolved_backend() == "nccl"
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({**BASE, "trian": {}}, "trian"),
+    ({**BASE, "train": {"stepz": 3}}, "train.stepz"),
+    ({**BASE, "failure": {"retries": 3}}, "failure.retries"),
+])
+def test_unknown_key_is_named(raw, key):
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig.from_dict(raw)
+    assert f"{key}: unknown key" in str(e.value)
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(ConfigError, match=r"allowed: .*global_batch_size"):
+        make(train={"stepz": 3})
+
+
+def test_dp_pp_mismatch_names_every_factor():
+    with pytest.raises(ConfigError, match=r"dp\(2\) \* pp\(3\) = 6 != num_workers\(4\)"):
+        make(parallel={"dp": 2, "pp": 3}, scaling={"num_workers": 4})
+
+
+def test_batch_that_does_not_divide():
+    with pytest.raises(ConfigError, match=r"global_batch_size\(30\) is not divisible by dp\(2\) \* micro_batch_size\(4\) = 8"):
+        make(parallel={"dp": 2}, train={"global_batch_size": 30, "micro_batch_size": 4})
+
+
+def test_interleaved_needs_pipeline():
+    with pytest.raises(ConfigError, match=r"needs pp >= 2"):
+        make(parallel={"schedule": "interleaved"})
+
+
+def test_too_many_stages_for_the_gpt():
+    with pytest.raises(ConfigError, match=r"6 blocks .* fewer than the 8 pipeline stages"):
+        make(model={"n_layer": 4}, parallel={"pp": 8}, train={"global_batch_size": 8, "micro_batch_size": 1})
+
+
+def test_bad_schedule_and_factory_form():
+    with pytest.raises(ConfigError, match=r"parallel.schedule"):
+        make(parallel={"schedule": "zigzag"})
+    with pytest.raises(ConfigError, match=r"not of the form 'package.module:function'"):
+        make(model={"factory": "no_colon_here"})
+
+
+def test_data_longer_than_model_context():
+    with pytest.raises(ConfigError, match=r"data.seq_len\(64\) > model.seq_len\(32\)"):
+        make(model={"seq_len": 32}, data={"path": "x", "seq_len": 64})
+
+
+def test_missing_data_section():
+    with pytest.raises(ConfigError, match=r"data: required"):
+        TrainerConfig.from_dict({})
+
+
+def test_overrides_parse_yaml_scalars():
+    raw = apply_overrides(BASE, ["train.steps=7", "parallel.schedule=gpipe", "train.grad_clip=0.5", "run.name=abc"])
+    cfg = TrainerConfig.from_dict(raw)
+    assert (cfg.train.steps, cfg.parallel.schedule, cfg.train.grad_clip, cfg.run.name) == (7, "gpipe", 0.5, "abc")
+    assert BASE == {"data": {"path": "x"}}  # the input is not mutated
+
+
+def test_override_errors():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        apply_overrides(BASE, ["train.steps"])
+    with pytest.raises(ConfigError, match="train.stepz: unknown key"):
+        TrainerConfig.from_dict(apply_overrides(BASE, ["train.stepz=1"]))
+
+
+def test_from_yaml(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("data: {path: /d}\nparallel: {dp: 2}\n")
+    cfg = TrainerConfig.from_yaml(p, ["parallel.pp=2"])
+    assert (cfg.parallel.dp, cfg.parallel.pp) == (2, 2)
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainerConfig.from_yaml(tmp_path / "nope.yaml")
+    p.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        TrainerConfig.from_yaml(p)
+
+
+def test_shipped_job_files_are_valid():
+    from pathlib import Path
+
+    jobs = sorted((Path(__file__).parents[2] / "jobs").glob("*.yaml"))
+    assert len(jobs) >= 2
+    for job in jobs:
+        TrainerConfig.from_yaml(job)

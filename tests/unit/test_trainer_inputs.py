@@ -1,0 +1,30 @@
+"""Bad data and bad factories fail in the driver, before Ray starts or any worker exists."""
+
+import pytest
+import ray
+
+from elastic_trainer import DataError, ModelError, Trainer, TrainerConfig
+
+from ..conftest import tiny_config
+
+
+def test_missing_data_fails_before_ray_starts(tmp_path):
+    cfg = TrainerConfig.from_dict(tiny_config(str(tmp_path / "nothing-here")))
+    with pytest.raises(DataError, match="does not exist"):
+        Trainer(cfg, verbose=False).fit()
+    assert not ray.is_initialized()
+
+
+def test_corrupt_data_fails_before_ray_starts(tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"garbage")
+    cfg = TrainerConfig.from_dict(tiny_config(str(tmp_path / "x.parquet")))
+    with pytest.raises(DataError, match="not readable Parquet"):
+        Trainer(cfg, verbose=False).fit()
+    assert not ray.is_initialized()
+
+
+def test_factory_that_does_not_import_fails_before_ray_starts(corpus_dir):
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, model={"kind": "factory", "factory": "nope.mod:build"}))
+    with pytest.raises(ModelError, match="cannot import 'nope.mod'"):
+        Trainer(cfg, verbose=False).fit()
+    assert not ray.is_initialized()
