@@ -81,7 +81,8 @@ class Trainer:
             return False
         res = cfg.scaling.resources_per_worker
         num_cpus = max(os.cpu_count() or 1, int(res.get("CPU", 1) * cfg.world_size + 0.999))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        # A local cluster is for this machine only: keep it on loopback.
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
         return True
 
     def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool) -> Result:
