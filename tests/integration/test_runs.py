@@ -83,3 +83,36 @@ def test_cli_run_with_overrides(cluster, corpus_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "step     3/3" in out and "dp=1 pp=2" in out and "tok/s" in out
+
+
+@pytest.mark.timeout(300)
+def test_demo_job_loss_falls_by_a_third(cluster):
+    """The shipped demo (real stdlib corpus, dp=2 x pp=2), cut short: the loss falls clearly."""
+    cfg = TrainerConfig.from_yaml("jobs/demo.yaml", ["train.steps=60", "run.name=demo-short"])
+    result = Trainer(cfg, verbose=False).fit()
+    first, last = result.history[0]["loss"], result.history[-1]["loss"]
+    assert last <= 0.7 * first, (first, last)
+    assert {(r["dp"], r["pp"]) for r in result.history} == {(2, 2)}
+
+
+@pytest.mark.timeout(180)
+def test_cli_joins_the_cluster_named_by_ray_address(cluster, corpus_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    c, _ = cluster
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(tiny_config(corpus_dir)))
+    env = {**os.environ, "RAY_ADDRESS": c.address}
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer", "run", str(job), "--set", "train.steps=2",
+         "--set", "parallel.dp=2", "--set", "run.log_every=1"],
+        env=env, capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step     2/2" in proc.stdout
+    # It joined the existing cluster rather than starting its own.
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout

@@ -1,0 +1,33 @@
+import json
+
+import pytest
+
+from elastic_trainer.cli import build_parser, main
+
+
+@pytest.mark.parametrize("argv", [[], ["run"], ["plan"], ["prepare-data"]])
+def test_help_on_every_command(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--help"])
+    assert e.value.code == 0
+    assert "usage: elastic-trainer" in capsys.readouterr().out
+
+
+def test_plan_prints_the_stage_cut(capsys):
+    assert main(["plan", "jobs/gpt_gpu.yaml"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["dp"], plan["pp"], plan["world_size"], plan["backend"]) == (4, 2, 8, "nccl")
+    assert plan["stages"][0]["blocks"][0] == 0 and plan["stages"][-1]["blocks"][1] == 26
+    assert plan["micro_batches_per_replica"] == 8
+
+
+def test_errors_are_one_line_not_a_traceback(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("data: {path: x}\nparallel: {dp: 2, pp: 3}\nscaling: {num_workers: 4}\n")
+    assert main(["plan", str(job)]) == 2
+    assert "dp(2) * pp(3) = 6 != num_workers(4)" in capsys.readouterr().err
+
+
+def test_prepare_data(tmp_path, capsys):
+    assert main(["prepare-data", "--out", str(tmp_path / "c"), "--seq-len", "32", "--max-mb", "0.05"]) == 0
+    assert "rows of 33 byte tokens" in capsys.readouterr().out
