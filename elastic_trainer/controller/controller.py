@@ -141,6 +141,10 @@ class Controller:
                 "step_time_s": dt,
                 "tokens_per_s": tokens / dt,
                 "comm_s": max(o["comm_s"] for o in outs),
+                # The slowest rank's own time; step_time_s minus this is what driving the step costs.
+                # (Queuing the next step on the workers to hide that cost measured slower on
+                # oversubscribed CPU nodes: Ray's task handling then competes with the step.)
+                "worker_s": max(o["compute_s"] + o["comm_s"] for o in outs),
                 "comm_bytes": sum(o["comm_bytes"] for o in outs),
                 "time": time.time(),
             }
