@@ -111,6 +111,10 @@ class ScalingSection(_Strict):
     )
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the cluster to fit the workers.")
     torch_threads: int | None = Field(1, ge=1, description="torch.set_num_threads in CPU workers; None leaves torch's default.")
+    min_workers: int = Field(1, ge=1, description="Below this many live workers the run waits for nodes, then stops.")
+    max_workers: int | None = Field(None, ge=1, description="Grow up to this many workers when nodes join; default: dp * pp.")
+    worker_memory_gb: float | None = Field(None, gt=0, description="Memory a worker may use; default: measured.")
+    grow_check_s: float = Field(5.0, gt=0, description="How often to look for new nodes at step boundaries.")
 
     @property
     def uses_gpu(self) -> bool:
@@ -129,8 +133,27 @@ class CommSection(_Strict):
     timeout_s: float = Field(300.0, gt=0, description="Timeout of every collective.")
 
 
-class _Reserved(_Strict):
-    """A section whose fields are not defined yet: any key is rejected by name."""
+class CheckpointSection(_Strict):
+    """Snapshots in the Ray object store and durable checkpoints on a filesystem."""
+
+    memory_every: int = Field(1, ge=1, description="Snapshot into the object store every N steps.")
+    replicas: int = Field(2, ge=1, description="Copies of each snapshot shard, on distinct nodes, pinned.")
+    durable_every: int | None = Field(None, ge=1, description="Write a durable checkpoint every N steps (and at the end).")
+    storage: str | None = Field(None, description="Directory or pyarrow filesystem URI for durable checkpoints.")
+    keep_durable: int = Field(3, ge=1, description="Durable checkpoints kept; older ones are deleted.")
+
+
+class FailureSection(_Strict):
+    """Detection and recovery."""
+
+    max_failures: int = Field(3, ge=0, description="Recoveries allowed before the run stops.")
+    retries: int = Field(1, ge=0, description="Retries of a step whose collective failed while every worker lived.")
+    wait_for_nodes_s: float = Field(60.0, ge=0, description="Below min_workers, wait this long for nodes.")
+    startup_timeout_s: float = Field(120.0, gt=0, description="Step timeout until warm-up is over.")
+    warmup_steps: int = Field(3, ge=1, description="Steps after a (re)start that use the start-up timeout.")
+    step_timeout_factor: float = Field(10.0, gt=1, description="After warm-up a step may take this multiple of the median step time.")
+    min_step_timeout_s: float = Field(5.0, gt=0, description="Floor of the tightened step timeout.")
+    ping_timeout_s: float = Field(2.0, gt=0, description="A worker that does not answer a ping in this long counts as hung.")
 
 
 class TrainerConfig(_Strict):
@@ -143,8 +166,8 @@ class TrainerConfig(_Strict):
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     comm: CommSection = Field(default_factory=CommSection)
-    checkpoint: _Reserved = Field(default_factory=_Reserved)
-    failure: _Reserved = Field(default_factory=_Reserved)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    failure: FailureSection = Field(default_factory=FailureSection)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainerConfig":
@@ -159,6 +182,13 @@ class TrainerConfig(_Strict):
                 f"dp({p.dp}) * micro_batch_size({t.micro_batch_size}) = {per_step}"
             )
         n_micro = t.global_batch_size // per_step
+        if s.max_workers is not None and s.max_workers < world:
+            raise ValueError(f"scaling.max_workers({s.max_workers}) < dp({p.dp}) * pp({p.pp}) = {world}")
+        if s.min_workers > world:
+            raise ValueError(f"scaling.min_workers({s.min_workers}) > dp({p.dp}) * pp({p.pp}) = {world}")
+        c = self.checkpoint
+        if c.durable_every is not None and c.storage is None:
+            raise ValueError(f"checkpoint.durable_every({c.durable_every}) needs checkpoint.storage")
         if p.schedule == "interleaved":
             if p.pp < 2:
                 raise ValueError(f"schedule 'interleaved' needs pp >= 2, got pp({p.pp})")
@@ -189,6 +219,10 @@ class TrainerConfig(_Strict):
     @property
     def world_size(self) -> int:
         return self.parallel.dp * self.parallel.pp
+
+    @property
+    def max_workers(self) -> int:
+        return self.scaling.max_workers or self.world_size
 
     @property
     def micro_batches(self) -> int:

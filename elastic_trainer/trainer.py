@@ -24,10 +24,19 @@ class Result:
 
     run_name: str
     history: list[dict]          # one record per step: step, loss, dp, pp, world_size, step_time_s, tokens_per_s, ...
-    events: list[dict]           # controller state transitions (failures and recoveries join here)
+    events: list[dict]           # state transitions, failures, recoveries, checkpoints, with times
     plan: dict                   # topology, stage cut and node of every rank
     workers: list[dict] = field(default_factory=list)
+    plans: list[dict] = field(default_factory=list)  # every plan the run used; history's "plan" indexes it
     model_state: dict[str, Any] | None = None  # global parameter name -> tensor, when asked for
+
+    @property
+    def failures(self) -> list[dict]:
+        return [e for e in self.events if e["kind"] == "failure"]
+
+    @property
+    def recoveries(self) -> list[dict]:
+        return [e for e in self.events if e["kind"] == "recovery"]
 
     @property
     def final_loss(self) -> float | None:
@@ -47,7 +56,9 @@ class Trainer:
         self.on_step = on_step
         self.verbose = verbose
 
-    def fit(self, return_model_state: bool = False) -> Result:
+    def fit(self, return_model_state: bool = False, resume: bool = False) -> Result:
+        """Train. ``resume``: continue from the newest durable checkpoint in
+        ``checkpoint.storage`` (after the cluster or the driver was lost)."""
         cfg = self.config
         run_name = cfg.run.name or time.strftime("et-%Y%m%d-%H%M%S")
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name})})
@@ -57,7 +68,7 @@ class Trainer:
             # One machine: every worker lives on the one node there is.
             cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"workers_per_node": cfg.world_size})})
         try:
-            return self._run(cfg, run_name, return_model_state)
+            return self._run(cfg, run_name, return_model_state, resume)
         finally:
             if started_ray:
                 ray.shutdown()
@@ -85,14 +96,14 @@ class Trainer:
         ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
         return True
 
-    def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool) -> Result:
+    def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool) -> Result:
         node_id = ray.get_runtime_context().get_node_id()
         controller = ray.remote(Controller).options(
             name=f"{run_name}-controller", num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(cfg.model_dump(mode="json"), run_name)
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
-        done_ref = controller.run.remote(return_model_state)
+        done_ref = controller.run.remote(return_model_state, resume)
         seen = 0
         try:
             while True:
@@ -115,4 +126,4 @@ class Trainer:
         if printer:
             printer.done(out["history"])
         return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
-                      workers=out["workers"], model_state=out["model_state"])
+                      workers=out["workers"], plans=out["plans"], model_state=out["model_state"])

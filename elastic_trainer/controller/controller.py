@@ -1,23 +1,36 @@
-"""The controller actor: one per run. Owns the plan, the workers, and the step loop.
+"""The controller actor: one per run. Owns the plan, the workers, the snapshots and the step loop.
 
-It moves through explicit states (``RunState``); every transition is recorded
-with its time so the run's story can be read back from ``result.events``.
+It moves through explicit states (``RunState``); every transition, failure
+and recovery is recorded with its time in ``events``. A failure never restarts
+the survivors: they are told a new plan (``setup``) and load the last
+committed state from the best source there is.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
+import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..checkpoint.durable import CheckpointError, DurableStore
+from ..checkpoint.state import shard_nbytes
 from ..config import TrainerConfig
-from ..errors import WorkerError
+from ..errors import ElasticTrainerError, WorkerError
+from ..models.factory import block_param_counts
+from ..parallel.topology import Topology
 from ..worker.actor import TrainWorker
-from .placement import Placement, place_workers
+from .failures import Diagnosis, StepOutcome, diagnose
+from .placement import assign_ranks, find_nodes, free_slots
 from .plan import Plan, make_plan
+from .policy import choose_plan
+from .restore import choose_restore
+from .snapshots import SnapshotStore
 
 
 class RunState(str, enum.Enum):
@@ -25,13 +38,31 @@ class RunState(str, enum.Enum):
     PLACING = "PLACING"
     STARTING = "STARTING"
     RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    RESIZING = "RESIZING"
     FINISHED = "FINISHED"
     FAILED = "FAILED"
 
 
-# Slack on top of the collective timeout: a step's results must arrive within
-# the time its collectives are allowed, plus the work between them.
-_STEP_SLACK_S = 60.0
+class RunError(ElasticTrainerError):
+    """The run stopped: too many failures, or too few workers for too long."""
+
+
+# After the first error of a step the others get this long to report theirs:
+# ranks blocked behind a vanished peer fail within milliseconds on loopback.
+_ERROR_GRACE_S = 1.0
+# Steps queued on a worker at once (see worker.actor: train_step's group).
+_TRAIN_CONCURRENCY = 1
+
+
+@dataclass
+class Slot:
+    wid: int
+    actor: object
+    node: str
+    pid: int
+    ip: str
+    rank: int | None = None
 
 
 class Controller:
@@ -42,14 +73,34 @@ class Controller:
         self.state = RunState.PENDING
         self.events: list[dict] = []
         self.history: list[dict] = []
+        self.plans: list[dict] = []
         self.plan: Plan | None = None
-        self.placement: Placement | None = None
-        self.workers: list = []
-        self.worker_info: list[dict] = []
+        self.slots: dict[int, Slot] = {}
+        self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
+        self.ranks: dict[int, int] = {}       # rank -> worker id
+        self.step = 0                         # last step every rank finished
+        self.failures = 0
+        self.counts: list[int] = []
+        self.snapshots = SnapshotStore(self.cfg.checkpoint.replicas)
+        storage = self.cfg.checkpoint.storage
+        self.durable = DurableStore(storage) if storage else None
+        self._durable_thread: threading.Thread | None = None
+        self._durable_error: str | None = None
+        self._step_times: collections.deque = collections.deque(maxlen=20)
+        self._steps_since_setup = 0
+        self._next_wid = 0
+        self._last_grow_check = time.monotonic()
+        self._pending_recovery: dict | None = None
+        self._retries_left = self.cfg.failure.retries
+        self._inflight: dict = {}
+        self._durable_refs: dict = {}
+        self._durable_manifest: dict = {}
+        self._actor_cls = ray.remote(
+            max_concurrency=4, concurrency_groups={"train": _TRAIN_CONCURRENCY})(TrainWorker)
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    # -- queried by the driver while run() is in progress ------------------------
+    # -- queried while run() is in progress -------------------------------------------
     def progress(self, since: int) -> dict:
         with self._lock:
             return {"state": self.state.value, "records": self.history[since:],
@@ -57,129 +108,628 @@ class Controller:
 
     def status(self) -> dict:
         with self._lock:
-            return {"run": self.run_name, "state": self.state.value,
-                    "step": self.history[-1]["step"] if self.history else 0,
-                    "steps": self.cfg.train.steps,
-                    "last": self.history[-1] if self.history else None,
+            return {"run": self.run_name, "state": self.state.value, "step": self.step,
+                    "steps": self.cfg.train.steps, "last": self.history[-1] if self.history else None,
                     "plan": self.plan.describe() if self.plan else None,
-                    "workers": list(self.worker_info)}
+                    "workers": [{"worker_id": s.wid, "rank": s.rank, "node_id": s.node, "pid": s.pid}
+                                for s in self.slots.values()],
+                    "failures": [e for e in self.events if e["kind"] == "failure"][-5:]}
 
     def stop(self) -> None:
-        """Ask the loop to stop at the next step boundary."""
+        """Stop at the next step boundary."""
         self._stop.set()
 
-    # -- the run ----------------------------------------------------------------
+    # -- bookkeeping -----------------------------------------------------------------
     def _transition(self, new: RunState, **detail) -> tuple[RunState, RunState]:
         with self._lock:
             prev, self.state = self.state, new
             self.events.append({"kind": "state", "from": prev.value, "to": new.value, "time": time.time(), **detail})
         return prev, new
 
-    def run(self, return_model_state: bool = False) -> dict:
+    def _event(self, kind: str, **detail) -> dict:
+        ev = {"kind": kind, "time": time.time(), **detail}
+        with self._lock:
+            self.events.append(ev)
+        return ev
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self, return_model_state: bool = False, resume: bool = False) -> dict:
         try:
             self._transition(RunState.PLACING)
-            self.plan = make_plan(self.cfg)
-            self.placement = place_workers(self.cfg.scaling, self.plan.topology, f"{self.run_name}-pg")
-            self.plan.rank_nodes = dict(self.placement.rank_node)
+            self.counts = block_param_counts(self.cfg.model)
+            plan = make_plan(self.cfg)
+            topo = plan.topology
+            nodes = find_nodes(self.cfg.scaling, topo.world_size, {}, self.cfg.scaling.placement_timeout_s)
+            slot_of_rank = assign_ranks(topo, nodes, self.cfg.scaling.replica_placement)
+            # Worker i starts as rank i, named after it (replica, stage) for the dashboard.
+            self._spawn([nodes[slot_of_rank[r]] for r in range(topo.world_size)],
+                        [f"{self.run_name}-rank{r}-r{topo.coords(r)[0]}s{topo.coords(r)[1]}"
+                         for r in range(topo.world_size)])
+            self._await_joining(self.cfg.scaling.placement_timeout_s, required=True)
             self._transition(RunState.STARTING)
-            self._start_workers()
+            restore = self._resume_source() if resume else None
+            self._apply_plan(plan, restore, ranks={r: r for r in range(topo.world_size)})
             self._transition(RunState.RUNNING)
             self._loop()
+            self._finish_durable(final=True)
             state = self._gather_state() if return_model_state else None
             self._transition(RunState.FINISHED)
             return {"history": self.history, "events": self.events, "plan": self.plan.describe(),
-                    "workers": self.worker_info, "model_state": state}
+                    "plans": self.plans, "workers": self._worker_table(), "model_state": state}
         except BaseException as e:
             self._transition(RunState.FAILED, error=f"{type(e).__name__}: {e}")
             raise
         finally:
             self._teardown()
 
-    def _start_workers(self) -> None:
-        cfg, plan, pl = self.cfg, self.plan, self.placement
-        res = dict(cfg.scaling.resources_per_worker)
-        actor_cls = ray.remote(TrainWorker)
-        self.workers = []
-        for rank in range(plan.topology.world_size):
-            replica, stage = plan.topology.coords(rank)
+    def _loop(self) -> None:
+        cfg = self.cfg
+        while self.step < cfg.train.steps and not self._stop.is_set():
+            self._maybe_grow()
+            step = self.step + 1
+            outcome = self._run_step(step)
+            if outcome.ok:
+                self._commit_step(outcome)
+            else:
+                self._recover(outcome)
+
+    # -- workers ---------------------------------------------------------------------------
+    def _spawn(self, nodes: list[str], names: list[str] | None = None) -> None:
+        """Start a worker on each node given (without waiting for it)."""
+        res = dict(self.cfg.scaling.resources_per_worker)
+        for i, node in enumerate(nodes):
+            wid = self._next_wid
+            self._next_wid += 1
             opts = dict(
-                name=f"{self.run_name}-rank{rank}-r{replica}s{stage}",
+                name=names[i] if names else f"{self.run_name}-w{wid}",
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
                 resources={k: v for k, v in res.items() if k not in ("CPU", "GPU", "memory")} or None,
-                max_concurrency=4, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pl.pg, placement_group_bundle_index=pl.rank_bundle[rank]),
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
             if "memory" in res:
                 opts["memory"] = res["memory"]
-            self.workers.append(actor_cls.options(**opts).remote(self.run_name, rank, cfg.scaling.torch_threads))
-        timeout = cfg.scaling.placement_timeout_s
-        self.worker_info = self._get([w.info.remote() for w in self.workers], timeout, "start")
-        master = self.worker_info[0]["ip"]
-        port = self._get(self.workers[0].reserve_port.remote(), timeout, "reserve a port")
-        setups = [w.setup.remote(self.cfg_json, plan.topology.dp, plan.topology.pp, plan.stage_bounds, master, port)
-                  for w in self.workers]
-        for info, s in zip(self.worker_info, self._get(setups, timeout + cfg.comm.timeout_s, "set up")):
-            info.update(s)
+            actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads)
+            self.joining[wid] = (actor, actor.info.remote(), node)
 
-    def _loop(self) -> None:
-        cfg = self.cfg
-        topo = self.plan.topology
-        tokens = cfg.train.global_batch_size * cfg.data.seq_len
-        step_timeout = cfg.comm.timeout_s + _STEP_SLACK_S
-        for step in range(1, cfg.train.steps + 1):
-            if self._stop.is_set():
+    def _await_joining(self, timeout: float, required: bool) -> None:
+        """Move joined workers into slots; with ``required``, wait for all or fail."""
+        if not self.joining:
+            return
+        refs = {info: wid for wid, (_, info, _) in self.joining.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout if required else 0)
+        for ref in ready:
+            wid = refs[ref]
+            actor, _, node = self.joining.pop(wid)
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                if required:
+                    raise WorkerError(f"worker {wid} failed to start on node {node}: {e}") from None
+                continue
+            self.slots[wid] = Slot(wid, actor, info["node_id"], info["pid"], info["ip"])
+        if required and self.joining:
+            raise WorkerError(f"{len(self.joining)} workers did not start within {timeout:g}s")
+
+    def _worker_table(self) -> list[dict]:
+        return [{"worker_id": s.wid, "rank": s.rank, "node_id": s.node, "pid": s.pid, "ip": s.ip}
+                for s in self.slots.values()]
+
+    def _drop(self, wids) -> None:
+        for wid in wids:
+            slot = self.slots.pop(wid, None)
+            if slot is not None:
+                try:
+                    ray.kill(slot.actor, no_restart=True)
+                except Exception:
+                    pass
+
+    # -- plans -----------------------------------------------------------------------------
+    def _cfg_for(self, topo: Topology) -> dict:
+        raw = self.cfg.model_dump(mode="json")
+        raw["parallel"].update(dp=topo.dp, pp=topo.pp)
+        raw["scaling"]["num_workers"] = None
+        raw["scaling"]["min_workers"] = 1
+        raw["scaling"]["max_workers"] = None
+        return raw
+
+    def _collective_timeout(self) -> float:
+        """Generous until the step time is known, then a multiple of it."""
+        f = self.cfg.failure
+        if len(self._step_times) < f.warmup_steps:
+            return self.cfg.comm.timeout_s
+        tight = max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self._step_times))
+        return min(self.cfg.comm.timeout_s, tight)
+
+    def _apply_plan(self, plan: Plan, restore: tuple | None, ranks: dict[int, int] | None = None) -> dict:
+        """Give every rank of ``plan`` a worker, set them up, load ``restore`` = (step, block sources, tiers)."""
+        topo = plan.topology
+        wids = sorted(self.slots)
+        if len(wids) < topo.world_size:
+            raise WorkerError(f"plan {topo} needs {topo.world_size} workers, {len(wids)} are alive")
+        if ranks is None:
+            slot_nodes = [self.slots[w].node for w in wids]
+            slot_of_rank = assign_ranks(topo, slot_nodes, self.cfg.scaling.replica_placement)
+            ranks = {r: wids[s] for r, s in enumerate(slot_of_rank)}
+        plan.rank_nodes = {r: self.slots[w].node for r, w in ranks.items()}
+        virtual = self.cfg.parallel.virtual_stages if self.cfg.parallel.schedule == "interleaved" else 1
+        blocks_of_rank = {}
+        for r in ranks:
+            _, pp_rank = topo.coords(r)
+            blocks_of_rank[r] = [b for v in range(virtual) for b in range(*plan.stage_bounds[pp_rank + v * topo.pp])]
+        sources = self._sources(restore, ranks, blocks_of_rank) if restore else {r: None for r in ranks}
+        spares = [w for w in wids if w not in ranks.values()]
+        for w in spares:
+            self.slots[w].rank = None
+            self.slots[w].actor.reset.remote()
+        master_slot = self.slots[ranks[0]]
+        timeout = self.cfg.scaling.placement_timeout_s + self.cfg.comm.timeout_s
+        port = ray.get(master_slot.actor.reserve_port.remote(), timeout=timeout)
+        cfg_json = self._cfg_for(topo)
+        coll_timeout = self._collective_timeout()
+        rendezvous = self.cfg.failure.startup_timeout_s
+        refs = {r: self.slots[w].actor.setup.remote(
+                    cfg_json, topo.dp, topo.pp, plan.stage_bounds, r, master_slot.ip, port, sources[r],
+                    coll_timeout, rendezvous)
+                for r, w in ranks.items()}
+        outs = self._get_all(refs, ranks, rendezvous + 30, "set up")
+        steps = {o["step"] for o in outs.values()}
+        if len(steps) != 1:
+            raise WorkerError(f"ranks restored different steps {sorted(steps)}")
+        for r, w in ranks.items():
+            self.slots[w].rank = r
+        self.ranks = ranks
+        self.plan = plan
+        self.step = steps.pop()
+        self._steps_since_setup = 0
+        desc = plan.describe()
+        desc["workers"] = {r: w for r, w in ranks.items()}
+        desc["from_step"] = self.step + 1
+        with self._lock:
+            self.plans.append(desc)
+        return desc
+
+    def _get_all(self, refs: dict, ranks: dict, timeout: float, what: str) -> dict:
+        """Results of one call per rank; on failure, a WorkerError naming the workers that failed."""
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        out, bad = {}, {}
+        for r, ref in refs.items():
+            if ref not in ready:
+                bad[ranks[r]] = TimeoutError(f"no answer in {timeout:g}s")
+                continue
+            try:
+                out[r] = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                cause = e.as_instanceof_cause()
+                if isinstance(cause, ElasticTrainerError):
+                    raise cause from None
+                bad[ranks[r]] = cause
+            except ray.exceptions.RayError as e:
+                bad[ranks[r]] = e
+        if bad:
+            err = WorkerError(f"workers failed to {what}: " + "; ".join(
+                f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                for w, e in bad.items()))
+            err.failed_workers = sorted(bad)
+            raise err
+        return out
+
+    # -- one step --------------------------------------------------------------------------
+    def _step_timeout(self) -> float:
+        f = self.cfg.failure
+        if self._steps_since_setup < f.warmup_steps or not self._step_times:
+            return f.startup_timeout_s
+        return max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self._step_times))
+
+    def _run_step(self, step: int) -> StepOutcome:
+        snap = step % self.cfg.checkpoint.memory_every == 0
+        started = time.perf_counter()
+        refs = {self.slots[w].actor.train_step.remote(step, snap): w for w in self.ranks.values()}
+        out = StepOutcome(step, started)
+        deadline = started + self._step_timeout()
+        pending = dict(refs)
+        while pending:
+            wait = deadline - time.perf_counter()
+            if wait <= 0:
                 break
-            t0 = time.perf_counter()
-            outs = self._get([w.train_step.remote(step) for w in self.workers], step_timeout, f"run step {step}")
-            dt = time.perf_counter() - t0
-            losses = [o["loss"] for o in outs if o["loss"] is not None]
-            record = {
-                "step": step,
-                "loss": sum(losses) / len(losses),
-                "dp": topo.dp, "pp": topo.pp, "world_size": topo.world_size,
-                "step_time_s": dt,
-                "tokens_per_s": tokens / dt,
-                "comm_s": max(o["comm_s"] for o in outs),
-                # The slowest rank's own time; step_time_s minus this is what driving the step costs.
-                # (Queuing the next step on the workers to hide that cost measured slower on
-                # oversubscribed CPU nodes: Ray's task handling then competes with the step.)
-                "worker_s": max(o["compute_s"] + o["comm_s"] for o in outs),
-                "comm_bytes": sum(o["comm_bytes"] for o in outs),
-                "time": time.time(),
-            }
-            with self._lock:
-                self.history.append(record)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            for ref in ready:
+                wid = pending.pop(ref)
+                try:
+                    out.results[wid] = ray.get(ref)
+                except Exception as e:  # classified by diagnose()
+                    out.errors[wid] = e
+                    if out.first_signal is None:
+                        out.first_signal = time.perf_counter()
+                        deadline = min(deadline, out.first_signal + _ERROR_GRACE_S)
+        out.pending = list(pending.values())
+        if out.pending and out.first_signal is None:
+            out.first_signal = time.perf_counter()
+        self._inflight = pending
+        return out
 
+    def _commit_step(self, out: StepOutcome) -> None:
+        cfg, topo, step = self.cfg, self.plan.topology, out.step
+        dt = time.perf_counter() - out.started
+        self._step_times.append(dt)
+        self._steps_since_setup += 1
+        results = list(out.results.values())
+        losses = [o["loss"] for o in results if o["loss"] is not None]
+        record = {
+            "step": step, "loss": sum(losses) / len(losses),
+            "dp": topo.dp, "pp": topo.pp, "world_size": topo.world_size, "plan": len(self.plans) - 1,
+            "step_time_s": dt, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / dt,
+            "comm_s": max(o["comm_s"] for o in results),
+            # The slowest rank's own time; step_time_s minus this is what driving the step costs.
+            # (Queuing the next step on the workers to hide that cost measured slower on
+            # oversubscribed CPU nodes: Ray's task handling then competes with the step.)
+            "worker_s": max(o["compute_s"] + o["comm_s"] for o in results),
+            "comm_bytes": sum(o["comm_bytes"] for o in results),
+            "time": time.time(),
+        }
+        with self._lock:
+            self.history.append(record)
+            self.step = step
+        self._retries_left = cfg.failure.retries
+        if self._pending_recovery is not None:
+            ev = self._pending_recovery
+            ev["first_step_s"] = time.perf_counter() - ev.pop("_resumed")
+            ev["total_s"] = ev["detect_s"] + ev["replan_s"] + ev["restore_s"] + ev["first_step_s"]
+            ev["resumed_at"] = time.time()
+            self._pending_recovery = None
+        if step % cfg.checkpoint.memory_every == 0:
+            self.snapshots.take(step, {r: (self.slots[w].actor, w, self.slots[w].node) for r, w in self.ranks.items()},
+                                {r: self._blocks_of_rank(r) for r in self.ranks})
+        self.snapshots.poll()
+        self.snapshots.prune({w: s.actor for w, s in self.slots.items()})
+        if cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 and step < cfg.train.steps:
+            self._start_durable(step)
+
+    def _blocks_of_rank(self, rank: int) -> list[int]:
+        topo = self.plan.topology
+        _, pp_rank = topo.coords(rank)
+        virtual = self.cfg.parallel.virtual_stages if self.cfg.parallel.schedule == "interleaved" else 1
+        return [b for v in range(virtual) for b in range(*self.plan.stage_bounds[pp_rank + v * topo.pp])]
+
+    # -- recovery --------------------------------------------------------------------------
+    def _recover(self, out: StepOutcome) -> None:
+        self._transition(RunState.RECOVERING, step=out.step)
+        actors = {w: s.actor for w, s in self.slots.items()}
+        diag = diagnose(out, actors, self.cfg.failure.ping_timeout_s)
+        detected = time.perf_counter()
+        plan_before = self.plan.describe() if self.plan else None
+        self._record_failure(out.step, diag)
+        # A collective that failed while every worker lived is retried first;
+        # only when the retries are spent does it count as a failure.
+        if diag.kind == "collective" and self._retries_left > 0:
+            self._retries_left -= 1
+        else:
+            self.failures += 1
+        lost = diag.dead + diag.hung
+        self._drop(lost)
+        self._quiesce(out)
+        self._check_limits(diag)
+        self._replan_and_restore(out, detected, plan_before, reason=diag.kind)
+
+    def _record_failure(self, step: int, diag: Diagnosis) -> None:
+        for kind, wids in (("death", diag.dead), ("hang", diag.hung), ("exception", diag.raised)):
+            for w in wids:
+                s = self.slots.get(w)
+                self._event("failure", failure=kind, worker=w, rank=s.rank if s else None,
+                            node=s.node if s else None, step=step, detail=diag.detail)
+        if diag.kind == "collective":
+            self._event("failure", failure="collective", worker=None, rank=None, node=None, step=step,
+                        detail=diag.detail)
+
+    def _quiesce(self, out: StepOutcome) -> None:
+        """Let survivors abandon the failed step: with the lost workers killed, their
+        collectives fail at once; any survivor still inside one after a bound is dropped."""
+        pending = {ref: w for ref, w in self._inflight.items() if w in self.slots}
+        if pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.cfg.failure.min_step_timeout_s)
+            stuck = [w for ref, w in pending.items() if ref not in ready]
+            if stuck:
+                self._event("failure", failure="hang", worker=None, rank=None, node=None, step=out.step,
+                            detail=f"workers {stuck} stayed inside the failed step")
+                self._drop(stuck)
+        self._inflight = {}
+
+    def _check_limits(self, diag: Diagnosis) -> None:
+        f = self.cfg.failure
+        if self.failures > f.max_failures:
+            path = self._emergency_durable()
+            raise RunError(f"stopped after {self.failures} failures (failure.max_failures={f.max_failures}); "
+                           f"last: {diag.kind}: {diag.detail}" + (f"; durable checkpoint at {path}" if path else ""))
+
+    def _replan_and_restore(self, out: StepOutcome | None, detected: float, plan_before: dict | None,
+                            reason: str) -> None:
+        """Re-plan on the live workers and restore; a failure during this counts and loops."""
+        while True:
+            t0 = time.perf_counter()
+            self._await_joining(0, required=False)
+            self._wait_for_min_workers()
+            choice = choose_plan(self.cfg, self.counts, len(self.slots), self._worker_memory())
+            if choice is None:
+                raise RunError(f"no dp x pp fits {len(self.slots)} workers for global_batch_size"
+                               f"({self.cfg.train.global_batch_size}) and micro_batch_size({self.cfg.train.micro_batch_size})")
+            plan = Plan(Topology(choice.dp, choice.pp), list(choice.stage_bounds),
+                        [sum(self.counts[a:b]) for a, b in choice.stage_bounds])
+            t1 = time.perf_counter()
+            restore = self._restore_point()
+            try:
+                desc = self._apply_plan(plan, restore)
+            except WorkerError as e:
+                failed = getattr(e, "failed_workers", [])
+                self._event("failure", failure="during_recovery", worker=failed, rank=None, node=None,
+                            step=out.step if out else self.step + 1, detail=str(e))
+                self.failures += 1
+                self._check_limits(Diagnosis([], [], [], [], "during_recovery", str(e)))
+                dead = self._dead_among(failed)
+                self._drop(dead or failed)
+                continue
+            t2 = time.perf_counter()
+            failed_step = out.step if out else self.step + 1
+            self._pending_recovery = self._event(
+                "recovery", reason=reason, failed_step=failed_step, restored_step=restore[0] if restore else 0,
+                steps_redone=failed_step - (restore[0] if restore else 0) - (0 if out else 1),
+                plan_before=_plan_summary(plan_before), plan_after=_plan_summary(desc), policy=choice.reason,
+                sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
+                replan_s=t1 - t0 + (t0 - detected), restore_s=t2 - t1, _resumed=t2)
+            self._transition(RunState.RUNNING)
+            return
+
+    def _dead_among(self, wids) -> list[int]:
+        pings = {w: self.slots[w].actor.ping.remote() for w in wids if w in self.slots}
+        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=self.cfg.failure.ping_timeout_s)
+        dead = []
+        for w, ref in pings.items():
+            try:
+                if ref not in ready:
+                    raise TimeoutError
+                ray.get(ref)
+            except Exception:
+                dead.append(w)
+        return dead
+
+    def _worker_memory(self) -> float | None:
+        gb = self.cfg.scaling.worker_memory_gb
+        return gb * (1 << 30) if gb else None
+
+    def _wait_for_min_workers(self) -> None:
+        need = self.cfg.scaling.min_workers
+        if len(self.slots) >= need:
+            return
+        self._event("waiting_for_nodes", have=len(self.slots), need=need, wait_s=self.cfg.failure.wait_for_nodes_s)
+        deadline = time.monotonic() + self.cfg.failure.wait_for_nodes_s
+        while time.monotonic() < deadline:
+            self._spawn_on_free_nodes()
+            self._await_joining(min(5.0, max(0.0, deadline - time.monotonic())), required=False)
+            if len(self.slots) >= need:
+                return
+            time.sleep(0.5)
+        path = self._emergency_durable()
+        raise RunError(f"{len(self.slots)} workers alive, below scaling.min_workers({need}), and no nodes joined "
+                       f"within failure.wait_for_nodes_s({self.cfg.failure.wait_for_nodes_s:g})"
+                       + (f"; durable checkpoint at {path}" if path else ""))
+
+    def _restore_point(self) -> tuple[int, dict, dict] | None:
+        """(step, block -> Source, where the blocks came from) for the latest step every block has."""
+        live = {}
+        refs = {w: s.actor.local_steps.remote() for w, s in self.slots.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.failure.ping_timeout_s)
+        for w, ref in refs.items():
+            if ref in ready:
+                try:
+                    live[w] = ray.get(ref)
+                except ray.exceptions.RayError:
+                    pass
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} & {s.node for s in self.slots.values()}
+        snaps = self.snapshots.available(alive_nodes, set(self.slots))
+        n_blocks = len(self.counts)
+        found = choose_restore(n_blocks, live, snaps, {})
+        if found is None or (self.durable and self._durable_step_beyond(found[0])):
+            durable = self._load_durable_sources()
+            if durable:
+                found = choose_restore(n_blocks, live, snaps, durable) or found
+        if found is None:
+            if self.step == 0:
+                return None
+            raise RunError(f"no source holds every block at any step: live copies {live}, "
+                           f"snapshots {sorted(snaps)}, durable {'none' if not self.durable else 'unusable'}")
+        step, chosen = found
+        tiers = collections.Counter(src.tier for src in chosen.values())
+        return step, chosen, dict(tiers)
+
+    def _durable_step_beyond(self, step: int) -> bool:
+        steps = self.durable.steps() if self.durable else []
+        return bool(steps) and steps[0] > step
+
+    def _load_durable_sources(self) -> dict:
+        try:
+            loaded = self.durable.load_latest() if self.durable else None
+        except CheckpointError as e:
+            self._event("checkpoint_problem", detail=str(e))
+            return {}
+        if not loaded:
+            return {}
+        shards, manifest, problems = loaded
+        for p in problems:
+            self._event("checkpoint_problem", detail=p)
+        self._durable_refs = {i: ray.put(s) for i, s in enumerate(shards)}
+        self._durable_manifest = manifest
+        return {manifest["step"]: {i: s["blocks"] for i, s in enumerate(shards)}}
+
+    def _sources(self, restore: tuple, ranks: dict[int, int], blocks_of_rank: dict[int, list[int]]) -> dict:
+        """Per rank, what to load: its own local copy, other workers' exports, snapshot or durable refs."""
+        step, chosen, _ = restore
+        own = {}
+        refs = {w: self.slots[w].actor.local_steps.remote() for w in ranks.values()}
+        for w, ref in refs.items():
+            try:
+                own[w] = ray.get(ref, timeout=self.cfg.failure.ping_timeout_s).get(step, [])
+            except Exception:
+                own[w] = []
+        out = {}
+        for r, w in ranks.items():
+            need = set(blocks_of_rank[r])
+            srcs: list = []
+            mine = need & set(own.get(w, []))
+            if mine:
+                srcs.append(("local", step))
+                need -= mine
+            by_src: dict = collections.defaultdict(set)
+            for b in need:
+                by_src[chosen[b]].add(b)
+            for src, blocks in by_src.items():
+                if src.tier == "live":
+                    srcs.append(self.slots[src.holder].actor.export_blocks.remote(step, sorted(blocks)))
+                elif src.tier == "snapshot":
+                    srcs.append(self.snapshots.ref(step, src.holder))
+                else:
+                    srcs.append(self._durable_refs[src.holder])
+            out[r] = srcs
+        return out
+
+    def _resume_source(self) -> tuple | None:
+        if not self.durable:
+            raise RunError("resume needs checkpoint.storage")
+        durable = self._load_durable_sources()
+        if not durable:
+            self._event("resume", detail=f"no checkpoint in {self.cfg.checkpoint.storage}; starting fresh")
+            return None
+        found = choose_restore(len(self.counts), {}, {}, durable)
+        if found is None:
+            raise RunError(f"the checkpoint in {self.cfg.checkpoint.storage} does not cover every block of this model")
+        history = self._durable_manifest.get("history", [])
+        with self._lock:
+            self.history.extend(history)
+        self._event("resume", step=found[0], source=self.cfg.checkpoint.storage)
+        return found[0], found[1], {"durable": len(found[1])}
+
+    # -- growth ----------------------------------------------------------------------------
+    def _spawn_on_free_nodes(self) -> None:
+        want = self.cfg.max_workers - len(self.slots) - len(self.joining)
+        if want <= 0:
+            return
+        occupied = collections.Counter(s.node for s in self.slots.values())
+        occupied.update(node for _, _, node in self.joining.values())
+        free = free_slots(self.cfg.scaling, occupied)
+        nodes = [n for n in sorted(free) for _ in range(free[n])][:want]
+        if nodes:
+            self._spawn(nodes)
+
+    def _maybe_grow(self) -> None:
+        now = time.monotonic()
+        if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
+            return
+        self._last_grow_check = now
+        self._spawn_on_free_nodes()
+        self._await_joining(0, required=False)
+        spares = [w for w, s in self.slots.items() if s.rank is None]
+        if not spares or self.step % self.cfg.checkpoint.memory_every:
+            return
+        choice = choose_plan(self.cfg, self.counts, len(self.slots), self._worker_memory())
+        topo = self.plan.topology
+        if choice is None or (choice.dp, choice.pp) == (topo.dp, topo.pp) or choice.world_size <= topo.world_size:
+            return
+        self._transition(RunState.RESIZING, workers=len(self.slots))
+        plan_before = self.plan.describe()
+        self._replan_and_restore(None, time.perf_counter(), plan_before, reason="grow")
+
+    # -- durable checkpoints -------------------------------------------------------------
+    def _durable_shards(self, step: int) -> list:
+        """Refs of shards of ``step`` covering every block: each stage's replica 0."""
+        snap = self.snapshots.snaps.get(step)
+        if snap is None:
+            return []
+        topo = self.plan.topology
+        ranks = [topo.rank(0, s) for s in range(topo.pp)]
+        return [snap.shards[r].ref for r in ranks if r in snap.shards]
+
+    def _start_durable(self, step: int) -> None:
+        if self._durable_thread is not None and self._durable_thread.is_alive():
+            return  # the previous write is still going; skip rather than queue
+        refs = self._durable_shards(step)
+        if not refs:
+            return
+        history = list(self.history)
+        self._durable_thread = threading.Thread(target=self._write_durable, args=(step, refs, history), daemon=True)
+        self._durable_thread.start()
+
+    def _write_durable(self, step: int, refs: list, history: list) -> str | None:
+        t0 = time.perf_counter()
+        try:
+            shards = ray.get(refs, timeout=self.cfg.comm.timeout_s)
+            path = self.durable.save(step, shards, {"history": history, "config": self.cfg_json,
+                                                     "plan": self.plan.describe()})
+            self.durable.prune(self.cfg.checkpoint.keep_durable)
+        except Exception as e:
+            self._durable_error = f"{type(e).__name__}: {e}"
+            self._event("checkpoint_problem", detail=f"durable checkpoint of step {step} failed: {self._durable_error}")
+            return None
+        self._event("durable_checkpoint", step=step, path=path, seconds=time.perf_counter() - t0,
+                    bytes=sum(shard_nbytes(s) for s in shards))
+        return path
+
+    def _finish_durable(self, final: bool) -> str | None:
+        if self._durable_thread is not None:
+            self._durable_thread.join()
+        if not (self.durable and final):
+            return None
+        if self.step % self.cfg.checkpoint.memory_every:
+            # The last step has no snapshot: take one so the end is saved exactly.
+            self.snapshots.take(self.step, {r: (self.slots[w].actor, w, self.slots[w].node)
+                                            for r, w in self.ranks.items()},
+                                {r: self._blocks_of_rank(r) for r in self.ranks})
+        return self._write_durable(self.step, self._durable_shards(self.step), list(self.history))
+
+    def _emergency_durable(self) -> str | None:
+        """On the way out after failures: save the newest committed snapshot, if any."""
+        if not self.durable:
+            return None
+        if self._durable_thread is not None:
+            self._durable_thread.join()
+        for step in reversed(self.snapshots.committed_steps()):
+            snap = self.snapshots.snaps[step]
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            shards = [e for e in snap.shards.values() if e.node in alive or e.pinned & set(self.slots)]
+            covered = {b for e in shards for b in e.blocks}
+            if covered >= set(range(len(self.counts))):
+                pick, seen = [], set()
+                for e in shards:
+                    if not set(e.blocks) <= seen:
+                        pick.append(e.ref)
+                        seen |= set(e.blocks)
+                history = [h for h in self.history if h["step"] <= step]
+                return self._write_durable(step, pick, history)
+        return None
+
+    # -- the end ------------------------------------------------------------------------
     def _gather_state(self) -> dict:
         """Full model state from replica 0's ranks (every replica holds the same weights)."""
         topo = self.plan.topology
-        parts = self._get([self.workers[topo.rank(0, s)].state_dict.remote() for s in range(topo.pp)],
-                          self.cfg.comm.timeout_s, "gather the model state")
+        refs = [self.slots[self.ranks[topo.rank(0, s)]].actor.state_dict.remote() for s in range(topo.pp)]
         out = {}
-        for p in parts:
-            out.update(p)
+        for part in ray.get(refs, timeout=self.cfg.comm.timeout_s):
+            out.update(part)
         return out
 
-    def _get(self, refs, timeout: float, what: str):
-        try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerError(f"workers did not {what} within {timeout:g}s") from None
-        except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
-        except ray.exceptions.RayActorError as e:
-            raise WorkerError(f"a worker died while trying to {what}: {e}") from None
-
     def _teardown(self) -> None:
-        for w in self.workers:
+        for slot in list(self.slots.values()):
             try:
-                ray.kill(w, no_restart=True)
+                ray.kill(slot.actor, no_restart=True)
             except Exception:
                 pass
-        self.workers = []
-        if self.placement is not None:
+        for actor, _, _ in self.joining.values():
             try:
-                self.placement.remove()
+                ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        self.slots, self.joining = {}, {}
+
+
+def _plan_summary(desc: dict | None) -> dict | None:
+    if desc is None:
+        return None
+    return {"dp": desc["dp"], "pp": desc["pp"], "world_size": desc["world_size"],
+            "stages": [s["blocks"] for s in desc["stages"]]}

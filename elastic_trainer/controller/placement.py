@@ -1,9 +1,13 @@
-"""Where each rank runs: a placement group plus a rank -> bundle assignment.
+"""Where workers run: nodes chosen by the controller, one actor pinned to each slot.
 
-Placement policy (``scaling``):
-- ``workers_per_node``: CPU workers default to one per node (the cluster's
-  nodes are the unit that fails); GPU workers default to packing nodes, one
-  worker per GPU. An explicit value k reserves nodes in groups of k workers.
+The controller picks nodes itself (and pins each worker with node affinity)
+rather than reserving a placement group, because the same code must place the
+first workers, replacements after a node loss, and new workers when nodes
+join, next to workers that already exist.
+
+Policy (``scaling``):
+- ``workers_per_node``: CPU workers default to one per node (the node is the
+  unit that fails); GPU workers default to as many as the node has GPUs.
 - ``replica_placement``: ``spread`` puts a replica's stages together on a node
   and different replicas of a stage on different nodes, so a node loss leaves
   live replicas of every stage; ``pack`` puts a stage's replicas on one node so
@@ -12,38 +16,63 @@ Placement policy (``scaling``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import time
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from ..config import ScalingSection
 from ..errors import PlacementError
 from ..parallel.topology import Topology
 
 
-@dataclass
-class Placement:
-    pg: object
-    rank_bundle: dict[int, int]
-    rank_node: dict[int, str]
-    strategy: str
+def _available_per_node() -> dict[str, dict[str, float]]:
+    # Ray has no public per-node view of *available* resources.
+    from ray._private.state import available_resources_per_node
 
-    def remove(self) -> None:
-        remove_placement_group(self.pg)
+    return available_resources_per_node()
 
 
-def _bundles(scaling: ScalingSection, n: int) -> tuple[list[dict], list[int], str]:
-    """Bundles, the bundle of each worker slot, and the placement strategy."""
-    res = {k: float(v) for k, v in scaling.resources_per_worker.items() if v}
-    k = scaling.workers_per_node
-    if k is None:
-        strategy = "PACK" if scaling.uses_gpu else "STRICT_SPREAD"
-        return [dict(res) for _ in range(n)], list(range(n)), strategy
-    sizes = [min(k, n - i) for i in range(0, n, k)]
-    bundles = [{r: v * s for r, v in res.items()} for s in sizes]
-    slots = [b for b, s in enumerate(sizes) for _ in range(s)]
-    return bundles, slots, "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
+def free_slots(scaling: ScalingSection, occupied: dict[str, int]) -> dict[str, int]:
+    """How many more workers each alive node can take, given ``occupied`` (node -> our workers there)."""
+    need = {k: float(v) for k, v in scaling.resources_per_worker.items() if v}
+    avail = _available_per_node()
+    out = {}
+    for node in ray.nodes():
+        nid = node["NodeID"]
+        if not node.get("Alive") or nid not in avail:
+            continue
+        fit = min((math.floor(avail[nid].get(r, 0.0) / v + 1e-9) for r, v in need.items()), default=0)
+        cap = scaling.workers_per_node if scaling.workers_per_node is not None else (
+            fit if scaling.uses_gpu else 1)
+        n = min(fit, cap - occupied.get(nid, 0))
+        if n > 0:
+            out[nid] = n
+    return out
+
+
+def find_nodes(scaling: ScalingSection, n: int, occupied: dict[str, int], timeout_s: float) -> list[str]:
+    """A node for each of ``n`` new workers, waiting up to ``timeout_s`` for the cluster to fit them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        slots = free_slots(scaling, occupied)
+        if sum(slots.values()) >= n:
+            out = []
+            # Fullest first, so GPU workers pack nodes; node id breaks ties deterministically.
+            for nid in sorted(slots, key=lambda k: (-slots[k], k)):
+                out += [nid] * min(slots[nid], n - len(out))
+            return out
+        if time.monotonic() >= deadline:
+            alive = [nd for nd in ray.nodes() if nd.get("Alive")]
+            have = [{k: v for k, v in nd["Resources"].items() if k in ("CPU", "GPU")} for nd in alive]
+            per_node = (f"at most {scaling.workers_per_node} per node" if scaling.workers_per_node
+                        else "one per GPU" if scaling.uses_gpu else "one worker per node")
+            raise PlacementError(
+                f"could not place {n} workers of {dict(scaling.resources_per_worker)} ({per_node}) within "
+                f"{timeout_s:g}s: room for {sum(slots.values())} on the cluster's {len(alive)} alive nodes "
+                f"with {have}. Add nodes, lower dp * pp, or raise scaling.workers_per_node."
+            )
+        time.sleep(0.2)
 
 
 def assign_ranks(topo: Topology, slot_nodes: list[str], policy: str) -> list[int]:
@@ -57,30 +86,3 @@ def assign_ranks(topo: Topology, slot_nodes: list[str], policy: str) -> list[int
     for slot, (r, s) in zip(order, pairs):
         slot_of_rank[topo.rank(r, s)] = slot
     return slot_of_rank
-
-
-def place_workers(scaling: ScalingSection, topo: Topology, name: str) -> Placement:
-    """Reserve resources for every rank or fail with what the cluster has, after ``placement_timeout_s``."""
-    n = topo.world_size
-    bundles, slots, strategy = _bundles(scaling, n)
-    pg = placement_group(bundles, strategy=strategy, name=name)
-    if not pg.wait(timeout_seconds=scaling.placement_timeout_s):
-        remove_placement_group(pg)
-        alive = [nd for nd in ray.nodes() if nd.get("Alive")]
-        have = [{k: v for k, v in nd["Resources"].items() if k in ("CPU", "GPU", "memory")} for nd in alive]
-        raise PlacementError(
-            f"could not place {n} workers ({topo}) within placement_timeout_s({scaling.placement_timeout_s:g}): "
-            f"asked for {len(bundles)} bundles {bundles[0]} with strategy {strategy}"
-            f"{' (one worker per node)' if strategy == 'STRICT_SPREAD' and scaling.workers_per_node is None else ''}; "
-            f"the cluster has {len(alive)} alive nodes with {have}. Add nodes, lower dp * pp, "
-            f"or raise scaling.workers_per_node."
-        )
-    table = placement_group_table(pg)["bundles_to_node_id"]
-    slot_nodes = [table[b] for b in slots]
-    slot_of_rank = assign_ranks(topo, slot_nodes, scaling.replica_placement)
-    return Placement(
-        pg=pg,
-        rank_bundle={r: slots[s] for r, s in enumerate(slot_of_rank)},
-        rank_node={r: slot_nodes[s] for r, s in enumerate(slot_of_rank)},
-        strategy=strategy,
-    )

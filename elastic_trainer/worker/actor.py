@@ -1,36 +1,52 @@
 """The Ray actor hosting one rank.
 
 It is a threaded actor (max_concurrency > 1) so that its control methods
-(``info``, ``ping``, ``shutdown``) answer while the training thread is inside a
-step or blocked in a collective.
+(``ping``, snapshots, ``reset``) answer while the training thread is inside a
+step or blocked in a collective. The actor outlives re-plans: ``setup`` can be
+called again with another rank and layout, and the local copies of recent
+states survive it (they are the "live replica" tier of recovery).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import ray
 import torch
 
+from ..checkpoint.state import block_of
 from ..config import TrainerConfig
 from ..parallel.topology import Topology
 from .process_group import destroy_groups, free_port, init_groups
 from .stage import StageTrainer
 
+# Local copies kept: the last committed state and the one being committed.
+_LOCAL_COPIES = 2
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a step that a test asked to fail."""
+
 
 class TrainWorker:
-    def __init__(self, run_name: str, rank: int, torch_threads: int | None):
+    def __init__(self, run_name: str, worker_id: int, torch_threads: int | None):
         self.run_name = run_name
-        self.rank = rank
+        self.worker_id = worker_id
+        self.rank: int | None = None
         if torch_threads is not None and not torch.cuda.is_available():
             torch.set_num_threads(torch_threads)
         self.trainer: StageTrainer | None = None
+        self.local: dict[int, dict] = {}     # step -> this rank's state after that step
+        self.pins: dict[tuple, object] = {}  # (step, rank) -> another rank's snapshot shard, pinned here
+        self._faults: dict[int, str] = {}
+        self._lock = threading.Lock()
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {
-            "rank": self.rank,
+            "worker_id": self.worker_id,
             "pid": os.getpid(),
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
@@ -44,30 +60,98 @@ class TrainWorker:
     def ping(self) -> bool:
         return True
 
-    def setup(self, cfg_json: dict, dp: int, pp: int, stage_bounds: list[tuple[int, int]],
-              master_addr: str, master_port: int) -> dict:
-        """Join the process groups of a plan and build this rank's stage(s)."""
+    def setup(self, cfg_json: dict, dp: int, pp: int, stage_bounds: list[tuple[int, int]], rank: int,
+              master_addr: str, master_port: int, sources: list | None = None,
+              collective_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None) -> dict:
+        """Join the process groups of a plan as ``rank`` and build its stage(s).
+
+        ``sources``: object refs (nested in a list, so Ray does not resolve them
+        on the way in) of shards from one step covering this rank's blocks, or
+        None to start from the seed.
+        """
+        self.reset()
         cfg = TrainerConfig.model_validate(cfg_json)
         topo = Topology(dp, pp)
         device = torch.device("cuda", 0) if cfg.scaling.uses_gpu and torch.cuda.is_available() else torch.device("cpu")
-        groups = init_groups(cfg.scaling.resolved_backend(), master_addr, master_port, topo, self.rank,
-                             cfg.comm.timeout_s)
-        self.trainer = StageTrainer(cfg, topo, self.rank, groups, stage_bounds, device)
-        return {
-            "rank": self.rank,
-            "stages": self.trainer.stage_ids,
-            "params": sum(p.numel() for p in self.trainer.params),
-            "device": str(device),
-        }
+        groups = init_groups(cfg.scaling.resolved_backend(), master_addr, master_port, topo, rank,
+                             collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s)
+        trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device)
+        step = 0
+        if sources:
+            mine = set(trainer.blocks)
+            shards = [self._shard(s) for s in sources]
+            step = trainer.load([s for s in shards if mine & set(s["blocks"])])
+        self.trainer, self.rank = trainer, rank
+        return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
+                "params": sum(p.numel() for p in trainer.params), "device": str(device)}
 
-    def train_step(self, step: int) -> dict:
+    def _shard(self, source) -> dict:
+        if isinstance(source, tuple) and source[0] == "local":
+            return self.local[source[1]]
+        return ray.get(source)
+
+    def reset(self) -> None:
+        """Leave the process groups (closing their sockets) and drop the stage; keep local copies."""
+        self.trainer = None
+        self.rank = None
+        destroy_groups()
+
+    @ray.method(concurrency_group="train")
+    def train_step(self, step: int, snapshot: bool) -> dict:
+        fault = self._faults.pop(step, None)
+        if fault == "raise":
+            raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
         r = self.trainer.train_step(step)
+        if snapshot:
+            # The only part of a snapshot that stalls training: one local copy.
+            shard = self.trainer.export(step)
+            with self._lock:
+                self.local[step] = shard
+                for old in sorted(self.local)[:-_LOCAL_COPIES]:
+                    del self.local[old]
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_s": r.comm_s,
                 "comm_bytes": r.comm_bytes}
+
+    # -- snapshots and restore sources --------------------------------------------
+    def local_steps(self) -> dict[int, list[int]]:
+        """Steps this worker holds a local copy of, with the blocks each covers."""
+        with self._lock:
+            return {s: sh["blocks"] for s, sh in self.local.items()}
+
+    def get_snapshot(self, step: int) -> dict:
+        """This rank's shard at ``step``; the caller (the controller) owns the returned object."""
+        with self._lock:
+            return self.local[step]
+
+    def export_blocks(self, step: int, blocks: list[int]) -> dict:
+        """The part of the local copy at ``step`` that holds ``blocks``."""
+        with self._lock:
+            sh = self.local[step]
+        want = set(blocks)
+        keep = [n for n in sh["params"] if block_of(n) in want]
+        return {"step": step, "blocks": sorted(want & set(sh["blocks"])),
+                "params": {n: sh["params"][n] for n in keep},
+                "optim": {n: sh["optim"][n] for n in keep if n in sh["optim"]}, "extra": sh["extra"]}
+
+    def pin(self, key: tuple, refs: list) -> int:
+        """Hold a copy of another rank's shard on this node so it outlives that node."""
+        value = ray.get(refs[0])
+        with self._lock:
+            self.pins[key] = value
+        return len(self.pins)
+
+    def unpin(self, keys: list[tuple]) -> None:
+        with self._lock:
+            for k in keys:
+                self.pins.pop(tuple(k), None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()
 
+    # -- fault injection, for chaos tests and demos --------------------------------
+    def inject_fault(self, step: int, kind: str = "raise") -> None:
+        """Make ``step`` fail on this worker: ``raise`` an exception inside the step."""
+        self._faults[step] = kind
+
     def shutdown(self) -> None:
-        self.trainer = None
-        destroy_groups()
+        self.reset()

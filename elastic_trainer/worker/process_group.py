@@ -26,21 +26,25 @@ def free_port(host: str = "") -> int:
 
 
 def init_groups(
-    backend: str, master_addr: str, master_port: int, topo: Topology, rank: int, timeout_s: float
+    backend: str, master_addr: str, master_port: int, topo: Topology, rank: int, timeout_s: float,
+    rendezvous_timeout_s: float | None = None,
 ) -> Groups:
     """Join the world group and build every DP and PP subgroup.
 
+    ``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` bounds the
+    wait for the other ranks to arrive, so a set-up with a dead member fails
+    fast instead of holding this rank for a whole collective timeout.
     ``new_group`` is collective over the world, so every rank creates every
     group in the same order, then keeps the two it belongs to.
     """
     if dist.is_initialized():
         dist.destroy_process_group()
+    store = dist.TCPStore(
+        master_addr, master_port, topo.world_size, is_master=rank == 0,
+        timeout=timedelta(seconds=rendezvous_timeout_s or timeout_s), wait_for_workers=True,
+    )
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        world_size=topo.world_size,
-        rank=rank,
-        timeout=timedelta(seconds=timeout_s),
+        backend, store=store, world_size=topo.world_size, rank=rank, timeout=timedelta(seconds=timeout_s),
     )
     dp_groups = [dist.new_group(topo.dp_group_ranks(s)) for s in range(topo.pp)]
     pp_groups = [dist.new_group(topo.pp_group_ranks(r)) for r in range(topo.dp)]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..checkpoint.state import block_of, export_shard, load_into, merge_shards
 from ..comm.allreduce import CommStats, GradAverager
 from ..config import TrainerConfig, TrainSection
 from ..data.dataset import TokenDataset, ensure_prepared
@@ -108,6 +109,21 @@ class StageTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().cpu().clone() for name, p in self.named_parameters()}
+
+    @property
+    def blocks(self) -> list[int]:
+        return [i for a, b in self.stage_bounds.values() for i in range(a, b)]
+
+    def export(self, step: int) -> dict:
+        """A copy of this rank's state after ``step`` (parameters, AdamW state)."""
+        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks)
+
+    def load(self, shards: list[dict]) -> int:
+        """Load this rank's blocks from shards of one step; returns that step."""
+        names = [n for n, _ in self.named_parameters()]
+        step, params, optim = merge_shards(shards, names)
+        load_into(self.named_parameters(), self.optimizer, params, optim)
+        return step
 
     # -- one step -------------------------------------------------------------
     def _batch(self, step: int):

@@ -29,6 +29,7 @@ def test_default_cpu_placement_is_one_worker_per_node(cluster, corpus_dir):
     nodes = result.plan["rank_nodes"]
     assert len(set(nodes.values())) == 4
     assert sorted(w["rank"] for w in result.workers) == [0, 1, 2, 3]
+    assert len(result.plans) == 1 and {r["plan"] for r in result.history} == {0}
     assert len({w["pid"] for w in result.workers}) == 4
     # Actors were named after the run and rank, and are gone after the run.
     time.sleep(1)
@@ -63,7 +64,7 @@ def test_fewer_nodes_than_workers_fails_after_a_bounded_wait(cluster, corpus_dir
         corpus_dir, parallel={"dp": n}, train={"global_batch_size": n, "micro_batch_size": 1},
         scaling={"placement_timeout_s": 3}))
     t0 = time.monotonic()
-    with pytest.raises(PlacementError, match=rf"could not place {n} workers .* the cluster has {NUM_NODES + 1} alive nodes"):
+    with pytest.raises(PlacementError, match=rf"could not place {n} workers .* room for {NUM_NODES} on the cluster's {NUM_NODES + 1} alive nodes"):
         Trainer(cfg, verbose=False).fit()
     assert time.monotonic() - t0 < 60
     # Nothing is left holding the cluster's resources.

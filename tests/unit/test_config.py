@@ -26,7 +26,7 @@ def test_gpu_resources_pick_nccl():
 @pytest.mark.parametrize("raw, key", [
     ({**BASE, "trian": {}}, "trian"),
     ({**BASE, "train": {"stepz": 3}}, "train.stepz"),
-    ({**BASE, "failure": {"retries": 3}}, "failure.retries"),
+    ({**BASE, "failure": {"retriez": 3}}, "failure.retriez"),
 ])
 def test_unknown_key_is_named(raw, key):
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,115 @@
+"""Object-store snapshots owned by the controller, each shard pinned on a second node.
+
+After a snapshot step every rank keeps a local copy; the controller then asks
+each rank for it (the returned object is owned by the controller, so it
+outlives the worker) and asks workers on other nodes to pin a copy (so it
+outlives the node). A snapshot commits when every shard has all its copies.
+The last two committed stay; older ones are unpinned and their refs dropped,
+so object-store use does not grow with the step count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+_KEEP_COMMITTED = 2
+
+
+@dataclass
+class ShardEntry:
+    ref: object
+    blocks: list[int]
+    node: str                                   # node of the rank that produced it
+    pins: dict[int, object] = field(default_factory=dict)  # holder worker id -> ack ref
+    pinned: set = field(default_factory=set)                # holder ids whose copy is stored
+    holder_nodes: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class Snapshot:
+    step: int
+    started: float
+    shards: dict[int, ShardEntry]   # rank -> entry
+    committed_at: float | None = None
+
+
+class SnapshotStore:
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+        self.snaps: dict[int, Snapshot] = {}
+        self.bytes_last = 0
+
+    def take(self, step: int, ranks: dict[int, tuple], blocks_of_rank: dict[int, list[int]]) -> None:
+        """Start snapshot ``step``: ``ranks`` maps rank -> (actor, worker id, node)."""
+        shards = {}
+        workers = list(ranks.values())
+        for rank, (actor, wid, node) in ranks.items():
+            ref = actor.get_snapshot.remote(step)
+            entry = ShardEntry(ref, blocks_of_rank[rank], node)
+            # Holders: workers on other nodes, nearest rank first, one per node.
+            order = sorted(workers, key=lambda w: (w[1] - wid) % (max(x[1] for x in workers) + 1))
+            used = {node}
+            for h_actor, h_wid, h_node in order:
+                if len(used) >= self.replicas:
+                    break
+                if h_node in used:
+                    continue
+                used.add(h_node)
+                entry.pins[h_wid] = h_actor.pin.remote((step, rank), [ref])
+                entry.holder_nodes[h_wid] = h_node
+            shards[rank] = entry
+        self.snaps[step] = Snapshot(step, time.perf_counter(), shards)
+
+    def poll(self) -> list[int]:
+        """Record finished pins; returns steps that committed now."""
+        done = []
+        for snap in self.snaps.values():
+            if snap.committed_at is not None:
+                continue
+            for e in snap.shards.values():
+                waiting = [r for h, r in e.pins.items() if h not in e.pinned]
+                if waiting:
+                    ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+                    for h, r in e.pins.items():
+                        if r in ready:
+                            try:
+                                ray.get(r)
+                                e.pinned.add(h)
+                            except Exception:
+                                pass  # holder died; the shard may still commit via restore-time checks
+            if all(len(e.pinned) == len(e.pins) for e in snap.shards.values()):
+                snap.committed_at = time.perf_counter()
+                done.append(snap.step)
+        return done
+
+    def committed_steps(self) -> list[int]:
+        return sorted(s for s, snap in self.snaps.items() if snap.committed_at is not None)
+
+    def prune(self, holders: dict[int, object]) -> None:
+        """Keep the last committed snapshots (and newer pending ones); free the rest."""
+        committed = self.committed_steps()
+        if len(committed) <= _KEEP_COMMITTED:
+            return
+        cutoff = committed[-_KEEP_COMMITTED]
+        for step in [s for s in self.snaps if s < cutoff]:
+            snap = self.snaps.pop(step)
+            for rank, e in snap.shards.items():
+                for h in e.pins:
+                    if h in holders:
+                        holders[h].unpin.remote([(step, rank)])
+
+    def available(self, alive_nodes: set[str], alive_workers: set[int]) -> dict[int, dict[int, list[int]]]:
+        """Shards that still have a copy: step -> {rank: blocks}. A shard survives if its
+        producer's node is alive or a pinned copy sits on a live worker."""
+        out: dict[int, dict[int, list[int]]] = {}
+        for step, snap in self.snaps.items():
+            for rank, e in snap.shards.items():
+                if e.node in alive_nodes or any(h in alive_workers for h in e.pinned):
+                    out.setdefault(step, {})[rank] = e.blocks
+        return out
+
+    def ref(self, step: int, rank: int):
+        return self.snaps[step].shards[rank].ref
