@@ -50,7 +50,7 @@ class RunError(ElasticTrainerError):
 
 # After the first error of a step the others get this long to report theirs:
 # ranks blocked behind a vanished peer fail within milliseconds on loopback.
-_ERROR_GRACE_S = 1.0
+_ERROR_GRACE_S = 0.3
 # Steps queued on a worker at once (see worker.actor: train_step's group).
 _TRAIN_CONCURRENCY = 1
 
@@ -328,20 +328,36 @@ class Controller:
         out = StepOutcome(step, started)
         deadline = started + self._step_timeout()
         pending = dict(refs)
+        pings: dict = {}
         while pending:
             wait = deadline - time.perf_counter()
             if wait <= 0:
                 break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            ready, _ = ray.wait(list(pending) + list(pings), num_returns=1, timeout=wait)
             for ref in ready:
+                if ref in pings:
+                    wid = pings.pop(ref)
+                    try:
+                        ray.get(ref)
+                        out.answered.add(wid)
+                    except Exception:
+                        pass  # a dead worker's ping; its step ref will say how it died
+                    continue
                 wid = pending.pop(ref)
                 try:
                     out.results[wid] = ray.get(ref)
                 except Exception as e:  # classified by diagnose()
                     out.errors[wid] = e
                     if out.first_signal is None:
+                        # Ping everyone still silent now: live ranks answer in milliseconds
+                        # even while blocked in a collective; the lost ones do not.
                         out.first_signal = time.perf_counter()
-                        deadline = min(deadline, out.first_signal + _ERROR_GRACE_S)
+                        deadline = min(deadline, out.first_signal + max(_ERROR_GRACE_S, self.cfg.failure.ping_timeout_s))
+                        pings = {self.slots[w].actor.ping.remote(): w for w in pending.values()}
+            if out.first_signal is not None and not pings and all(w in out.answered for w in pending.values()):
+                break  # every silent rank is alive; they will fail once the lost ones are gone
+            if out.first_signal is not None and not pings and time.perf_counter() > out.first_signal + _ERROR_GRACE_S:
+                break
         out.pending = list(pending.values())
         if out.pending and out.first_signal is None:
             out.first_signal = time.perf_counter()

@@ -20,6 +20,7 @@ class StepOutcome:
     results: dict[int, dict] = field(default_factory=dict)    # worker id -> step result
     errors: dict[int, BaseException] = field(default_factory=dict)
     pending: list[int] = field(default_factory=list)          # no answer by the deadline
+    answered: set = field(default_factory=set)                # pending ranks that answered a ping
     first_signal: float | None = None                         # first error, or the deadline
 
     @property
@@ -60,8 +61,15 @@ def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: fl
             dead.append(wid)
             details.append(f"worker {wid}: {type(e).__name__}: {e}")
     # Workers that did not answer: alive and blocked behind a peer, or hung themselves.
-    if outcome.pending:
-        pings = {wid: actors[wid].ping.remote() for wid in outcome.pending}
+    bystanders += [w for w in outcome.pending if w in outcome.answered]
+    unknown = [w for w in outcome.pending if w not in outcome.answered]
+    if unknown and outcome.errors:
+        # Pinged at the first error and silent since: lost (dead node, or hung).
+        for wid in unknown:
+            hung.append(wid)
+            details.append(f"worker {wid}: silent since the step failed")
+    elif unknown:
+        pings = {wid: actors[wid].ping.remote() for wid in unknown}
         ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=ping_timeout_s)
         for wid, ref in pings.items():
             if ref not in ready:

@@ -9,9 +9,11 @@ states survive it (they are the "live replica" tier of recovery).
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
+import traceback
 
 import ray
 import torch
@@ -91,17 +93,31 @@ class TrainWorker:
         return ray.get(source)
 
     def reset(self) -> None:
-        """Leave the process groups (closing their sockets) and drop the stage; keep local copies."""
+        """Leave the process groups and drop the stage; keep local copies.
+
+        gloo closes a group's sockets only when the last reference to it goes,
+        so the stage (schedule, pipeline stages, averager) is dropped and
+        collected first. Peers blocked on this rank then fail at once instead
+        of waiting out their collective timeout.
+        """
         self.trainer = None
         self.rank = None
+        gc.collect()
         destroy_groups()
+        gc.collect()
 
     @ray.method(concurrency_group="train")
     def train_step(self, step: int, snapshot: bool) -> dict:
-        fault = self._faults.pop(step, None)
-        if fault == "raise":
-            raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
-        r = self.trainer.train_step(step)
+        try:
+            if self._faults.pop(step, None) == "raise":
+                raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
+            r = self.trainer.train_step(step)
+        except BaseException as e:
+            # Abandon the step: the traceback's frames hold the stage and its
+            # groups, so clear them before leaving the groups (see reset()).
+            traceback.clear_frames(e.__traceback__)
+            self.reset()
+            raise
         if snapshot:
             # The only part of a snapshot that stalls training: one local copy.
             shard = self.trainer.export(step)
