@@ -14,7 +14,7 @@ def _cmd_run(args) -> int:
     from .trainer import Trainer
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
-    result = Trainer(cfg).fit()
+    result = Trainer(cfg).fit(resume=args.resume)
     print(f"run {result.run_name}: final loss {result.final_loss:.4f} after {len(result.history)} steps")
     return 0
 
@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config value (repeatable), e.g. --set train.steps=50")
         return p
 
-    job_command("run", "Run a training job.").set_defaults(fn=_cmd_run)
+    run = job_command("run", "Run a training job.")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the newest durable checkpoint in checkpoint.storage")
+    run.set_defaults(fn=_cmd_run)
     job_command("plan", "Print the plan (topology, stage cut) a job would use, without running it.").set_defaults(
         fn=_cmd_plan)
     p = sub.add_parser("prepare-data", help="Write the Python-stdlib byte corpus as Parquet.",

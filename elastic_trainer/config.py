@@ -153,6 +153,7 @@ class FailureSection(_Strict):
     warmup_steps: int = Field(3, ge=1, description="Steps after a (re)start that use the start-up timeout.")
     step_timeout_factor: float = Field(10.0, gt=1, description="After warm-up a step may take this multiple of the median step time.")
     min_step_timeout_s: float = Field(5.0, gt=0, description="Floor of the tightened step timeout.")
+    rendezvous_timeout_s: float = Field(30.0, gt=0, description="How long ranks wait for each other when (re)joining process groups.")
     ping_timeout_s: float = Field(1.0, gt=0, description="A worker that does not answer a ping in this long counts as lost.")
 
 

@@ -14,3 +14,32 @@ def build_mlp(vocab_size: int = 256, width: int = 16, depth: int = 3):
 
 def not_a_pair():
     return [nn.Linear(2, 2)]
+
+
+def reference_losses(cfg, steps: int) -> list[float]:
+    """Per-step losses of plain single-process torch on the same blocks, data and seed."""
+    import torch
+    from torch import nn
+
+    from elastic_trainer.data.dataset import TokenDataset
+    from elastic_trainer.data.sampler import GlobalSampler
+    from elastic_trainer.models.factory import build_blocks
+    from elastic_trainer.worker.stage import build_optimizer
+
+    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+    model = nn.Sequential(*blocks)
+    opt = build_optimizer(model.parameters(), cfg.train)
+    data = TokenDataset.open(cfg.data)
+    sampler = GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle)
+    gb = cfg.train.global_batch_size
+    out = []
+    for step in range(steps):
+        x, y = data.sample(sampler.rows(step * gb, gb))
+        opt.zero_grad()
+        loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        if cfg.train.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        out.append(loss.item())
+    return out

@@ -44,6 +44,17 @@ class RunState(str, enum.Enum):
     FAILED = "FAILED"
 
 
+@ray.remote(num_cpus=0, max_retries=0)
+def _sigkill(pid: int) -> None:
+    import os
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class RunError(ElasticTrainerError):
     """The run stopped: too many failures, or too few workers for too long."""
 
@@ -92,6 +103,7 @@ class Controller:
         self._last_grow_check = time.monotonic()
         self._pending_recovery: dict | None = None
         self._retries_left = self.cfg.failure.retries
+        self.rolled_back = 0
         self._inflight: dict = {}
         self._durable_refs: dict = {}
         self._durable_manifest: dict = {}
@@ -267,7 +279,7 @@ class Controller:
         port = ray.get(master_slot.actor.reserve_port.remote(), timeout=timeout)
         cfg_json = self._cfg_for(topo)
         coll_timeout = self._collective_timeout()
-        rendezvous = self.cfg.failure.startup_timeout_s
+        rendezvous = self.cfg.failure.rendezvous_timeout_s
         refs = {r: self.slots[w].actor.setup.remote(
                     cfg_json, topo.dp, topo.pp, plan.stage_bounds, r, master_slot.ip, port, sources[r],
                     coll_timeout, rendezvous)
@@ -280,7 +292,12 @@ class Controller:
             self.slots[w].rank = r
         self.ranks = ranks
         self.plan = plan
-        self.step = steps.pop()
+        restored = steps.pop()
+        with self._lock:
+            # Steps after the restored one were rolled back: they will be run again.
+            self.rolled_back = self.step - restored if restore else 0
+            self.history = [h for h in self.history if h["step"] <= restored]
+            self.step = restored
         self._steps_since_setup = 0
         desc = plan.describe()
         desc["workers"] = {r: w for r, w in ranks.items()}
@@ -290,22 +307,29 @@ class Controller:
         return desc
 
     def _get_all(self, refs: dict, ranks: dict, timeout: float, what: str) -> dict:
-        """Results of one call per rank; on failure, a WorkerError naming the workers that failed."""
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        """Results of one call per rank. A dead worker ends the wait at once (the others
+        would only time out waiting for it); failures raise a WorkerError naming them."""
+        deadline = time.perf_counter() + timeout
+        pending = {ref: r for r, ref in refs.items()}
         out, bad = {}, {}
-        for r, ref in refs.items():
-            if ref not in ready:
+        while pending and not bad:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
+            if not ready:
+                break
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    out[r] = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    cause = e.as_instanceof_cause()
+                    if isinstance(cause, ElasticTrainerError):
+                        raise cause from None
+                    bad[ranks[r]] = cause
+                except ray.exceptions.RayError as e:
+                    bad[ranks[r]] = e
+        if not bad:
+            for r in pending.values():
                 bad[ranks[r]] = TimeoutError(f"no answer in {timeout:g}s")
-                continue
-            try:
-                out[r] = ray.get(ref)
-            except ray.exceptions.RayTaskError as e:
-                cause = e.as_instanceof_cause()
-                if isinstance(cause, ElasticTrainerError):
-                    raise cause from None
-                bad[ranks[r]] = cause
-            except ray.exceptions.RayError as e:
-                bad[ranks[r]] = e
         if bad:
             err = WorkerError(f"workers failed to {what}: " + "; ".join(
                 f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -371,8 +395,11 @@ class Controller:
         self._steps_since_setup += 1
         results = list(out.results.values())
         losses = [o["loss"] for o in results if o["loss"] is not None]
+        cursors = {o["cursor"] for o in results}
+        if len(cursors) != 1:
+            raise WorkerError(f"ranks read different data in step {step}: cursors {sorted(cursors)}")
         record = {
-            "step": step, "loss": sum(losses) / len(losses),
+            "step": step, "loss": sum(losses) / len(losses), "cursor": cursors.pop(),
             "dp": topo.dp, "pp": topo.pp, "world_size": topo.world_size, "plan": len(self.plans) - 1,
             "step_time_s": dt, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / dt,
             "comm_s": max(o["comm_s"] for o in results),
@@ -421,8 +448,13 @@ class Controller:
             self._retries_left -= 1
         else:
             self.failures += 1
-        lost = diag.dead + diag.hung
-        self._drop(lost)
+        # A hung process does not answer Ray's polite kill for seconds; SIGKILL it from its
+        # own node so its sockets close and the ranks blocked on it fail now.
+        for w in diag.hung:
+            if w in self.slots:
+                slot = self.slots[w]
+                _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node, soft=False)).remote(slot.pid)
+        self._drop(diag.dead + diag.hung)
         self._quiesce(out)
         self._check_limits(diag)
         self._replan_and_restore(out, detected, plan_before, reason=diag.kind)
@@ -480,7 +512,8 @@ class Controller:
                             step=out.step if out else self.step + 1, detail=str(e))
                 self.failures += 1
                 self._check_limits(Diagnosis([], [], [], [], "during_recovery", str(e)))
-                dead = self._dead_among(failed)
+                # Drop whoever died; if nobody did, the workers that failed the set-up.
+                dead = self._dead_among(list(self.slots))
                 self._drop(dead or failed)
                 continue
             t2 = time.perf_counter()
@@ -488,6 +521,7 @@ class Controller:
             self._pending_recovery = self._event(
                 "recovery", reason=reason, failed_step=failed_step, restored_step=restore[0] if restore else 0,
                 steps_redone=failed_step - (restore[0] if restore else 0) - (0 if out else 1),
+                steps_rolled_back=self.rolled_back,
                 plan_before=_plan_summary(plan_before), plan_after=_plan_summary(desc), policy=choice.reason,
                 sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
                 replan_s=t1 - t0 + (t0 - detected), restore_s=t2 - t1, _resumed=t2)
@@ -539,7 +573,9 @@ class Controller:
                     live[w] = ray.get(ref)
                 except ray.exceptions.RayError:
                     pass
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} & {s.node for s in self.slots.values()}
+        # A node counts as alive only while one of our live workers is on it: Ray's own
+        # view of a node lags its death by seconds, and a shard read from a dead node blocks.
+        alive_nodes = {s.node for s in self.slots.values()}
         snaps = self.snapshots.available(alive_nodes, set(self.slots))
         n_blocks = len(self.counts)
         found = choose_restore(n_blocks, live, snaps, {})
@@ -707,7 +743,7 @@ class Controller:
             self._durable_thread.join()
         for step in reversed(self.snapshots.committed_steps()):
             snap = self.snapshots.snaps[step]
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive = {s.node for s in self.slots.values()}
             shards = [e for e in snap.shards.values() if e.node in alive or e.pinned & set(self.slots)]
             covered = {b for e in shards for b in e.blocks}
             if covered >= set(range(len(self.counts))):

@@ -64,10 +64,12 @@ def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: fl
     bystanders += [w for w in outcome.pending if w in outcome.answered]
     unknown = [w for w in outcome.pending if w not in outcome.answered]
     if unknown and outcome.errors:
-        # Pinged at the first error and silent since: lost (dead node, or hung).
+        # Peers failed because their connections closed, and this one has been silent
+        # since (pinged at the first error): its process is gone with its node. A hung
+        # process keeps its sockets open, so a hang shows as a timeout with no errors.
         for wid in unknown:
-            hung.append(wid)
-            details.append(f"worker {wid}: silent since the step failed")
+            dead.append(wid)
+            details.append(f"worker {wid}: silent since its peers lost their connections")
     elif unknown:
         pings = {wid: actors[wid].ping.remote() for wid in unknown}
         ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=ping_timeout_s)

@@ -13,6 +13,7 @@ import gc
 import os
 import socket
 import threading
+import time
 import traceback
 
 import ray
@@ -72,6 +73,9 @@ class TrainWorker:
         None to start from the seed.
         """
         self.reset()
+        delay = self._faults.pop("setup", None)
+        if delay:
+            time.sleep(delay)
         cfg = TrainerConfig.model_validate(cfg_json)
         topo = Topology(dp, pp)
         device = torch.device("cuda", 0) if cfg.scaling.uses_gpu and torch.cuda.is_available() else torch.device("cpu")
@@ -109,7 +113,7 @@ class TrainWorker:
     @ray.method(concurrency_group="train")
     def train_step(self, step: int, snapshot: bool) -> dict:
         try:
-            if self._faults.pop(step, None) == "raise":
+            if self._faults.pop(("raise", step), None):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             r = self.trainer.train_step(step)
         except BaseException as e:
@@ -126,7 +130,7 @@ class TrainWorker:
                 for old in sorted(self.local)[:-_LOCAL_COPIES]:
                     del self.local[old]
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_s": r.comm_s,
-                "comm_bytes": r.comm_bytes}
+                "comm_bytes": r.comm_bytes, "cursor": r.cursor}
 
     # -- snapshots and restore sources --------------------------------------------
     def local_steps(self) -> dict[int, list[int]]:
@@ -151,6 +155,9 @@ class TrainWorker:
 
     def pin(self, key: tuple, refs: list) -> int:
         """Hold a copy of another rank's shard on this node so it outlives that node."""
+        delay = self._faults.get(("pin", key[0]))
+        if delay:
+            time.sleep(delay)
         value = ray.get(refs[0])
         with self._lock:
             self.pins[key] = value
@@ -165,9 +172,17 @@ class TrainWorker:
         return self.trainer.state_dict()
 
     # -- fault injection, for chaos tests and demos --------------------------------
-    def inject_fault(self, step: int, kind: str = "raise") -> None:
-        """Make ``step`` fail on this worker: ``raise`` an exception inside the step."""
-        self._faults[step] = kind
+    def inject_fault(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
+        """Chaos hooks: ``raise`` an exception inside ``step``; hold the next ``setup``
+        for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``."""
+        if kind == "raise":
+            self._faults[("raise", step)] = True
+        elif kind == "slow_setup":
+            self._faults["setup"] = seconds
+        elif kind == "slow_pin":
+            self._faults[("pin", step)] = seconds
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}; use raise, slow_setup or slow_pin")
 
     def shutdown(self) -> None:
         self.reset()

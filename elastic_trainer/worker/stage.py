@@ -46,6 +46,7 @@ class StepResult:
     comm_s: float
     comm_bytes: int
     samples: int
+    cursor: int  # global index of the step's first sample
 
 
 class StageTrainer:
@@ -164,7 +165,8 @@ class StageTrainer:
         self.optimizer.step()
         compute_s = time.perf_counter() - t0 - stats.seconds
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
-        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, self.cfg.train.global_batch_size // self.topo.dp)
+        gb = self.cfg.train.global_batch_size
+        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, gb // self.topo.dp, (step - 1) * gb)
 
     def _clip(self, max_norm: float, stats: CommStats) -> None:
         """Clip by the norm over the whole model: after DP averaging every replica holds

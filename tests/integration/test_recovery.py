@@ -1,0 +1,314 @@
+"""Chaos on a simulated cluster: nodes SIGKILLed (remove_node), hung workers, exceptions, growth, resume."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from elastic_trainer import Trainer, TrainerConfig
+from elastic_trainer.controller.controller import RunError
+from elastic_trainer.controller.policy import choose_plan
+from elastic_trainer.models.factory import block_param_counts
+
+from ..conftest import tiny_config
+from ..helpers import reference_losses
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+FAST_FAILURE = {"startup_timeout_s": 30, "min_step_timeout_s": 3, "rendezvous_timeout_s": 10,
+                "wait_for_nodes_s": 2}
+
+
+def config(corpus, name, steps=24, **sections):
+    sections.setdefault("failure", {})
+    sections["failure"] = {**FAST_FAILURE, **sections["failure"]}
+    sections.setdefault("comm", {"timeout_s": 20})
+    return TrainerConfig.from_dict(tiny_config(corpus, run={"name": name}, train={"steps": steps}, **sections))
+
+
+def status(name):
+    return ray.get(ray.get_actor(f"{name}-controller").status.remote())
+
+
+def node_of_rank(name, rank, nodes):
+    st = status(name)
+    node_id = next(w["node_id"] for w in st["workers"] if w["rank"] == rank)
+    return next(n for n in nodes if n.node_id == node_id)
+
+
+class Chaos:
+    """Runs actions from the driver's on_step callback (steps are seen up to ~0.5 s late)."""
+
+    def __init__(self):
+        self.actions: dict[int, list] = {}
+        self.done: list[int] = []
+
+    def at(self, step, fn):
+        self.actions.setdefault(step, []).append(fn)
+        return self
+
+    def __call__(self, rec):
+        for step in sorted(self.actions):
+            if step <= rec["step"] and step not in self.done:
+                self.done.append(step)
+                for fn in self.actions[step]:
+                    fn()
+
+
+def assert_contiguous_data(result, cfg):
+    steps = [r["step"] for r in result.history]
+    assert steps == list(range(1, cfg.train.steps + 1))
+    gb = cfg.train.global_batch_size
+    # Every step read the batch right after the previous one: nothing skipped or read twice.
+    assert [r["cursor"] for r in result.history] == [(s - 1) * gb for s in steps]
+
+
+def pids(result):
+    return {w["worker_id"]: w["pid"] for w in result.workers}
+
+
+def test_node_loss_at_2x2_replans_survivors_and_follows_the_loss_curve(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "loss1", parallel={"dp": 2, "pp": 2})
+    before = {}
+
+    def kill():
+        before.update({w["worker_id"]: w["pid"] for w in status("loss1")["workers"]})
+        c.remove_node(node_of_rank("loss1", 3, nodes), allow_graceful=False)
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(4, kill)).fit()
+
+    assert_contiguous_data(result, cfg)
+    [rec] = result.recoveries
+    assert [f["failure"] for f in result.failures] == ["death"]
+    assert rec["steps_redone"] <= 1
+    assert rec["sources"] == {"live": len(block_param_counts(cfg.model))}
+    expected = choose_plan(cfg, block_param_counts(cfg.model), 3)
+    assert (rec["plan_after"]["dp"], rec["plan_after"]["pp"]) == (expected.dp, expected.pp)
+    # Survivors kept their processes.
+    after = pids(result)
+    survivors = set(before) & set(after)
+    assert len(survivors) == 3 and all(before[w] == after[w] for w in survivors)
+    # Losses: same as plain torch while the plan is unchanged, within 1e-3 for 10 steps after the change.
+    ref = reference_losses(cfg, cfg.train.steps)
+    change = rec["failed_step"]
+    got = [r["loss"] for r in result.history]
+    assert got[:change - 1] == pytest.approx(ref[:change - 1], rel=1e-4)
+    assert got[change - 1:change + 9] == pytest.approx(ref[change - 1:change + 9], rel=1e-3)
+    assert {(r["dp"], r["pp"]) for r in result.history[change - 1:]} == {(expected.dp, expected.pp)}
+
+
+def test_two_losses_in_a_row(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "loss2", steps=30, parallel={"dp": 2, "pp": 2})
+    chaos = Chaos().at(3, lambda: c.remove_node(node_of_rank("loss2", 3, nodes), allow_graceful=False))
+    chaos.at(12, lambda: c.remove_node(node_of_rank("loss2", 0, nodes), allow_graceful=False))
+    result = Trainer(cfg, verbose=False, on_step=chaos).fit()
+    assert_contiguous_data(result, cfg)
+    assert len(result.recoveries) == 2
+    assert result.plans[-1]["world_size"] <= 2
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def test_loss_during_a_recovery(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "loss3", parallel={"dp": 2, "pp": 2})
+    victims = {}
+
+    def first_loss():
+        st = status("loss3")
+        # Hold the next set-up of two survivors, so the recovery lasts long enough to be hit.
+        for w in st["workers"]:
+            if w["rank"] in (0, 1):
+                ray.get_actor(f"loss3-rank{w['rank']}-r0s{w['rank']}").inject_fault.remote("slow_setup", seconds=2.0)
+        victims["second"] = node_of_rank("loss3", 2, nodes)
+        c.remove_node(node_of_rank("loss3", 3, nodes), allow_graceful=False)
+
+        def second_loss():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and status("loss3")["state"] != "RECOVERING":
+                time.sleep(0.02)
+            time.sleep(0.5)
+            c.remove_node(victims["second"], allow_graceful=False)
+
+        threading.Thread(target=second_loss, daemon=True).start()
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(4, first_loss)).fit()
+    assert_contiguous_data(result, cfg)
+    kinds = [f["failure"] for f in result.failures]
+    assert "death" in kinds and "during_recovery" in kinds
+    assert result.plans[-1]["world_size"] <= 2
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def test_loss_while_a_snapshot_is_taken_falls_back_to_the_previous_one(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "snap", steps=24, parallel={"dp": 1, "pp": 4}, checkpoint={"memory_every": 5})
+
+    def slow_pins():
+        # From step 10 on, no snapshot finishes replicating: step 5's is the last committed.
+        for r in range(4):
+            for step in (10, 15, 20):
+                ray.get_actor(f"snap-rank{r}-r0s{r}").inject_fault.remote("slow_pin", step=step, seconds=30)
+
+    def kill_mid_snapshot():
+        # A snapshot is being replicated (its pins are held) when rank 2's node goes.
+        c.remove_node(node_of_rank("snap", 2, nodes), allow_graceful=False)
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(2, slow_pins).at(10, kill_mid_snapshot)).fit()
+    assert_contiguous_data(result, cfg)
+    [rec] = result.recoveries
+    # The newer copies of rank 2's blocks died with its node before they were replicated:
+    # every block comes from step 5's committed snapshot, none from a newer step.
+    assert rec["restored_step"] == 5
+    assert rec["sources"].get("snapshot", 0) > 0
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def test_pp_only_run_loses_a_stage_and_restores_it_from_the_snapshot(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "pponly", parallel={"dp": 1, "pp": 4})
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(
+        4, lambda: c.remove_node(node_of_rank("pponly", 1, nodes), allow_graceful=False))).fit()
+    assert_contiguous_data(result, cfg)
+    [rec] = result.recoveries
+    assert rec["sources"].get("snapshot", 0) > 0
+    assert rec["steps_redone"] <= 2
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def test_hung_worker_is_detected_and_replaced_by_a_replan(fresh_cluster, corpus_dir):
+    fresh_cluster(4)
+    cfg = config(corpus_dir, "hang", steps=20, parallel={"dp": 2, "pp": 2})
+    stopped = []
+
+    def hang():
+        pid = next(w["pid"] for w in status("hang")["workers"] if w["rank"] == 1)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    try:
+        result = Trainer(cfg, verbose=False, on_step=Chaos().at(5, hang)).fit()
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert_contiguous_data(result, cfg)
+    assert "hang" in [f["failure"] for f in result.failures]
+    assert stopped[0] not in {w["pid"] for w in result.workers}
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def test_exception_in_a_step_rolls_back_and_retries_with_the_same_workers(fresh_cluster, corpus_dir):
+    fresh_cluster(4)
+    cfg = config(corpus_dir, "exc", steps=16, parallel={"dp": 2, "pp": 2})
+    before = {}
+
+    def inject():
+        before.update({w["worker_id"]: w["pid"] for w in status("exc")["workers"]})
+        ray.get(ray.get_actor("exc-rank2-r1s0").inject_fault.remote("raise", step=8))
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(2, inject)).fit()
+    assert_contiguous_data(result, cfg)
+    [fail] = result.failures
+    assert fail["failure"] == "exception" and fail["step"] == 8 and "injected fault" in fail["detail"]
+    [rec] = result.recoveries
+    assert rec["restored_step"] == 7 and rec["plan_after"] == rec["plan_before"]
+    assert pids(result) == before
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
+
+
+def test_too_many_failures_stop_the_run_with_a_durable_checkpoint(fresh_cluster, corpus_dir, tmp_path):
+    fresh_cluster(4)
+    cfg = config(corpus_dir, "maxf", steps=16, parallel={"dp": 2, "pp": 2}, failure={"max_failures": 1},
+                 checkpoint={"storage": str(tmp_path / "ck")})
+
+    def inject():
+        for s in (6, 9):
+            ray.get(ray.get_actor("maxf-rank0-r0s0").inject_fault.remote("raise", step=s))
+
+    with pytest.raises(RunError, match=r"stopped after 2 failures \(failure.max_failures=1\).*durable checkpoint at"):
+        Trainer(cfg, verbose=False, on_step=Chaos().at(2, inject)).fit()
+    assert any(p.name.startswith("step-") for p in (tmp_path / "ck").iterdir())
+
+
+def test_node_added_mid_run_grows_the_plan(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(2)
+    cfg = config(corpus_dir, "grow", steps=400, parallel={"dp": 1, "pp": 2},
+                 scaling={"max_workers": 4, "grow_check_s": 0.5})
+    added = []
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(
+        3, lambda: added.extend(c.add_node(num_cpus=1) for _ in range(2)))).fit()
+    assert_contiguous_data(result, cfg)
+    grow = [e for e in result.recoveries if e["reason"] == "grow"]
+    assert grow, [e for e in result.events if e["kind"] != "state"]
+    assert result.plans[-1]["world_size"] > 2
+    assert grow[0]["steps_redone"] == 0 and grow[0]["sources"] == {"live": len(block_param_counts(cfg.model))}
+    change = grow[0]["failed_step"]
+    ref = reference_losses(cfg, change + 9)
+    got = [r["loss"] for r in result.history]
+    assert got[:change - 1] == pytest.approx(ref[:change - 1], rel=1e-4)
+    assert got[change - 1:change + 9] == pytest.approx(ref[change - 1:change + 9], rel=1e-3)
+
+
+def test_whole_cluster_lost_then_resume_and_corrupt_checkpoint_fallback(fresh_cluster, corpus_dir, tmp_path):
+    import yaml
+
+    from elastic_trainer.cli import main
+
+    c, nodes = fresh_cluster(4)
+    storage = tmp_path / "ck"
+    cfg = config(corpus_dir, "whole", steps=20, parallel={"dp": 2, "pp": 2},
+                 checkpoint={"storage": str(storage), "durable_every": 4})
+
+    def lose_everything():
+        for n in nodes:
+            c.remove_node(n, allow_graceful=False)
+
+    with pytest.raises(RunError, match=r"below scaling.min_workers\(1\)"):
+        Trainer(cfg, verbose=False, on_step=Chaos().at(10, lose_everything)).fit()
+    saved = sorted(int(p.name[5:]) for p in storage.iterdir() if p.name.startswith("step-"))
+    assert saved and saved[-1] >= 8
+
+    # Corrupt the newest checkpoint: resume must report it and use the one before.
+    newest = storage / f"step-{saved[-1]:08d}" / "shard-000.pt"
+    newest.write_bytes(newest.read_bytes()[:-100] + b"\0" * 100)
+    for _ in range(4):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    # The CLI's --resume path, in this process (it joins the running cluster).
+    got = {}
+    from elastic_trainer import trainer as trainer_mod
+
+    orig_fit = trainer_mod.Trainer.fit
+
+    def spy(self, *a, **k):
+        got["result"] = orig_fit(self, *a, **k)
+        return got["result"]
+
+    trainer_mod.Trainer.fit = spy
+    try:
+        assert main(["run", str(job), "--resume", "--set", "run.name=whole2"]) == 0
+    finally:
+        trainer_mod.Trainer.fit = orig_fit
+    result = got["result"]
+    problems = [e for e in result.events if e["kind"] == "checkpoint_problem"]
+    assert problems and "corrupt" in problems[0]["detail"]
+    [resume] = [e for e in result.events if e["kind"] == "resume"]
+    assert resume["step"] == saved[-2]
+    assert_contiguous_data(result, cfg)
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
