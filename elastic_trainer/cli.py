@@ -7,15 +7,29 @@ import json
 import sys
 
 from .config import TrainerConfig
-from .errors import ElasticTrainerError
+from .errors import ConfigError, ElasticTrainerError
 
 
 def _cmd_run(args) -> int:
     from .trainer import Trainer
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
-    result = Trainer(cfg).fit(resume=args.resume)
-    print(f"run {result.run_name}: final loss {result.final_loss:.4f} after {len(result.history)} steps")
+    if args.kill_node_at_step is not None and not args.simulate_nodes:
+        raise ConfigError("--kill-node-at-step needs --simulate-nodes N (a local multi-node cluster to kill a node of)")
+    if args.simulate_nodes:
+        import time
+
+        from .simulate import simulated_cluster
+
+        if cfg.run.name is None:  # the killer finds the run's controller by name
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("et-%Y%m%d-%H%M%S")})})
+
+        with simulated_cluster(args.simulate_nodes, cfg) as sim:
+            result = Trainer(cfg, on_step=sim.killer(args.kill_node_at_step)).fit(resume=args.resume)
+    else:
+        result = Trainer(cfg).fit(resume=args.resume)
+    print(f"run {result.run_name}: final loss {result.final_loss:.4f} after {len(result.history)} steps"
+          + (f", {len(result.failures)} failure(s) survived" if result.failures else ""))
     return 0
 
 
@@ -58,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = job_command("run", "Run a training job.")
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest durable checkpoint in checkpoint.storage")
+    run.add_argument("--simulate-nodes", type=int, metavar="N",
+                     help="start a local cluster of N simulated nodes (one machine) and run on it")
+    run.add_argument("--kill-node-at-step", type=int, metavar="K",
+                     help="with --simulate-nodes: kill (SIGKILL) the node of the last rank once step K is done")
     run.set_defaults(fn=_cmd_run)
     job_command("plan", "Print the plan (topology, stage cut) a job would use, without running it.").set_defaults(
         fn=_cmd_plan)

@@ -24,6 +24,27 @@ class ProgressPrinter:
                 file=self.stream, flush=True,
             )
 
+    def event(self, ev: dict) -> None:
+        kind = ev["kind"]
+        if kind == "failure":
+            where = f" (rank {ev['rank']}, node {str(ev['node'])[:8]})" if ev.get("rank") is not None else ""
+            print(f"!! failure at step {ev['step']}: {ev['failure']} of worker {ev['worker']}{where}",
+                  file=self.stream, flush=True)
+        elif kind == "recovery":
+            a, b = ev["plan_before"] or {}, ev["plan_after"]
+            srcs = ", ".join(f"{n} blocks from {t}" for t, n in ev["sources"].items()) or "fresh start"
+            print(f"-> {'grew' if ev['reason'] == 'grow' else 'recovered'}: dp={a.get('dp')} pp={a.get('pp')} -> "
+                  f"dp={b['dp']} pp={b['pp']}, restored step {ev['restored_step']} ({srcs}), "
+                  f"{ev['steps_redone']} step(s) redone; detect {ev['detect_s']:.2f}s, re-plan "
+                  f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s", file=self.stream, flush=True)
+        elif kind == "resume":
+            print(f"-> resumed from step {ev.get('step', 0)} of {ev.get('source', '')}", file=self.stream, flush=True)
+        elif kind == "checkpoint_problem":
+            print(f"!! checkpoint: {ev['detail']}", file=self.stream, flush=True)
+        elif kind == "durable_checkpoint":
+            print(f"   durable checkpoint of step {ev['step']} written to {ev['path']} in {ev['seconds']:.2f}s",
+                  file=self.stream, flush=True)
+
     def done(self, history: list[dict]) -> None:
         if not history:
             return

@@ -104,17 +104,26 @@ class Trainer:
         ).remote(cfg.model_dump(mode="json"), run_name)
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
         done_ref = controller.run.remote(return_model_state, resume)
-        seen = 0
+        seen, seen_events = 0, 0
         try:
             while True:
                 ready, _ = ray.wait([done_ref], timeout=0.5)
-                prog = ray.get(controller.progress.remote(seen))
+                try:
+                    prog = ray.get(controller.progress.remote(min(seen, 10**12), seen_events))
+                except ray.exceptions.RayActorError:
+                    ready = [done_ref]
+                    prog = {"records": [], "events": [], "length": seen, "n_events": seen_events}
+                for ev in prog["events"]:
+                    if printer:
+                        printer.event(ev)
+                seen_events = prog["n_events"]
                 for rec in prog["records"]:
                     if printer:
                         printer.step(rec)
                     if self.on_step:
                         self.on_step(rec)
-                seen += len(prog["records"])
+                # A rollback shortens the history: continue from where it stands now.
+                seen = prog["length"]
                 if ready:
                     break
             try:

@@ -113,9 +113,15 @@ class Controller:
         self._stop = threading.Event()
 
     # -- queried while run() is in progress -------------------------------------------
-    def progress(self, since: int) -> dict:
+    def progress(self, since: int, events_since: int = 0) -> dict:
+        """Step records from index ``since`` of the history and events from ``events_since``.
+
+        After a rollback the history is shorter than before; ``length`` tells the
+        caller where it stands now.
+        """
         with self._lock:
-            return {"state": self.state.value, "records": self.history[since:],
+            return {"state": self.state.value, "records": self.history[since:], "length": len(self.history),
+                    "events": self.events[events_since:], "n_events": len(self.events),
                     "plan": self.plan.describe() if self.plan else None}
 
     def status(self) -> dict:
@@ -524,7 +530,8 @@ class Controller:
                 steps_rolled_back=self.rolled_back,
                 plan_before=_plan_summary(plan_before), plan_after=_plan_summary(desc), policy=choice.reason,
                 sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
-                replan_s=t1 - t0 + (t0 - detected), restore_s=t2 - t1, _resumed=t2)
+                replan_s=t1 - t0 + (t0 - detected), restore_s=t2 - t1, _resumed=t2,
+                detected_at=time.time() - (time.perf_counter() - detected))
             self._transition(RunState.RUNNING)
             return
 

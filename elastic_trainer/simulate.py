@@ -1,0 +1,66 @@
+"""A multi-node Ray cluster on one machine, for seeing recovery in the first minutes.
+
+``ray.cluster_utils.Cluster`` runs several Ray nodes (raylets) on this machine;
+removing one without grace is a node loss as the rest of the cluster sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import ray
+
+from .config import TrainerConfig
+
+
+class SimulatedCluster:
+    def __init__(self, cluster, nodes, run_name: str):
+        self.cluster = cluster
+        self.nodes = nodes
+        self.run_name = run_name
+
+    def kill_node_of_rank(self, rank: int | None = None) -> str | None:
+        """Remove (SIGKILL) the node hosting ``rank`` (default: the highest rank)."""
+        st = ray.get(ray.get_actor(f"{self.run_name}-controller").status.remote())
+        ranked = [w for w in st["workers"] if w["rank"] is not None]
+        if not ranked:
+            return None
+        target = max(ranked, key=lambda w: w["rank"]) if rank is None else next(w for w in ranked if w["rank"] == rank)
+        node = next((n for n in self.nodes if n.node_id == target["node_id"]), None)
+        if node is None:
+            return None
+        print(f"!! killing node {node.node_id[:8]} (rank {target['rank']}, pid {target['pid']}) at step {st['step']}",
+              flush=True)
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.nodes.remove(node)
+        return node.node_id
+
+    def killer(self, at_step: int | None):
+        """An on_step callback that kills one node once ``at_step`` is done."""
+        state = {"done": at_step is None}
+
+        def on_step(rec: dict) -> None:
+            if not state["done"] and rec["step"] >= at_step:
+                state["done"] = True
+                self.kill_node_of_rank()
+
+        return on_step
+
+
+@contextlib.contextmanager
+def simulated_cluster(num_nodes: int, cfg: TrainerConfig):
+    """Start a head (no CPUs, so work lands on removable nodes) plus ``num_nodes`` nodes sized for one worker."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+    cpus = max(1, int(cfg.scaling.resources_per_worker.get("CPU", 1) + 0.999)) * (cfg.scaling.workers_per_node or 1)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=cpus) for _ in range(num_nodes)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    try:
+        yield SimulatedCluster(cluster, nodes, cfg.run.name)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
