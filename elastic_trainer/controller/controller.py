@@ -105,6 +105,7 @@ class Controller:
         self._retries_left = self.cfg.failure.retries
         self.rolled_back = 0
         self._inflight: dict = {}
+        self._shard_refs: dict = {}
         self._durable_refs: dict = {}
         self._durable_manifest: dict = {}
         self._actor_cls = ray.remote(
@@ -354,7 +355,11 @@ class Controller:
     def _run_step(self, step: int) -> StepOutcome:
         snap = step % self.cfg.checkpoint.memory_every == 0
         started = time.perf_counter()
-        refs = {self.slots[w].actor.train_step.remote(step, snap): w for w in self.ranks.values()}
+        refs, self._shard_refs = {}, {}
+        for w in self.ranks.values():
+            metrics, shard = self.slots[w].actor.train_step.remote(step, snap)
+            refs[metrics] = w
+            self._shard_refs[w] = shard
         out = StepOutcome(step, started)
         deadline = started + self._step_timeout()
         pending = dict(refs)
@@ -427,10 +432,12 @@ class Controller:
             ev["resumed_at"] = time.time()
             self._pending_recovery = None
         if step % cfg.checkpoint.memory_every == 0:
-            self.snapshots.take(step, {r: (self.slots[w].actor, w, self.slots[w].node) for r, w in self.ranks.items()},
+            self.snapshots.take(step, {r: (self.slots[w].actor, w, self.slots[w].node, self._shard_refs[w])
+                                       for r, w in self.ranks.items()},
                                 {r: self._blocks_of_rank(r) for r in self.ranks})
+        self._shard_refs = {}
         self.snapshots.poll()
-        self.snapshots.prune({w: s.actor for w, s in self.slots.items()})
+        self.snapshots.prune()
         if cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 and step < cfg.train.steps:
             self._start_durable(step)
 
@@ -585,11 +592,11 @@ class Controller:
         alive_nodes = {s.node for s in self.slots.values()}
         snaps = self.snapshots.available(alive_nodes, set(self.slots))
         n_blocks = len(self.counts)
-        found = choose_restore(n_blocks, live, snaps, {})
+        found = choose_restore(n_blocks, live, snaps, {}, max_step=self.step)
         if found is None or (self.durable and self._durable_step_beyond(found[0])):
             durable = self._load_durable_sources()
             if durable:
-                found = choose_restore(n_blocks, live, snaps, durable) or found
+                found = choose_restore(n_blocks, live, snaps, durable, max_step=self.step) or found
         if found is None:
             if self.step == 0:
                 return None
@@ -737,7 +744,8 @@ class Controller:
             return None
         if self.step % self.cfg.checkpoint.memory_every:
             # The last step has no snapshot: take one so the end is saved exactly.
-            self.snapshots.take(self.step, {r: (self.slots[w].actor, w, self.slots[w].node)
+            self.snapshots.take(self.step, {r: (self.slots[w].actor, w, self.slots[w].node,
+                                                self.slots[w].actor.export_snapshot.remote(self.step))
                                             for r, w in self.ranks.items()},
                                 {r: self._blocks_of_rank(r) for r in self.ranks})
         return self._write_durable(self.step, self._durable_shards(self.step), list(self.history))

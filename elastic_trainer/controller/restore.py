@@ -24,8 +24,13 @@ def choose_restore(
     live: dict[int, dict[int, list[int]]],
     snapshots: dict[int, dict[object, list[int]]],
     durable: dict[int, dict[object, list[int]]],
+    max_step: int | None = None,
 ) -> tuple[int, dict[int, Source]] | None:
-    """Latest step at which every block has a source, and each block's source.
+    """Latest step (up to ``max_step``, the last committed one) at which every block
+    has a source, and each block's source.
+
+    A copy of a step that did not commit (some rank never reported it) is never
+    used, even if the survivors hold all of it.
 
     ``live``: worker id -> {step: blocks in its local copy}; ``snapshots`` and
     ``durable``: step -> {shard key: blocks}. Returns None if no step covers
@@ -35,6 +40,8 @@ def choose_restore(
     for per_step in live.values():
         steps |= set(per_step)
     for step in sorted(steps, reverse=True):
+        if max_step is not None and step > max_step:
+            continue
         cands: list[Source] = []
         for wid in sorted(live):
             if step in live[wid]:

@@ -1,11 +1,11 @@
 """Object-store snapshots owned by the controller, each shard pinned on a second node.
 
-After a snapshot step every rank keeps a local copy; the controller then asks
-each rank for it (the returned object is owned by the controller, so it
-outlives the worker) and asks workers on other nodes to pin a copy (so it
+After a snapshot step every rank keeps a local copy and returns it as the
+step's second result (so the object is owned by the controller and outlives
+the worker); the controller asks workers on other nodes to pin a copy (so it
 outlives the node). A snapshot commits when every shard has all its copies.
-The last two committed stay; older ones are unpinned and their refs dropped,
-so object-store use does not grow with the step count.
+The last two committed stay; older refs are dropped and holders let their old
+copies go, so object-store use does not grow with the step count.
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ class SnapshotStore:
         self.bytes_last = 0
 
     def take(self, step: int, ranks: dict[int, tuple], blocks_of_rank: dict[int, list[int]]) -> None:
-        """Start snapshot ``step``: ``ranks`` maps rank -> (actor, worker id, node)."""
+        """Start replicating snapshot ``step``: ``ranks`` maps rank -> (actor, worker id, node, shard ref)."""
         shards = {}
-        workers = list(ranks.values())
-        for rank, (actor, wid, node) in ranks.items():
-            ref = actor.get_snapshot.remote(step)
+        workers = [w[:3] for w in ranks.values()]
+        for rank, (actor, wid, node, ref) in ranks.items():
             entry = ShardEntry(ref, blocks_of_rank[rank], node)
             # Holders: workers on other nodes, nearest rank first, one per node.
             order = sorted(workers, key=lambda w: (w[1] - wid) % (max(x[1] for x in workers) + 1))
@@ -88,18 +87,17 @@ class SnapshotStore:
     def committed_steps(self) -> list[int]:
         return sorted(s for s, snap in self.snaps.items() if snap.committed_at is not None)
 
-    def prune(self, holders: dict[int, object]) -> None:
-        """Keep the last committed snapshots (and newer pending ones); free the rest."""
+    def prune(self) -> None:
+        """Keep the last committed snapshots (and newer pending ones); drop the refs of the rest.
+
+        Holders let their pinned copies of old steps go by themselves (TrainWorker.pin).
+        """
         committed = self.committed_steps()
         if len(committed) <= _KEEP_COMMITTED:
             return
         cutoff = committed[-_KEEP_COMMITTED]
         for step in [s for s in self.snaps if s < cutoff]:
-            snap = self.snaps.pop(step)
-            for rank, e in snap.shards.items():
-                for h in e.pins:
-                    if h in holders:
-                        holders[h].unpin.remote([(step, rank)])
+            del self.snaps[step]
 
     def available(self, alive_nodes: set[str], alive_workers: set[int]) -> dict[int, dict[int, list[int]]]:
         """Shards that still have a copy: step -> {rank: blocks}. A shard survives if its

@@ -27,6 +27,9 @@ from .stage import StageTrainer
 
 # Local copies kept: the last committed state and the one being committed.
 _LOCAL_COPIES = 2
+# Snapshot steps a holder keeps pinned copies of: the controller keeps the last
+# two committed snapshots, plus those still replicating.
+_PINNED_STEPS = 4
 
 
 class InjectedFault(RuntimeError):
@@ -110,8 +113,10 @@ class TrainWorker:
         destroy_groups()
         gc.collect()
 
-    @ray.method(concurrency_group="train")
-    def train_step(self, step: int, snapshot: bool) -> dict:
+    @ray.method(concurrency_group="train", num_returns=2)
+    def train_step(self, step: int, snapshot: bool) -> tuple[dict, dict | None]:
+        """Run ``step``. With ``snapshot``, the second result is this rank's state after it:
+        returned, not put, so the caller (the controller) owns the object."""
         try:
             if self._faults.pop(("raise", step), None):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
@@ -122,15 +127,16 @@ class TrainWorker:
             traceback.clear_frames(e.__traceback__)
             self.reset()
             raise
+        shard = None
         if snapshot:
-            # The only part of a snapshot that stalls training: one local copy.
+            # What a snapshot costs the step: one local copy (and its write into the object store).
             shard = self.trainer.export(step)
             with self._lock:
                 self.local[step] = shard
                 for old in sorted(self.local)[:-_LOCAL_COPIES]:
                     del self.local[old]
-        return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_s": r.comm_s,
-                "comm_bytes": r.comm_bytes, "cursor": r.cursor}
+        return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_s": r.comm_s,
+                 "comm_bytes": r.comm_bytes, "cursor": r.cursor}, shard)
 
     # -- snapshots and restore sources --------------------------------------------
     def local_steps(self) -> dict[int, list[int]]:
@@ -138,10 +144,12 @@ class TrainWorker:
         with self._lock:
             return {s: sh["blocks"] for s, sh in self.local.items()}
 
-    def get_snapshot(self, step: int) -> dict:
-        """This rank's shard at ``step``; the caller (the controller) owns the returned object."""
+    def export_snapshot(self, step: int) -> dict:
+        """A local copy of the current state as ``step`` (for a final snapshot off the schedule)."""
+        shard = self.trainer.export(step)
         with self._lock:
-            return self.local[step]
+            self.local[step] = shard
+        return shard
 
     def export_blocks(self, step: int, blocks: list[int]) -> dict:
         """The part of the local copy at ``step`` that holds ``blocks``."""
@@ -161,12 +169,12 @@ class TrainWorker:
         value = ray.get(refs[0])
         with self._lock:
             self.pins[key] = value
+            # Older snapshots are no longer needed by the controller: let them go here,
+            # which spares it an unpin call per shard per step.
+            keep = sorted({k[0] for k in self.pins})[-_PINNED_STEPS:]
+            for k in [k for k in self.pins if k[0] not in keep]:
+                del self.pins[k]
         return len(self.pins)
-
-    def unpin(self, keys: list[tuple]) -> None:
-        with self._lock:
-            for k in keys:
-                self.pins.pop(tuple(k), None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()

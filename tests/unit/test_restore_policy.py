@@ -23,6 +23,11 @@ def test_a_lost_stage_comes_from_the_snapshot_of_a_step_every_block_has():
     assert {s.step for s in chosen.values()} == {9}
 
 
+def test_a_step_that_did_not_commit_is_never_restored():
+    live = {0: {9: [0, 1], 10: [0, 1]}, 1: {9: [0, 1], 10: [0, 1]}}
+    assert choose_restore(2, live, {}, {}, max_step=9)[0] == 9
+
+
 def test_durable_is_the_last_resort_and_none_when_nothing_covers():
     assert choose_restore(2, {}, {}, {4: {0: [0, 1]}})[0] == 4
     assert choose_restore(2, {0: {5: [0]}}, {}, {}) is None
