@@ -211,8 +211,9 @@ def run_ray_train_recovery(cfg_raw: dict, cluster, nodes: list, kill_at_step: in
         # 4 one-CPU nodes for 4 one-CPU workers: every node hosts a worker, so the
         # last one does too.
         victim = nodes[-1]
-        cluster.remove_node(victim, allow_graceful=False)
+        # The kill starts now; remove_node returns once the node's processes are gone.
         kill_time = time.time()
+        cluster.remove_node(victim, allow_graceful=False)
         nodes.remove(victim)
         # Ray Train restarts the whole worker group and needs all 4 workers (one CPU
         # each) to fit again; without a replacement node it would wait forever.
@@ -227,30 +228,35 @@ def run_ray_train_recovery(cfg_raw: dict, cluster, nodes: list, kill_at_step: in
 
     steps_recs = [r for r in recs if r.get("event") == "step"]
     starts = [r for r in recs if r.get("event") == "start"]
-    before = [r for r in steps_recs if r["time"] <= kill_time]
+    doomed = {s["attempt"] for s in starts if s["time"] <= kill_time}  # running when the node died
+    restarted = [s for s in starts if s["time"] > kill_time]
+    before = [r for r in steps_recs if r["attempt"] in doomed]
     if not before:
         raise RuntimeError("no step was logged before the kill")
-    pre_attempt = before[-1]["attempt"]
-    # Attempts that started after the kill: the restart(s).
-    restarted = [s for s in starts if s["time"] > kill_time]
     if not restarted:
         raise RuntimeError(f"Ray Train never restarted after the kill; log: {recs[-5:]}")
-    restart = restarted[0]
-    # If the restart itself failed and a later one took over, the surviving attempt is the last one.
-    final = restarted[-1]
-    after = [r for r in steps_recs if r["attempt"] == final["attempt"]]
-    first_after = next(r for r in steps_recs if r["attempt"] in {s["attempt"] for s in restarted})
-    if not after:
-        raise RuntimeError("no step was logged after the restart")
+    # The first restart resumed from the checkpoint Ray Train had registered; if that
+    # restart failed too, a later one took over, and the last attempt ran to the end.
+    restart, final = restarted[0], restarted[-1]
     restored_step = restart["restored_step"] if restart["restored_step"] is not None else 0
+    new_attempts = {s["attempt"] for s in restarted}
+    first_after = next((r for r in steps_recs if r["attempt"] in new_attempts), None)
+    after = [r for r in steps_recs if r["attempt"] == final["attempt"]]
+    if first_after is None or not after:
+        raise RuntimeError("no step was logged after the restart")
+    # The doomed attempt may finish the step in flight as the node dies, without
+    # Ray Train registering its checkpoint: such a step counts as completed, and redone.
+    last_before = max(r["step"] for r in before)
 
-    pre = [r for r in steps_recs if r["attempt"] == pre_attempt and r["time"] <= kill_time]
+    # Steady step time before the kill: the last doomed attempt, steps 6.. up to the
+    # kill (the step the kill overlaps is left out).
+    pre = [r for r in before if r["attempt"] == before[-1]["attempt"] and r["time"] <= kill_time]
     pre_times = [dt for s, dt in _step_times(pre) if s > 5]
     # _step_times starts at the 2nd step after the restart: [2:] leaves out the first 3.
     after_times = [dt for _, dt in _step_times(after)[2:]]
     return {
         "kill_to_first_step_s": first_after["time"] - kill_time,
-        "steps_redone": before[-1]["step"] - restored_step,
+        "steps_redone": last_before - restored_step,
         "restored_step": restored_step,
         "steady_step_s": statistics.median(pre_times) if pre_times else float("nan"),
         "steady_step_s_after": statistics.median(after_times) if after_times else float("nan"),

@@ -43,23 +43,32 @@ class SnapshotStore:
         self.bytes_last = 0
 
     def take(self, step: int, ranks: dict[int, tuple], blocks_of_rank: dict[int, list[int]]) -> None:
-        """Start replicating snapshot ``step``: ``ranks`` maps rank -> (actor, worker id, node, shard ref)."""
-        shards = {}
-        workers = [w[:3] for w in ranks.values()]
-        for rank, (actor, wid, node, ref) in ranks.items():
-            entry = ShardEntry(ref, blocks_of_rank[rank], node)
-            # Holders: workers on other nodes, nearest rank first, one per node.
-            order = sorted(workers, key=lambda w: (w[1] - wid) % (max(x[1] for x in workers) + 1))
-            used = {node}
-            for h_actor, h_wid, h_node in order:
+        """Start replicating snapshot ``step``: ``ranks`` maps rank -> (actor, worker id, node, shard ref).
+
+        The DP replicas of a stage hold bit-identical state (same averaged
+        gradients, same optimizer step), so their shards already are copies of
+        each other: pins are made only for stages whose replicas sit on fewer
+        than ``replicas`` distinct nodes (dp=1, or replicas packed on a node).
+        """
+        shards = {rank: ShardEntry(ref, blocks_of_rank[rank], node) for rank, (_, _, node, ref) in ranks.items()}
+        workers = sorted((w[1], w[0], w[2]) for w in ranks.values())  # (worker id, actor, node)
+        groups: dict[tuple, list[int]] = {}
+        for rank in sorted(ranks):
+            groups.setdefault(tuple(blocks_of_rank[rank]), []).append(rank)
+        for members in groups.values():
+            used = {shards[r].node for r in members}
+            first = members[0]
+            entry, wid = shards[first], ranks[first][1]
+            # Holders: workers on other nodes, nearest worker id after the producer first.
+            order = sorted(workers, key=lambda w: (w[0] - wid) % (workers[-1][0] + 1))
+            for h_wid, h_actor, h_node in order:
                 if len(used) >= self.replicas:
                     break
                 if h_node in used:
                     continue
                 used.add(h_node)
-                entry.pins[h_wid] = h_actor.pin.remote((step, rank), [ref])
+                entry.pins[h_wid] = h_actor.pin.remote((step, first), [entry.ref])
                 entry.holder_nodes[h_wid] = h_node
-            shards[rank] = entry
         self.snaps[step] = Snapshot(step, time.perf_counter(), shards)
 
     def poll(self) -> list[int]:
