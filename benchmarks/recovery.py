@@ -98,7 +98,9 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int) -> dict:
     return {
         "kill_to_first_step_s": rec["resumed_at"] - killed["at"],
         "kill_to_detect_s": rec["detected_at"] - killed["at"],
+        "kill_to_first_error_s": (rec["first_signal_at"] or rec["detected_at"]) - killed["at"],
         "replan_s": rec["replan_s"], "restore_s": rec["restore_s"], "first_step_s": rec["first_step_s"],
+        "restore_parts": rec["restore_parts"],
         "steps_redone": rec["steps_redone"], "restored_step": rec["restored_step"],
         "sources": rec["sources"], "plan_before": rec["plan_before"], "plan_after": rec["plan_after"],
         "steady_step_s": steady(before), "steady_step_s_after": steady(after, skip=2),

@@ -107,7 +107,7 @@ class Trainer:
         seen, seen_events = 0, 0
         try:
             while True:
-                ready, _ = ray.wait([done_ref], timeout=0.5)
+                ready, _ = ray.wait([done_ref], timeout=0.2)
                 try:
                     prog = ray.get(controller.progress.remote(min(seen, 10**12), seen_events))
                 except ray.exceptions.RayActorError:

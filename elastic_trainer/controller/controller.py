@@ -62,6 +62,9 @@ class RunError(ElasticTrainerError):
 # After the first error of a step the others get this long to report theirs:
 # ranks blocked behind a vanished peer fail within milliseconds on loopback.
 _ERROR_GRACE_S = 0.3
+# Queries to workers that just answered a ping (which steps they hold): a slow
+# answer means a busy worker, not a lost one.
+_QUERY_TIMEOUT_S = 10.0
 # Steps queued on a worker at once (see worker.actor: train_step's group).
 _TRAIN_CONCURRENCY = 1
 
@@ -106,10 +109,13 @@ class Controller:
         self.rolled_back = 0
         self._inflight: dict = {}
         self._shard_refs: dict = {}
+        self._setup_timings: dict = {}
         self._durable_refs: dict = {}
         self._durable_manifest: dict = {}
+        # Groups: "train" runs steps one at a time; "control" (ping, queries) never waits
+        # behind the default pool, where a set-up may sit in a rendezvous for a while.
         self._actor_cls = ray.remote(
-            max_concurrency=4, concurrency_groups={"train": _TRAIN_CONCURRENCY})(TrainWorker)
+            max_concurrency=16, concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4})(TrainWorker)
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -283,7 +289,12 @@ class Controller:
             self.slots[w].actor.reset.remote()
         master_slot = self.slots[ranks[0]]
         timeout = self.cfg.scaling.placement_timeout_s + self.cfg.comm.timeout_s
-        port = ray.get(master_slot.actor.reserve_port.remote(), timeout=timeout)
+        try:
+            port = ray.get(master_slot.actor.reserve_port.remote(), timeout=timeout)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            err = WorkerError(f"worker {ranks[0]} (rank 0) failed to reserve a port: {type(e).__name__}")
+            err.failed_workers = [ranks[0]]
+            raise err from None
         cfg_json = self._cfg_for(topo)
         coll_timeout = self._collective_timeout()
         rendezvous = self.cfg.failure.rendezvous_timeout_s
@@ -292,6 +303,7 @@ class Controller:
                     coll_timeout, rendezvous)
                 for r, w in ranks.items()}
         outs = self._get_all(refs, ranks, rendezvous + 30, "set up")
+        self._setup_timings = {k: max(o["timings"][k] for o in outs.values()) for k in ("reset", "groups", "build", "load")}
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
             raise WorkerError(f"ranks restored different steps {sorted(steps)}")
@@ -390,9 +402,9 @@ class Controller:
                         deadline = min(deadline, out.first_signal + max(_ERROR_GRACE_S, self.cfg.failure.ping_timeout_s))
                         pings = {self.slots[w].actor.ping.remote(): w for w in pending.values()}
             if out.first_signal is not None and not pings and all(w in out.answered for w in pending.values()):
-                break  # every silent rank is alive; they will fail once the lost ones are gone
-            if out.first_signal is not None and not pings and time.perf_counter() > out.first_signal + _ERROR_GRACE_S:
-                break
+                # Every silent rank is alive: their own errors (or a peer's) arrive within
+                # moments, and one of them may be the cause, so wait a little for them.
+                deadline = min(deadline, time.perf_counter() + _ERROR_GRACE_S)
         out.pending = list(pending.values())
         if out.pending and out.first_signal is None:
             out.first_signal = time.perf_counter()
@@ -538,6 +550,8 @@ class Controller:
                 plan_before=_plan_summary(plan_before), plan_after=_plan_summary(desc), policy=choice.reason,
                 sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
                 replan_s=t1 - t0 + (t0 - detected), restore_s=t2 - t1, _resumed=t2,
+                restore_parts=dict(self._setup_timings),
+                first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
             self._transition(RunState.RUNNING)
             return
@@ -580,7 +594,7 @@ class Controller:
         """(step, block -> Source, where the blocks came from) for the latest step every block has."""
         live = {}
         refs = {w: s.actor.local_steps.remote() for w, s in self.slots.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.failure.ping_timeout_s)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=_QUERY_TIMEOUT_S)
         for w, ref in refs.items():
             if ref in ready:
                 try:
@@ -632,7 +646,7 @@ class Controller:
         refs = {w: self.slots[w].actor.local_steps.remote() for w in ranks.values()}
         for w, ref in refs.items():
             try:
-                own[w] = ray.get(ref, timeout=self.cfg.failure.ping_timeout_s).get(step, [])
+                own[w] = ray.get(ref, timeout=_QUERY_TIMEOUT_S).get(step, [])
             except Exception:
                 own[w] = []
         out = {}

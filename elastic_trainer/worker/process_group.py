@@ -34,8 +34,9 @@ def init_groups(
     ``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` bounds the
     wait for the other ranks to arrive, so a set-up with a dead member fails
     fast instead of holding this rank for a whole collective timeout.
-    ``new_group`` is collective over the world, so every rank creates every
-    group in the same order, then keeps the two it belongs to.
+    Each rank creates just the two subgroups it belongs to
+    (``use_local_synchronization``): a group's members agree on it among
+    themselves.
     """
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -46,10 +47,11 @@ def init_groups(
     dist.init_process_group(
         backend, store=store, world_size=topo.world_size, rank=rank, timeout=timedelta(seconds=timeout_s),
     )
-    dp_groups = [dist.new_group(topo.dp_group_ranks(s)) for s in range(topo.pp)]
-    pp_groups = [dist.new_group(topo.pp_group_ranks(r)) for r in range(topo.dp)]
     replica, stage = topo.coords(rank)
-    return Groups(dp=dp_groups[stage], pp=pp_groups[replica])
+    # Only a group's members meet to build it; the others do not wait on it.
+    dp = dist.new_group(topo.dp_group_ranks(stage), use_local_synchronization=True)
+    pp = dist.new_group(topo.pp_group_ranks(replica), use_local_synchronization=True)
+    return Groups(dp=dp, pp=pp)
 
 
 def destroy_groups() -> None:

@@ -148,24 +148,27 @@ def test_loss_during_a_recovery(fresh_cluster, corpus_dir):
 
 def test_loss_while_a_snapshot_is_taken_falls_back_to_the_previous_one(fresh_cluster, corpus_dir):
     c, nodes = fresh_cluster(4)
-    cfg = config(corpus_dir, "snap", steps=24, parallel={"dp": 1, "pp": 4}, checkpoint={"memory_every": 5})
+    cfg = config(corpus_dir, "snap", steps=40, parallel={"dp": 1, "pp": 4}, checkpoint={"memory_every": 10})
+    seen_at = []
 
     def slow_pins():
-        # From step 10 on, no snapshot finishes replicating: step 5's is the last committed.
+        # From step 20 on, no snapshot finishes replicating: step 10's is the last committed.
+        seen_at.append(status("snap")["step"])
         for r in range(4):
-            for step in (10, 15, 20):
+            for step in (20, 30, 40):
                 ray.get_actor(f"snap-rank{r}-r0s{r}").inject_fault.remote("slow_pin", step=step, seconds=30)
 
     def kill_mid_snapshot():
         # A snapshot is being replicated (its pins are held) when rank 2's node goes.
         c.remove_node(node_of_rank("snap", 2, nodes), allow_graceful=False)
 
-    result = Trainer(cfg, verbose=False, on_step=Chaos().at(2, slow_pins).at(10, kill_mid_snapshot)).fit()
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, slow_pins).at(20, kill_mid_snapshot)).fit()
+    assert seen_at[0] < 19, f"the test's set-up came too late (step {seen_at[0]}): it proves nothing"
     assert_contiguous_data(result, cfg)
     [rec] = result.recoveries
     # The newer copies of rank 2's blocks died with its node before they were replicated:
-    # every block comes from step 5's committed snapshot, none from a newer step.
-    assert rec["restored_step"] == 5
+    # every block comes from step 10's committed snapshot, none from a newer step.
+    assert rec["restored_step"] == 10
     assert rec["sources"].get("snapshot", 0) > 0
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
@@ -211,19 +214,22 @@ def test_hung_worker_is_detected_and_replaced_by_a_replan(fresh_cluster, corpus_
 
 def test_exception_in_a_step_rolls_back_and_retries_with_the_same_workers(fresh_cluster, corpus_dir):
     fresh_cluster(4)
-    cfg = config(corpus_dir, "exc", steps=16, parallel={"dp": 2, "pp": 2})
-    before = {}
+    cfg = config(corpus_dir, "exc", steps=40, parallel={"dp": 2, "pp": 2})
+    before, target = {}, []
 
     def inject():
-        before.update({w["worker_id"]: w["pid"] for w in status("exc")["workers"]})
-        ray.get(ray.get_actor("exc-rank2-r1s0").inject_fault.remote("raise", step=8))
+        st = status("exc")
+        before.update({w["worker_id"]: w["pid"] for w in st["workers"]})
+        target.append(st["step"] + 5)  # far enough ahead of the running step
+        ray.get(ray.get_actor("exc-rank2-r1s0").inject_fault.remote("raise", step=target[0]))
 
     result = Trainer(cfg, verbose=False, on_step=Chaos().at(2, inject)).fit()
     assert_contiguous_data(result, cfg)
     [fail] = result.failures
-    assert fail["failure"] == "exception" and fail["step"] == 8 and "injected fault" in fail["detail"]
+    assert fail["failure"] == "exception" and fail["step"] == target[0] and "injected fault" in fail["detail"], \
+        (target, result.failures)
     [rec] = result.recoveries
-    assert rec["restored_step"] == 7 and rec["plan_after"] == rec["plan_before"]
+    assert rec["restored_step"] == target[0] - 1 and rec["plan_after"] == rec["plan_before"]
     assert pids(result) == before
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
@@ -231,11 +237,12 @@ def test_exception_in_a_step_rolls_back_and_retries_with_the_same_workers(fresh_
 
 def test_too_many_failures_stop_the_run_with_a_durable_checkpoint(fresh_cluster, corpus_dir, tmp_path):
     fresh_cluster(4)
-    cfg = config(corpus_dir, "maxf", steps=16, parallel={"dp": 2, "pp": 2}, failure={"max_failures": 1},
+    cfg = config(corpus_dir, "maxf", steps=40, parallel={"dp": 2, "pp": 2}, failure={"max_failures": 1},
                  checkpoint={"storage": str(tmp_path / "ck")})
 
     def inject():
-        for s in (6, 9):
+        now = status("maxf")["step"]
+        for s in (now + 5, now + 9):
             ray.get(ray.get_actor("maxf-rank0-r0s0").inject_fault.remote("raise", step=s))
 
     with pytest.raises(RunError, match=r"stopped after 2 failures \(failure.max_failures=1\).*durable checkpoint at"):
