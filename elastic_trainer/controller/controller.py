@@ -110,6 +110,8 @@ class Controller:
         self._inflight: dict = {}
         self._shard_refs: dict = {}
         self._setup_timings: dict = {}
+        self._setup_refs: list = []   # (worker id, ref) of set-up calls of failed attempts
+        self._setup_attempts = 0
         self._durable_refs: dict = {}
         self._durable_manifest: dict = {}
         # Groups: "train" runs steps one at a time; "control" (ping, queries) never waits
@@ -302,7 +304,10 @@ class Controller:
                     cfg_json, topo.dp, topo.pp, plan.stage_bounds, r, master_slot.ip, port, sources[r],
                     coll_timeout, rendezvous)
                 for r, w in ranks.items()}
+        self._setup_refs += [(ranks[r], ref) for r, ref in refs.items()]
+        self._setup_attempts += 1
         outs = self._get_all(refs, ranks, rendezvous + 30, "set up")
+        self._setup_refs, self._setup_attempts = [], 0
         self._setup_timings = {k: max(o["timings"][k] for o in outs.values()) for k in ("reset", "groups", "build", "load")}
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
@@ -537,9 +542,15 @@ class Controller:
                             step=out.step if out else self.step + 1, detail=str(e))
                 self.failures += 1
                 self._check_limits(Diagnosis([], [], [], [], "during_recovery", str(e)))
-                # Drop whoever died; if nobody did, the workers that failed the set-up.
-                dead = self._dead_among(list(self.slots))
-                self._drop(dead or failed)
+                # Drop whoever died. A live worker that failed is not at fault: it waited at
+                # a rendezvous for a member that died. Let every live worker finish its
+                # set-up call (each ends within the rendezvous timeout) before the next try.
+                self._drop(self._dead_among(list(self.slots)))
+                left = [ref for w, ref in self._setup_refs if w in self.slots]
+                if left:  # set-ups queue one after another in a worker: allow one timeout each
+                    ray.wait(left, num_returns=len(left),
+                             timeout=self.cfg.failure.rendezvous_timeout_s * self._setup_attempts + 5)
+                self._setup_refs, self._setup_attempts = [], 0
                 continue
             t2 = time.perf_counter()
             failed_step = out.step if out else self.step + 1
@@ -555,6 +566,11 @@ class Controller:
                 detected_at=time.time() - (time.perf_counter() - detected))
             self._transition(RunState.RUNNING)
             return
+
+    def _failure_summary(self) -> str:
+        return "; ".join(f"{e['failure']} of worker {e['worker']} at step {e['step']}"
+                         + (f" ({e['detail'][:160]})" if e.get("detail") else "")
+                         for e in self.events if e["kind"] == "failure") or "no failures"
 
     def _dead_among(self, wids) -> list[int]:
         pings = {w: self.slots[w].actor.ping.remote() for w in wids if w in self.slots}
@@ -615,7 +631,8 @@ class Controller:
             if self.step == 0:
                 return None
             raise RunError(f"no source holds every block at any step: live copies {live}, "
-                           f"snapshots {sorted(snaps)}, durable {'none' if not self.durable else 'unusable'}")
+                           f"snapshots {sorted(snaps)}, durable {'none' if not self.durable else 'unusable'}; "
+                           f"after: {self._failure_summary()}")
         step, chosen = found
         tiers = collections.Counter(src.tier for src in chosen.values())
         return step, chosen, dict(tiers)

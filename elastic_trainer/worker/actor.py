@@ -48,6 +48,9 @@ class TrainWorker:
         self.pins: dict[tuple, object] = {}  # (step, rank) -> another rank's snapshot shard, pinned here
         self._faults: dict = {}
         self._lock = threading.Lock()
+        # torch.distributed's default group is process-wide: one set-up at a time. A set-up
+        # left waiting at a rendezvous with a dead member holds this until its timeout.
+        self._setup_lock = threading.Lock()
         # Everything imported so far lives as long as the process: keep it out of
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()
@@ -81,6 +84,17 @@ class TrainWorker:
         on the way in) of shards from one step covering this rank's blocks, or
         None to start from the seed.
         """
+        with self._setup_lock:
+            try:
+                return self._setup(cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
+                                   collective_timeout_s, rendezvous_timeout_s)
+            except BaseException as e:
+                traceback.clear_frames(e.__traceback__)
+                self.reset()
+                raise
+
+    def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
+               collective_timeout_s, rendezvous_timeout_s) -> dict:
         t = [time.perf_counter()]
         self.reset()
         delay = self._faults.pop("setup", None)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+# Public API has no way to change a group's timeout after it is built.
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..parallel.topology import Topology
 
@@ -40,17 +42,19 @@ def init_groups(
     """
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = dist.TCPStore(
-        master_addr, master_port, topo.world_size, is_master=rank == 0,
-        timeout=timedelta(seconds=rendezvous_timeout_s or timeout_s), wait_for_workers=True,
-    )
-    dist.init_process_group(
-        backend, store=store, world_size=topo.world_size, rank=rank, timeout=timedelta(seconds=timeout_s),
-    )
+    # Joining waits for the other ranks (rendezvous timeout); after that every
+    # collective gets the (possibly tightened) collective timeout.
+    join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
+    store = dist.TCPStore(master_addr, master_port, topo.world_size, is_master=rank == 0,
+                          timeout=join, wait_for_workers=True)
+    dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join)
     replica, stage = topo.coords(rank)
     # Only a group's members meet to build it; the others do not wait on it.
-    dp = dist.new_group(topo.dp_group_ranks(stage), use_local_synchronization=True)
-    pp = dist.new_group(topo.pp_group_ranks(replica), use_local_synchronization=True)
+    dp = dist.new_group(topo.dp_group_ranks(stage), timeout=join, use_local_synchronization=True)
+    pp = dist.new_group(topo.pp_group_ranks(replica), timeout=join, use_local_synchronization=True)
+    collective = timedelta(seconds=timeout_s)
+    for group in (None, dp, pp):
+        _set_pg_timeout(collective, group)
     return Groups(dp=dp, pp=pp)
 
 
