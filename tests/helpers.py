@@ -16,8 +16,8 @@ def not_a_pair():
     return [nn.Linear(2, 2)]
 
 
-def reference_losses(cfg, steps: int) -> list[float]:
-    """Per-step losses of plain single-process torch on the same blocks, data and seed."""
+def reference_run(cfg, steps: int):
+    """Plain single-process torch on the same blocks, data and seed: (per-step losses, final state)."""
     import torch
     from torch import nn
 
@@ -42,4 +42,9 @@ def reference_losses(cfg, steps: int) -> list[float]:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         out.append(loss.item())
-    return out
+    state = {f"blocks.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    return out, state
+
+
+def reference_losses(cfg, steps: int) -> list[float]:
+    return reference_run(cfg, steps)[0]

@@ -2,15 +2,11 @@
 
 import pytest
 import torch
-from torch import nn
 
 from elastic_trainer import Trainer, TrainerConfig
-from elastic_trainer.data.dataset import TokenDataset
-from elastic_trainer.data.sampler import GlobalSampler
-from elastic_trainer.models.factory import build_blocks
-from elastic_trainer.worker.stage import build_optimizer
 
 from ..conftest import tiny_config
+from ..helpers import reference_run
 
 pytestmark = pytest.mark.integration
 STEPS = 5
@@ -19,25 +15,7 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def reference(corpus_dir):
     """Plain torch: one process, the whole global batch at once, the same blocks and seed."""
-    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir))
-    torch.manual_seed(0)
-    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
-    model = nn.Sequential(*blocks)
-    opt = build_optimizer(model.parameters(), cfg.train)
-    data = TokenDataset.open(cfg.data)
-    sampler = GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle)
-    gb = cfg.train.global_batch_size
-    losses = []
-    for step in range(STEPS):
-        x, y = data.sample(sampler.rows(step * gb, gb))
-        opt.zero_grad()
-        loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        losses.append(loss.item())
-    state = {f"blocks.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, state
+    return reference_run(TrainerConfig.from_dict(tiny_config(corpus_dir)), STEPS)
 
 
 LAYOUTS = [
