@@ -109,7 +109,7 @@ class Trainer:
             while True:
                 ready, _ = ray.wait([done_ref], timeout=0.2)
                 try:
-                    prog = ray.get(controller.progress.remote(min(seen, 10**12), seen_events))
+                    prog = ray.get(controller.progress.remote(seen, seen_events))
                 except ray.exceptions.RayActorError:
                     ready = [done_ref]
                     prog = {"records": [], "events": [], "length": seen, "n_events": seen_events}
