@@ -279,11 +279,7 @@ class Controller:
             slot_of_rank = assign_ranks(topo, slot_nodes, self.cfg.scaling.replica_placement)
             ranks = {r: wids[s] for r, s in enumerate(slot_of_rank)}
         plan.rank_nodes = {r: self.slots[w].node for r, w in ranks.items()}
-        virtual = self.cfg.parallel.virtual_stages if self.cfg.parallel.schedule == "interleaved" else 1
-        blocks_of_rank = {}
-        for r in ranks:
-            _, pp_rank = topo.coords(r)
-            blocks_of_rank[r] = [b for v in range(virtual) for b in range(*plan.stage_bounds[pp_rank + v * topo.pp])]
+        blocks_of_rank = {r: self._blocks_of_rank(r, plan) for r in ranks}
         sources = self._sources(restore, ranks, blocks_of_rank) if restore else {r: None for r in ranks}
         spares = [w for w in wids if w not in ranks.values()]
         for w in spares:
@@ -449,20 +445,26 @@ class Controller:
             ev["resumed_at"] = time.time()
             self._pending_recovery = None
         if step % cfg.checkpoint.memory_every == 0:
-            self.snapshots.take(step, {r: (self.slots[w].actor, w, self.slots[w].node, self._shard_refs[w])
-                                       for r, w in self.ranks.items()},
-                                {r: self._blocks_of_rank(r) for r in self.ranks})
+            self._take_snapshot(step, self._shard_refs)
         self._shard_refs = {}
         self.snapshots.poll()
         self.snapshots.prune()
         if cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 and step < cfg.train.steps:
             self._start_durable(step)
 
-    def _blocks_of_rank(self, rank: int) -> list[int]:
-        topo = self.plan.topology
+    def _blocks_of_rank(self, rank: int, plan: Plan | None = None) -> list[int]:
+        """Blocks ``rank`` holds under ``plan`` (default: the current one)."""
+        plan = plan or self.plan
+        topo = plan.topology
         _, pp_rank = topo.coords(rank)
         virtual = self.cfg.parallel.virtual_stages if self.cfg.parallel.schedule == "interleaved" else 1
-        return [b for v in range(virtual) for b in range(*self.plan.stage_bounds[pp_rank + v * topo.pp])]
+        return [b for v in range(virtual) for b in range(*plan.stage_bounds[pp_rank + v * topo.pp])]
+
+    def _take_snapshot(self, step: int, shard_refs: dict) -> None:
+        """Start replicating the shards of ``step`` (worker id -> shard ref) of the current ranks."""
+        self.snapshots.take(step, {r: (self.slots[w].actor, w, self.slots[w].node, shard_refs[w])
+                                   for r, w in self.ranks.items()},
+                            {r: self._blocks_of_rank(r) for r in self.ranks})
 
     # -- recovery --------------------------------------------------------------------------
     def _recover(self, out: StepOutcome) -> None:
@@ -775,10 +777,8 @@ class Controller:
             return None
         if self.step % self.cfg.checkpoint.memory_every:
             # The last step has no snapshot: take one so the end is saved exactly.
-            self.snapshots.take(self.step, {r: (self.slots[w].actor, w, self.slots[w].node,
-                                                self.slots[w].actor.export_snapshot.remote(self.step))
-                                            for r, w in self.ranks.items()},
-                                {r: self._blocks_of_rank(r) for r in self.ranks})
+            self._take_snapshot(self.step, {w: self.slots[w].actor.export_snapshot.remote(self.step)
+                                            for w in self.ranks.values()})
         return self._write_durable(self.step, self._durable_shards(self.step), list(self.history))
 
     def _emergency_durable(self) -> str | None:

@@ -25,7 +25,6 @@ class ShardEntry:
     node: str                                   # node of the rank that produced it
     pins: dict[int, object] = field(default_factory=dict)  # holder worker id -> ack ref
     pinned: set = field(default_factory=set)                # holder ids whose copy is stored
-    holder_nodes: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,7 +67,6 @@ class SnapshotStore:
                     continue
                 used.add(h_node)
                 entry.pins[h_wid] = h_actor.pin.remote((step, first), [entry.ref])
-                entry.holder_nodes[h_wid] = h_node
         self.snaps[step] = Snapshot(step, time.perf_counter(), shards)
 
     def poll(self) -> list[int]:
