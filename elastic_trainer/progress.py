@@ -36,7 +36,9 @@ class ProgressPrinter:
             print(f"-> {'grew' if ev['reason'] == 'grow' else 'recovered'}: dp={a.get('dp')} pp={a.get('pp')} -> "
                   f"dp={b['dp']} pp={b['pp']}, restored step {ev['restored_step']} ({srcs}), "
                   f"{ev['steps_redone']} step(s) redone; detect {ev['detect_s']:.2f}s, re-plan "
-                  f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s", file=self.stream, flush=True)
+                  f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s"
+                  + (f", {ev['attempts'] - 1} failed attempt(s) {ev['failed_attempts_s']:.2f}s"
+                     if ev.get("attempts", 1) > 1 else ""), file=self.stream, flush=True)
         elif kind == "resume":
             print(f"-> resumed from step {ev.get('step', 0)} of {ev.get('source', '')}", file=self.stream, flush=True)
         elif kind == "checkpoint_problem":

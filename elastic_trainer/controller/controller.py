@@ -111,7 +111,7 @@ class Controller:
         self._shard_refs: dict = {}
         self._setup_timings: dict = {}
         self._setup_refs: list = []   # (worker id, ref) of set-up calls of failed attempts
-        self._setup_attempts = 0
+        self._generation = 0          # numbers set-up attempts, so a stale one can be aborted
         self._durable_refs: dict = {}
         self._durable_manifest: dict = {}
         # Groups: "train" runs steps one at a time; "control" (ping, queries) never waits
@@ -296,14 +296,14 @@ class Controller:
         cfg_json = self._cfg_for(topo)
         coll_timeout = self._collective_timeout()
         rendezvous = self.cfg.failure.rendezvous_timeout_s
+        self._generation += 1
         refs = {r: self.slots[w].actor.setup.remote(
                     cfg_json, topo.dp, topo.pp, plan.stage_bounds, r, master_slot.ip, port, sources[r],
-                    coll_timeout, rendezvous)
+                    coll_timeout, rendezvous, self._generation)
                 for r, w in ranks.items()}
-        self._setup_refs += [(ranks[r], ref) for r, ref in refs.items()]
-        self._setup_attempts += 1
+        self._setup_refs = [(ranks[r], ref) for r, ref in refs.items()]
         outs = self._get_all(refs, ranks, rendezvous + 30, "set up")
-        self._setup_refs, self._setup_attempts = [], 0
+        self._setup_refs = []
         self._setup_timings = {k: max(o["timings"][k] for o in outs.values()) for k in ("reset", "groups", "build", "load")}
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
@@ -524,8 +524,10 @@ class Controller:
     def _replan_and_restore(self, out: StepOutcome | None, detected: float, plan_before: dict | None,
                             reason: str) -> None:
         """Re-plan on the live workers and restore; a failure during this counts and loops."""
+        attempts, retry_s = 0, 0.0
         while True:
             t0 = time.perf_counter()
+            attempts += 1
             self._await_joining(0, required=False)
             self._wait_for_min_workers()
             choice = choose_plan(self.cfg, self.counts, len(self.slots), self._worker_memory())
@@ -545,14 +547,17 @@ class Controller:
                 self.failures += 1
                 self._check_limits(Diagnosis([], [], [], [], "during_recovery", str(e)))
                 # Drop whoever died. A live worker that failed is not at fault: it waited at
-                # a rendezvous for a member that died. Let every live worker finish its
-                # set-up call (each ends within the rendezvous timeout) before the next try.
+                # a rendezvous for a member that died. Abort the set-ups still waiting and let
+                # them end before the next try, which would otherwise queue behind them.
                 self._drop(self._dead_among(list(self.slots)))
-                left = [ref for w, ref in self._setup_refs if w in self.slots]
-                if left:  # set-ups queue one after another in a worker: allow one timeout each
-                    ray.wait(left, num_returns=len(left),
-                             timeout=self.cfg.failure.rendezvous_timeout_s * self._setup_attempts + 5)
-                self._setup_refs, self._setup_attempts = [], 0
+                left = [(w, ref) for w, ref in self._setup_refs if w in self.slots]
+                for w, _ in left:
+                    self.slots[w].actor.abort_setup.remote(self._generation)
+                if left:
+                    ray.wait([ref for _, ref in left], num_returns=len(left),
+                             timeout=self.cfg.failure.rendezvous_timeout_s + 5)
+                self._setup_refs = []
+                retry_s += time.perf_counter() - t0
                 continue
             t2 = time.perf_counter()
             failed_step = out.step if out else self.step + 1
@@ -562,7 +567,8 @@ class Controller:
                 steps_rolled_back=self.rolled_back,
                 plan_before=_plan_summary(plan_before), plan_after=_plan_summary(desc), policy=choice.reason,
                 sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
-                replan_s=t1 - t0 + (t0 - detected), restore_s=t2 - t1, _resumed=t2,
+                replan_s=t1 - detected - retry_s, restore_s=t2 - t1, attempts=attempts, failed_attempts_s=retry_s,
+                _resumed=t2,
                 restore_parts=dict(self._setup_timings),
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))

@@ -51,6 +51,7 @@ class TrainWorker:
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
         self._setup_lock = threading.Lock()
+        self._aborted_upto = 0  # set-ups of this generation and older are abandoned
         # Everything imported so far lives as long as the process: keep it out of
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()
@@ -75,26 +76,33 @@ class TrainWorker:
     def ping(self) -> bool:
         return True
 
+    @ray.method(concurrency_group="control")
+    def abort_setup(self, generation: int) -> None:
+        """Abandon set-ups of ``generation`` and older that still wait for other ranks."""
+        self._aborted_upto = max(self._aborted_upto, generation)
+
     def setup(self, cfg_json: dict, dp: int, pp: int, stage_bounds: list[tuple[int, int]], rank: int,
               master_addr: str, master_port: int, sources: list | None = None,
-              collective_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None) -> dict:
+              collective_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None,
+              generation: int = 0) -> dict:
         """Join the process groups of a plan as ``rank`` and build its stage(s).
 
         ``sources``: object refs (nested in a list, so Ray does not resolve them
         on the way in) of shards from one step covering this rank's blocks, or
-        None to start from the seed.
+        None to start from the seed. ``generation`` numbers the controller's
+        attempts, so ``abort_setup`` can end this one without touching a later one.
         """
         with self._setup_lock:
             try:
                 return self._setup(cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-                                   collective_timeout_s, rendezvous_timeout_s)
+                                   collective_timeout_s, rendezvous_timeout_s, generation)
             except BaseException as e:
                 traceback.clear_frames(e.__traceback__)
                 self.reset()
                 raise
 
     def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-               collective_timeout_s, rendezvous_timeout_s) -> dict:
+               collective_timeout_s, rendezvous_timeout_s, generation) -> dict:
         t = [time.perf_counter()]
         self.reset()
         delay = self._faults.pop("setup", None)
@@ -105,7 +113,8 @@ class TrainWorker:
         device = torch.device("cuda", 0) if cfg.scaling.uses_gpu and torch.cuda.is_available() else torch.device("cpu")
         t.append(time.perf_counter())
         groups = init_groups(cfg.scaling.resolved_backend(), master_addr, master_port, topo, rank,
-                             collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s)
+                             collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s,
+                             aborted=lambda: self._aborted_upto >= generation > 0)
         t.append(time.perf_counter())
         trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device)
         t.append(time.perf_counter())

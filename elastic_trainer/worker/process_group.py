@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
-# Public API has no way to change a group's timeout after it is built.
+# Public API has no way to change a group's timeout after it is built, nor to
+# reset the default group's name counter after a failed join (see destroy_groups).
+from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..parallel.topology import Topology
@@ -21,6 +25,10 @@ class Groups:
     pp: object  # ranks holding the other stages of the same replica
 
 
+class SetupAborted(RuntimeError):
+    """The controller gave up on the plan this rank was joining."""
+
+
 def free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -29,7 +37,7 @@ def free_port(host: str = "") -> int:
 
 def init_groups(
     backend: str, master_addr: str, master_port: int, topo: Topology, rank: int, timeout_s: float,
-    rendezvous_timeout_s: float | None = None,
+    rendezvous_timeout_s: float | None = None, aborted: Callable[[], bool] | None = None,
 ) -> Groups:
     """Join the world group and build every DP and PP subgroup.
 
@@ -38,15 +46,15 @@ def init_groups(
     fast instead of holding this rank for a whole collective timeout.
     Each rank creates just the two subgroups it belongs to
     (``use_local_synchronization``): a group's members agree on it among
-    themselves.
+    themselves. ``aborted`` is polled while waiting for the other ranks: when
+    it turns true (the controller abandoned this plan) the join ends at once
+    with :class:`SetupAborted` instead of holding this rank until the timeout.
     """
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_groups()
     # Joining waits for the other ranks (rendezvous timeout); after that every
     # collective gets the (possibly tightened) collective timeout.
     join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
-    store = dist.TCPStore(master_addr, master_port, topo.world_size, is_master=rank == 0,
-                          timeout=join, wait_for_workers=True)
+    store = _meet(master_addr, master_port, topo.world_size, rank, join, aborted or (lambda: False))
     dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join)
     replica, stage = topo.coords(rank)
     # Only a group's members meet to build it; the others do not wait on it.
@@ -58,6 +66,49 @@ def init_groups(
     return Groups(dp=dp, pp=pp)
 
 
+def _meet(addr: str, port: int, world: int, rank: int, join: timedelta, aborted: Callable[[], bool]):
+    """Open the plan's store and wait until every rank has reached it.
+
+    The waits are short polls rather than one blocking call, because a
+    blocked call cannot be interrupted: a member that died would hold every
+    other rank here for the whole rendezvous timeout.
+    """
+    deadline = time.monotonic() + join.total_seconds()
+
+    def check(what: str) -> None:
+        if aborted():
+            raise SetupAborted(f"rank {rank} stopped {what}: the controller abandoned this plan")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank} timed out after {join.total_seconds():g}s {what} "
+                               f"(store {addr}:{port}, world size {world}; failure.rendezvous_timeout_s)")
+
+    if rank != 0:
+        # The master's port accepts once rank 0 has opened the store.
+        while True:
+            check("waiting for rank 0's store")
+            try:
+                socket.create_connection((addr, port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.02)
+    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=join, wait_for_workers=False)
+    store.add("arrived", 1)
+    while store.add("arrived", 0) < world:
+        check(f"waiting for {world} ranks to arrive")
+        time.sleep(0.01)
+    return store
+
+
 def destroy_groups() -> None:
+    """Leave every group, and forget any join that failed half-way.
+
+    The default group is named after a process-wide counter that
+    ``init_process_group`` bumps before it meets the other ranks, and only a
+    successful ``destroy_process_group`` resets. A rank whose join timed out
+    (a member died at the rendezvous) would otherwise join the next plan under
+    another name than its peers, wait for keys nobody writes, and fail again.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    elif dist.get_pg_count():
+        _c10d._world.group_count = 0
