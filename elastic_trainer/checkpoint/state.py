@@ -13,6 +13,8 @@ dp x pp: a rank takes the names of its own blocks from whichever shard has them.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -36,6 +38,30 @@ def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, bloc
         if st:
             optim[name] = {k: to_numpy(v) if torch.is_tensor(v) else np.asarray(v) for k, v in st.items()}
     return {"step": step, "blocks": sorted(blocks), "params": params, "optim": optim, "extra": extra or {}}
+
+
+def select_blocks(shard: dict, blocks) -> dict:
+    """The part of ``shard`` that holds ``blocks`` (no copy: the arrays are shared)."""
+    want = set(blocks)
+    keep = [n for n in shard["params"] if block_of(n) in want]
+    return {"step": shard["step"], "blocks": sorted(want & set(shard["blocks"])),
+            "params": {n: shard["params"][n] for n in keep},
+            "optim": {n: shard["optim"][n] for n in keep if n in shard["optim"]}, "extra": shard["extra"]}
+
+
+def split_blocks(blocks: list[int], parts: int, sizes: dict[int, int]) -> list[list[int]]:
+    """Deal ``blocks`` into ``parts`` groups of near-equal total ``sizes`` (largest first).
+
+    Used to share one stage's snapshot among its DP replicas; a group may be
+    empty when there are more parts than blocks.
+    """
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for b in sorted(blocks, key=lambda b: (-sizes.get(b, 0), b)):
+        i = min(range(parts), key=lambda i: (load[i], len(groups[i]), i))
+        groups[i].append(b)
+        load[i] += sizes.get(b, 0)
+    return [sorted(g) for g in groups]
 
 
 def merge_shards(shards: list[dict], names: list[str]) -> tuple[int, dict, dict]:
@@ -63,7 +89,10 @@ def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, opti
             src = params[name]
             if tuple(src.shape) != tuple(p.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
-            p.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+            with warnings.catch_warnings():
+                # Object-store arrays are read-only; they are only read here.
+                warnings.simplefilter("ignore", UserWarning)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(src)))
             if name in optim:
                 optimizer.state[p] = {
                     k: torch.tensor(v, device=p.device) if k == "step" else

@@ -19,7 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..checkpoint.durable import CheckpointError, DurableStore
-from ..checkpoint.state import shard_nbytes
+from ..checkpoint.state import shard_nbytes, split_blocks
 from ..config import TrainerConfig
 from ..errors import ElasticTrainerError, WorkerError
 from ..models.factory import block_param_counts
@@ -109,6 +109,7 @@ class Controller:
         self.rolled_back = 0
         self._inflight: dict = {}
         self._shard_refs: dict = {}
+        self._put_blocks: dict[int, list[int]] = {}  # rank -> blocks it puts in each snapshot
         self._setup_timings: dict = {}
         self._setup_refs: list = []   # (worker id, ref) of set-up calls of failed attempts
         self._generation = 0          # numbers set-up attempts, so a stale one can be aborted
@@ -312,6 +313,7 @@ class Controller:
             self.slots[w].rank = r
         self.ranks = ranks
         self.plan = plan
+        self._put_blocks = self._snapshot_parts(plan)
         restored = steps.pop()
         with self._lock:
             # Steps after the restored one were rolled back: they will be run again.
@@ -369,8 +371,8 @@ class Controller:
         snap = step % self.cfg.checkpoint.memory_every == 0
         started = time.perf_counter()
         refs, self._shard_refs = {}, {}
-        for w in self.ranks.values():
-            metrics, shard = self.slots[w].actor.train_step.remote(step, snap)
+        for r, w in self.ranks.items():
+            metrics, shard = self.slots[w].actor.train_step.remote(step, snap, self._put_blocks[r] if snap else None)
             refs[metrics] = w
             self._shard_refs[w] = shard
         out = StepOutcome(step, started)
@@ -460,11 +462,32 @@ class Controller:
         virtual = self.cfg.parallel.virtual_stages if self.cfg.parallel.schedule == "interleaved" else 1
         return [b for v in range(virtual) for b in range(*plan.stage_bounds[pp_rank + v * topo.pp])]
 
-    def _take_snapshot(self, step: int, shard_refs: dict) -> None:
-        """Start replicating the shards of ``step`` (worker id -> shard ref) of the current ranks."""
-        self.snapshots.take(step, {r: (self.slots[w].actor, w, self.slots[w].node, shard_refs[w])
-                                   for r, w in self.ranks.items()},
-                            {r: self._blocks_of_rank(r) for r in self.ranks})
+    def _snapshot_parts(self, plan: Plan) -> dict[int, list[int]]:
+        """Blocks each rank puts into the object store: its stage's blocks dealt among
+        the stage's DP replicas, which all hold the same state."""
+        topo = plan.topology
+        sizes = dict(enumerate(self.counts))
+        out = {}
+        for stage in range(topo.pp):
+            parts = split_blocks(self._blocks_of_rank(topo.rank(0, stage), plan), topo.dp, sizes)
+            for replica in range(topo.dp):
+                out[topo.rank(replica, stage)] = parts[replica]
+        return out
+
+    def _take_snapshot(self, step: int, shard_refs: dict, full: bool = False) -> None:
+        """Start replicating the parts of ``step`` (worker id -> shard ref) of the current ranks;
+        ``full``: each rank returned all its blocks (a snapshot off the schedule)."""
+        topo = self.plan.topology
+        parts, copy_nodes = {}, {}
+        for r, w in self.ranks.items():
+            blocks = self._blocks_of_rank(r) if full else self._put_blocks[r]
+            if not blocks:
+                continue
+            parts[r] = (w, self.slots[w].node, shard_refs[w], blocks)
+            stage = topo.coords(r)[1]
+            copy_nodes[r] = {self.slots[self.ranks[topo.rank(d, stage)]].node for d in range(topo.dp)}
+        workers = [(w, self.slots[w].actor, self.slots[w].node) for w in self.ranks.values()]
+        self.snapshots.take(step, parts, workers, copy_nodes)
 
     # -- recovery --------------------------------------------------------------------------
     def _recover(self, out: StepOutcome) -> None:
@@ -743,13 +766,8 @@ class Controller:
 
     # -- durable checkpoints -------------------------------------------------------------
     def _durable_shards(self, step: int) -> list:
-        """Refs of shards of ``step`` covering every block: each stage's replica 0."""
-        snap = self.snapshots.snaps.get(step)
-        if snap is None:
-            return []
-        topo = self.plan.topology
-        ranks = [topo.rank(0, s) for s in range(topo.pp)]
-        return [snap.shards[r].ref for r in ranks if r in snap.shards]
+        """Refs of snapshot parts of ``step`` covering every block."""
+        return self.snapshots.covering(step, len(self.counts)) or []
 
     def _start_durable(self, step: int) -> None:
         if self._durable_thread is not None and self._durable_thread.is_alive():
@@ -784,7 +802,7 @@ class Controller:
         if self.step % self.cfg.checkpoint.memory_every:
             # The last step has no snapshot: take one so the end is saved exactly.
             self._take_snapshot(self.step, {w: self.slots[w].actor.export_snapshot.remote(self.step)
-                                            for w in self.ranks.values()})
+                                            for w in self.ranks.values()}, full=True)
         return self._write_durable(self.step, self._durable_shards(self.step), list(self.history))
 
     def _emergency_durable(self) -> str | None:
@@ -793,17 +811,10 @@ class Controller:
             return None
         if self._durable_thread is not None:
             self._durable_thread.join()
+        alive = {s.node for s in self.slots.values()}
         for step in reversed(self.snapshots.committed_steps()):
-            snap = self.snapshots.snaps[step]
-            alive = {s.node for s in self.slots.values()}
-            shards = [e for e in snap.shards.values() if e.node in alive or e.pinned & set(self.slots)]
-            covered = {b for e in shards for b in e.blocks}
-            if covered >= set(range(len(self.counts))):
-                pick, seen = [], set()
-                for e in shards:
-                    if not set(e.blocks) <= seen:
-                        pick.append(e.ref)
-                        seen |= set(e.blocks)
+            pick = self.snapshots.covering(step, len(self.counts), alive, set(self.slots))
+            if pick:
                 history = [h for h in self.history if h["step"] <= step]
                 return self._write_durable(step, pick, history)
         return None

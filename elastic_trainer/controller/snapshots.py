@@ -1,11 +1,16 @@
-"""Object-store snapshots owned by the controller, each shard pinned on a second node.
+"""Object-store snapshots owned by the controller, each part with copies on distinct nodes.
 
-After a snapshot step every rank keeps a local copy and returns it as the
-step's second result (so the object is owned by the controller and outlives
-the worker); the controller asks workers on other nodes to pin a copy (so it
-outlives the node). A snapshot commits when every shard has all its copies.
-The last two committed stay; older refs are dropped and holders let their old
-copies go, so object-store use does not grow with the step count.
+After a snapshot step every rank keeps a full local copy of its state. The DP
+replicas of a stage hold bit-identical state, so they share the object-store
+write: each returns only its part of the stage's blocks (``split_blocks``) as
+the step's second result, owned by the controller so it outlives the worker.
+The object store then holds one complete snapshot per step instead of dp of
+them, and every part still has copies on distinct nodes: the producer's object
+plus the other replicas' local copies. Where a stage sits on fewer than
+``replicas`` nodes (dp=1, or replicas packed on a node) the controller asks
+workers on other nodes to pin a copy. A snapshot commits when every part has
+all its copies. The last two committed stay; older refs are dropped and holders
+let their old copies go, so object-store use does not grow with the step count.
 """
 
 from __future__ import annotations
@@ -41,23 +46,20 @@ class SnapshotStore:
         self.snaps: dict[int, Snapshot] = {}
         self.bytes_last = 0
 
-    def take(self, step: int, ranks: dict[int, tuple], blocks_of_rank: dict[int, list[int]]) -> None:
-        """Start replicating snapshot ``step``: ``ranks`` maps rank -> (actor, worker id, node, shard ref).
+    def take(self, step: int, parts: dict[int, tuple], workers: list[tuple],
+             copy_nodes: dict[int, set[str]]) -> None:
+        """Start replicating snapshot ``step``.
 
-        The DP replicas of a stage hold bit-identical state (same averaged
-        gradients, same optimizer step), so their shards already are copies of
-        each other: pins are made only for stages whose replicas sit on fewer
-        than ``replicas`` distinct nodes (dp=1, or replicas packed on a node).
+        ``parts``: rank -> (worker id, node, shard ref, blocks) of the ranks that
+        returned a part; ``workers``: (worker id, actor, node) of every rank, the
+        candidate pin holders; ``copy_nodes``: rank -> nodes that already hold a
+        copy of that rank's part (its own node and its DP peers' nodes).
         """
-        shards = {rank: ShardEntry(ref, blocks_of_rank[rank], node) for rank, (_, _, node, ref) in ranks.items()}
-        workers = sorted((w[1], w[0], w[2]) for w in ranks.values())  # (worker id, actor, node)
-        groups: dict[tuple, list[int]] = {}
-        for rank in sorted(ranks):
-            groups.setdefault(tuple(blocks_of_rank[rank]), []).append(rank)
-        for members in groups.values():
-            used = {shards[r].node for r in members}
-            first = members[0]
-            entry, wid = shards[first], ranks[first][1]
+        shards = {rank: ShardEntry(ref, blocks, node) for rank, (_, node, ref, blocks) in parts.items()}
+        workers = sorted(workers, key=lambda w: w[0])
+        for rank, entry in shards.items():
+            used = set(copy_nodes.get(rank, ())) | {entry.node}
+            wid = parts[rank][0]
             # Holders: workers on other nodes, nearest worker id after the producer first.
             order = sorted(workers, key=lambda w: (w[0] - wid) % (workers[-1][0] + 1))
             for h_wid, h_actor, h_node in order:
@@ -66,7 +68,7 @@ class SnapshotStore:
                 if h_node in used:
                     continue
                 used.add(h_node)
-                entry.pins[h_wid] = h_actor.pin.remote((step, first), [entry.ref])
+                entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref])
         self.snaps[step] = Snapshot(step, time.perf_counter(), shards)
 
     def poll(self) -> list[int]:
@@ -118,3 +120,19 @@ class SnapshotStore:
 
     def ref(self, step: int, rank: int):
         return self.snaps[step].shards[rank].ref
+
+    def covering(self, step: int, n_blocks: int, alive_nodes: set[str] | None = None,
+                 alive_workers: set[int] | None = None) -> list | None:
+        """Refs of parts of ``step`` that together hold every block (only parts with a
+        surviving copy when ``alive_*`` are given), or None if they do not."""
+        snap = self.snaps.get(step)
+        if snap is None:
+            return None
+        picked, seen = [], set()
+        for _, e in sorted(snap.shards.items()):
+            if alive_nodes is not None and e.node not in alive_nodes and not e.pinned & (alive_workers or set()):
+                continue
+            if not set(e.blocks) <= seen:
+                picked.append(e.ref)
+                seen |= set(e.blocks)
+        return picked if seen >= set(range(n_blocks)) else None

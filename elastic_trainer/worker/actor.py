@@ -19,7 +19,7 @@ import traceback
 import ray
 import torch
 
-from ..checkpoint.state import block_of
+from ..checkpoint.state import select_blocks
 from ..config import TrainerConfig
 from ..parallel.topology import Topology
 from .process_group import destroy_groups, free_port, init_groups
@@ -150,9 +150,10 @@ class TrainWorker:
         destroy_groups()
 
     @ray.method(concurrency_group="train", num_returns=2)
-    def train_step(self, step: int, snapshot: bool) -> tuple[dict, dict | None]:
-        """Run ``step``. With ``snapshot``, the second result is this rank's state after it:
-        returned, not put, so the caller (the controller) owns the object."""
+    def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None) -> tuple[dict, dict | None]:
+        """Run ``step``. With ``snapshot``, keep a local copy of this rank's state after it,
+        and return the part holding ``put_blocks`` (all of it if None; None if empty) as
+        the second result: returned, not put, so the caller (the controller) owns the object."""
         try:
             if self._faults.pop(("raise", step), None):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
@@ -171,6 +172,8 @@ class TrainWorker:
                 self.local[step] = shard
                 for old in sorted(self.local)[:-_LOCAL_COPIES]:
                     del self.local[old]
+            if put_blocks is not None:
+                shard = select_blocks(shard, put_blocks) if put_blocks else None
         return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_s": r.comm_s,
                  "comm_bytes": r.comm_bytes, "cursor": r.cursor}, shard)
 
@@ -192,11 +195,7 @@ class TrainWorker:
         """The part of the local copy at ``step`` that holds ``blocks``."""
         with self._lock:
             sh = self.local[step]
-        want = set(blocks)
-        keep = [n for n in sh["params"] if block_of(n) in want]
-        return {"step": step, "blocks": sorted(want & set(sh["blocks"])),
-                "params": {n: sh["params"][n] for n in keep},
-                "optim": {n: sh["optim"][n] for n in keep if n in sh["optim"]}, "extra": sh["extra"]}
+        return select_blocks(sh, blocks)
 
     def pin(self, key: tuple, refs: list) -> int:
         """Hold a copy of another rank's shard on this node so it outlives that node."""
