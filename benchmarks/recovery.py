@@ -77,13 +77,14 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int) -> dict:
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
+    from elastic_trainer.naming import NAMESPACE
 
     name = raw["run"]["name"]
     killed = {}
 
     def on_step(rec):
         if rec["step"] >= kill_at and not killed:
-            st = ray.get(ray.get_actor(f"{name}-controller").status.remote())
+            st = ray.get(ray.get_actor(f"{name}-controller", namespace=NAMESPACE).status.remote())
             target = max((w for w in st["workers"] if w["rank"] is not None), key=lambda w: w["rank"])
             node = next(n for n in nodes if n.node_id == target["node_id"])
             killed["step"] = st["step"]

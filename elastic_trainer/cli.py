@@ -1,4 +1,4 @@
-"""Command line: ``elastic-trainer run | plan | prepare-data``."""
+"""Command line: ``elastic-trainer run | plan | status | prepare-data``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,46 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _check_reachable(address: str) -> None:
+    """Fail in seconds on a wrong host:port; Ray itself retries it for a minute."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and other forms: Ray resolves them itself, quickly
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except OSError as e:
+        raise ElasticTrainerError(f"no Ray cluster answers at --address {address!r} ({e.strerror or e})") from None
+
+
+def _cmd_status(args) -> int:
+    import os
+
+    import ray
+
+    from .naming import NAMESPACE
+    from .status import format_status, live_statuses
+
+    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    _check_reachable(address)
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as e:
+        raise ElasticTrainerError(f"no Ray cluster at --address {address!r}: {e}") from None
+    try:
+        statuses = live_statuses(args.run)
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps(statuses, indent=2, default=str))
+    elif not statuses:
+        print("no live runs" + (f" named {args.run!r}" if args.run else "") + f" on {address}")
+    else:
+        print("\n\n".join(format_status(st) for st in statuses))
+    return 0
+
+
 def _cmd_prepare(args) -> int:
     from .data.corpus import prepare_stdlib_corpus
 
@@ -79,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=_cmd_run)
     job_command("plan", "Print the plan (topology, stage cut) a job would use, without running it.").set_defaults(
         fn=_cmd_plan)
+    st = sub.add_parser("status", help="Show the live runs on a cluster: plan, step, throughput, failures.",
+                        description="Show the live runs on a Ray cluster, read from their controllers.")
+    st.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else the local cluster)")
+    st.add_argument("--run", help="only this run")
+    st.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    st.set_defaults(fn=_cmd_status)
     p = sub.add_parser("prepare-data", help="Write the Python-stdlib byte corpus as Parquet.",
                        description="Write the Python-stdlib byte corpus as Parquet token rows.")
     p.add_argument("--out", required=True, help="output directory")

@@ -27,6 +27,10 @@ class RunSection(_Strict):
 
     name: str | None = Field(None, description="Run name; actors are named after it. Default: et-<time>.")
     log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
+    report_dir: str | None = Field(
+        "elastic_trainer_reports",
+        description="Directory for the run report PNG (<dir>/<run>.png), written at the end of a run, "
+                    "also when it fails. null: no report.")
 
 
 class ModelSection(_Strict):

@@ -2,50 +2,84 @@
 
 from __future__ import annotations
 
+import collections
+import statistics
 from typing import TextIO
 
 from .config import TrainerConfig
 
 
 class ProgressPrinter:
-    def __init__(self, cfg: TrainerConfig, stream: TextIO):
+    """Step lines and events on the driver.
+
+    On a terminal a live bar (step, loss, tokens/s, ETA) redraws in place and a
+    full line is kept every ``run.log_every`` steps; elsewhere (job logs,
+    pipes) only the periodic lines are written, since a redrawn line would
+    fill a log with carriage returns.
+    """
+
+    def __init__(self, cfg: TrainerConfig, stream: TextIO, live: bool | None = None):
         self.cfg = cfg
         self.stream = stream
         self.every = cfg.run.log_every
         self.total = cfg.train.steps
+        self.live = stream.isatty() if live is None else live
+        self._recent: collections.deque = collections.deque(maxlen=20)  # step times for the ETA
+        self._bar_shown = False
+
+    def eta_s(self, step: int) -> float | None:
+        if not self._recent:
+            return None
+        return (self.total - step) * statistics.median(self._recent)
+
+    def bar(self, rec: dict, width: int = 24) -> str:
+        s = rec["step"]
+        filled = int(width * s / max(1, self.total))
+        eta = self.eta_s(s)
+        return (f"[{'#' * filled}{'.' * (width - filled)}] {s}/{self.total} | loss {rec['loss']:.4f} | "
+                f"{rec['tokens_per_s']:,.0f} tok/s | ETA {_clock(eta) if eta is not None else '?'}")
 
     def step(self, rec: dict) -> None:
         s = rec["step"]
+        self._recent.append(rec["step_time_s"])
         if s == 1 or s % self.every == 0 or s == self.total:
-            print(
+            eta = self.eta_s(s)
+            self._line(
                 f"step {s:>5}/{self.total} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:>9,.0f} tok/s"
                 f" | {rec['step_time_s'] * 1000:7.1f} ms/step | comm {rec['comm_s'] * 1000:6.1f} ms"
-                f" | dp={rec['dp']} pp={rec['pp']}",
-                file=self.stream, flush=True,
+                f" | dp={rec['dp']} pp={rec['pp']} | ETA {_clock(eta) if eta is not None else '?'}"
             )
+        if self.live:
+            self.stream.write("\r\x1b[2K" + self.bar(rec))
+            self.stream.flush()
+            self._bar_shown = True
+
+    def _line(self, text: str) -> None:
+        if self._bar_shown:  # clear the live bar; it is redrawn after the next step
+            self.stream.write("\r\x1b[2K")
+            self._bar_shown = False
+        print(text, file=self.stream, flush=True)
 
     def event(self, ev: dict) -> None:
         kind = ev["kind"]
         if kind == "failure":
             where = f" (rank {ev['rank']}, node {str(ev['node'])[:8]})" if ev.get("rank") is not None else ""
-            print(f"!! failure at step {ev['step']}: {ev['failure']} of worker {ev['worker']}{where}",
-                  file=self.stream, flush=True)
+            self._line(f"!! failure at step {ev['step']}: {ev['failure']} of worker {ev['worker']}{where}")
         elif kind == "recovery":
             a, b = ev["plan_before"] or {}, ev["plan_after"]
             srcs = ", ".join(f"{n} blocks from {t}" for t, n in ev["sources"].items()) or "fresh start"
-            print(f"-> {'grew' if ev['reason'] == 'grow' else 'recovered'}: dp={a.get('dp')} pp={a.get('pp')} -> "
-                  f"dp={b['dp']} pp={b['pp']}, restored step {ev['restored_step']} ({srcs}), "
-                  f"{ev['steps_redone']} step(s) redone; detect {ev['detect_s']:.2f}s, re-plan "
-                  f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s"
-                  + (f", {ev['attempts'] - 1} failed attempt(s) {ev['failed_attempts_s']:.2f}s"
-                     if ev.get("attempts", 1) > 1 else ""), file=self.stream, flush=True)
+            self._line(f"-> {'grew' if ev['reason'] == 'grow' else 'recovered'}: dp={a.get('dp')} pp={a.get('pp')} -> "
+                            f"dp={b['dp']} pp={b['pp']}, restored step {ev['restored_step']} ({srcs}), "
+                       f"{ev['steps_redone']} step(s) redone; detect {ev['detect_s']:.2f}s, re-plan "
+                       f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s"
+                       + (f", {ev['attempts'] - 1} failed attempt(s) {ev['failed_attempts_s']:.2f}s"
+                          if ev.get("attempts", 1) > 1 else ""))
         elif kind == "resume":
-            print(f"-> resumed from step {ev.get('step', 0)} of {ev.get('source', '')}", file=self.stream, flush=True)
+            self._line(f"-> resumed from step {ev.get('step', 0)} of {ev.get('source', '')}")
         elif kind == "checkpoint_problem":
-            print(f"!! checkpoint: {ev['detail']}", file=self.stream, flush=True)
+            self._line(f"!! checkpoint: {ev['detail']}")
         elif kind == "durable_checkpoint":
-            print(f"   durable checkpoint of step {ev['step']} written to {ev['path']} in {ev['seconds']:.2f}s",
-                  file=self.stream, flush=True)
+            self._line(f"   durable checkpoint of step {ev['step']} written to {ev['path']} in {ev['seconds']:.2f}s")
 
     def done(self, history: list[dict]) -> None:
         if not history:
@@ -53,8 +87,14 @@ class ProgressPrinter:
         first, last = history[0]["loss"], history[-1]["loss"]
         steady = history[len(history) // 2:]
         tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
-        print(
+        self._line(
             f"done: {len(history)} steps, loss {first:.4f} -> {last:.4f} "
-            f"({(1 - last / first) * 100:.1f}% lower), {tps:,.0f} tok/s steady",
-            file=self.stream, flush=True,
+            f"({(1 - last / first) * 100:.1f}% lower), {tps:,.0f} tok/s steady"
         )
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

@@ -12,6 +12,7 @@ import os
 import ray
 
 from .config import TrainerConfig
+from .naming import NAMESPACE
 
 
 class SimulatedCluster:
@@ -22,7 +23,7 @@ class SimulatedCluster:
 
     def kill_node_of_rank(self, rank: int | None = None) -> str | None:
         """Remove (SIGKILL) the node hosting ``rank`` (default: the highest rank)."""
-        st = ray.get(ray.get_actor(f"{self.run_name}-controller").status.remote())
+        st = ray.get(ray.get_actor(f"{self.run_name}-controller", namespace=NAMESPACE).status.remote())
         ranked = [w for w in st["workers"] if w["rank"] is not None]
         if not ranked:
             return None

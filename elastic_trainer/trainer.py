@@ -15,6 +15,7 @@ from .config import TrainerConfig
 from .controller.controller import Controller
 from .data.dataset import TokenDataset, ensure_prepared
 from .models.factory import resolve_factory
+from .naming import NAMESPACE, controller_name
 from .progress import ProgressPrinter
 
 
@@ -29,6 +30,7 @@ class Result:
     workers: list[dict] = field(default_factory=list)
     plans: list[dict] = field(default_factory=list)  # every plan the run used; history's "plan" indexes it
     model_state: dict[str, Any] | None = None  # global parameter name -> tensor, when asked for
+    report_path: str | None = None  # the run report PNG, if written
 
     @property
     def failures(self) -> list[dict]:
@@ -55,6 +57,7 @@ class Trainer:
         self.config = config
         self.on_step = on_step
         self.verbose = verbose
+        self.report_path: str | None = None  # the run report PNG of the last fit
 
     def fit(self, return_model_state: bool = False, resume: bool = False) -> Result:
         """Train. ``resume``: continue from the newest durable checkpoint in
@@ -72,6 +75,22 @@ class Trainer:
         finally:
             if started_ray:
                 ray.shutdown()
+
+    def _report(self, cfg: TrainerConfig, run_name: str, history: list[dict], events: list[dict]) -> None:
+        """Write the run report PNG; a report that cannot be drawn never fails the run."""
+        if cfg.run.report_dir is None:
+            return
+        from .report import write_report
+
+        path = os.path.join(os.path.expanduser(cfg.run.report_dir), f"{run_name}.png")
+        try:
+            write_report(history, events, path, title=f"run {run_name}")
+        except Exception as e:  # noqa: BLE001 - the training result matters more than its picture
+            print(f"run report not written ({type(e).__name__}: {e})", file=sys.stderr)
+            return
+        self.report_path = path
+        if self.verbose:
+            print(f"run report: {path}", flush=True)
 
     def _check_inputs(self, cfg: TrainerConfig) -> TrainerConfig:
         """Fail before any worker starts: bad data and bad factories are cheap to find here."""
@@ -99,40 +118,48 @@ class Trainer:
     def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool) -> Result:
         node_id = ray.get_runtime_context().get_node_id()
         controller = ray.remote(Controller).options(
-            name=f"{run_name}-controller", num_cpus=0, max_concurrency=8, max_restarts=0,
+            name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(cfg.model_dump(mode="json"), run_name)
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
         done_ref = controller.run.remote(return_model_state, resume)
-        seen, seen_events = 0, 0
+        # What the driver has seen, kept so a failed run still gets its report.
+        history: list[dict] = []
+        events: list[dict] = []
         try:
             while True:
                 ready, _ = ray.wait([done_ref], timeout=0.2)
                 try:
-                    prog = ray.get(controller.progress.remote(seen, seen_events))
+                    prog = ray.get(controller.progress.remote(len(history), len(events)))
                 except ray.exceptions.RayActorError:
                     ready = [done_ref]
-                    prog = {"records": [], "events": [], "length": seen, "n_events": seen_events}
+                    prog = {"records": [], "events": [], "length": len(history), "n_events": len(events)}
                 for ev in prog["events"]:
                     if printer:
                         printer.event(ev)
-                seen_events = prog["n_events"]
+                events.extend(prog["events"])
+                # A rollback shortens the history: continue from where it stands now.
+                del history[prog["length"] - len(prog["records"]):]
                 for rec in prog["records"]:
+                    history.append(rec)
                     if printer:
                         printer.step(rec)
                     if self.on_step:
                         self.on_step(rec)
-                # A rollback shortens the history: continue from where it stands now.
-                seen = prog["length"]
                 if ready:
                     break
             try:
                 out = ray.get(done_ref)
             except ray.exceptions.RayTaskError as e:
+                self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED",
+                                                                 "error": str(e.as_instanceof_cause())}])
                 raise e.as_instanceof_cause() from None
         finally:
             ray.kill(controller, no_restart=True)
         if printer:
             printer.done(out["history"])
+        self.report_path = None
+        self._report(cfg, run_name, out["history"], out["events"])
         return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
-                      workers=out["workers"], plans=out["plans"], model_state=out["model_state"])
+                      workers=out["workers"], plans=out["plans"], model_state=out["model_state"],
+                      report_path=self.report_path)

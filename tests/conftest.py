@@ -24,7 +24,7 @@ def corpus_dir(tmp_path_factory) -> str:
 def tiny_config(corpus: str, **sections) -> dict:
     """A config dict for a GPT small enough to step in milliseconds; sections override by key."""
     cfg = {
-        "run": {"log_every": 1000},
+        "run": {"log_every": 1000, "report_dir": None},
         "model": {"kind": "gpt", "n_layer": 6, "n_head": 2, "d_model": 32},
         "data": {"path": corpus, "seq_len": SEQ_LEN},
         "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 1, "lr": 1e-3, "seed": 1,

@@ -22,7 +22,9 @@ from ..checkpoint.durable import CheckpointError, DurableStore
 from ..checkpoint.state import shard_nbytes, split_blocks
 from ..config import TrainerConfig
 from ..errors import ElasticTrainerError, WorkerError
+from ..metrics import RunMetrics
 from ..models.factory import block_param_counts
+from ..naming import NAMESPACE, spare_name, worker_name
 from ..parallel.topology import Topology
 from ..worker.actor import TrainWorker
 from .failures import Diagnosis, StepOutcome, diagnose
@@ -121,6 +123,7 @@ class Controller:
             max_concurrency=16, concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4})(TrainWorker)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.metrics = RunMetrics(run_name)
 
     # -- queried while run() is in progress -------------------------------------------
     def progress(self, since: int, events_since: int = 0) -> dict:
@@ -135,13 +138,18 @@ class Controller:
                     "plan": self.plan.describe() if self.plan else None}
 
     def status(self) -> dict:
+        """What ``elastic-trainer status`` shows: plan, step, throughput, recent failures."""
         with self._lock:
+            recent = self.history[-10:]
             return {"run": self.run_name, "state": self.state.value, "step": self.step,
                     "steps": self.cfg.train.steps, "last": self.history[-1] if self.history else None,
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recent) if recent else None,
+                    "step_time_s": statistics.median(r["step_time_s"] for r in recent) if recent else None,
                     "plan": self.plan.describe() if self.plan else None,
                     "workers": [{"worker_id": s.wid, "rank": s.rank, "node_id": s.node, "pid": s.pid}
                                 for s in self.slots.values()],
-                    "failures": [e for e in self.events if e["kind"] == "failure"][-5:]}
+                    "failures": [e for e in self.events if e["kind"] == "failure"][-5:],
+                    "recoveries": sum(1 for e in self.events if e["kind"] == "recovery")}
 
     def stop(self) -> None:
         """Stop at the next step boundary."""
@@ -152,12 +160,14 @@ class Controller:
         with self._lock:
             prev, self.state = self.state, new
             self.events.append({"kind": "state", "from": prev.value, "to": new.value, "time": time.time(), **detail})
+        self.metrics.set_state(new)
         return prev, new
 
     def _event(self, kind: str, **detail) -> dict:
         ev = {"kind": kind, "time": time.time(), **detail}
         with self._lock:
             self.events.append(ev)
+        self.metrics.record_event(ev)
         return ev
 
     # -- the run -------------------------------------------------------------------------
@@ -171,7 +181,7 @@ class Controller:
             slot_of_rank = assign_ranks(topo, nodes, self.cfg.scaling.replica_placement)
             # Worker i starts as rank i, named after it (replica, stage) for the dashboard.
             self._spawn([nodes[slot_of_rank[r]] for r in range(topo.world_size)],
-                        [f"{self.run_name}-rank{r}-r{topo.coords(r)[0]}s{topo.coords(r)[1]}"
+                        [worker_name(self.run_name, r, *topo.coords(r))
                          for r in range(topo.world_size)])
             self._await_joining(self.cfg.scaling.placement_timeout_s, required=True)
             self._transition(RunState.STARTING)
@@ -209,7 +219,7 @@ class Controller:
             wid = self._next_wid
             self._next_wid += 1
             opts = dict(
-                name=names[i] if names else f"{self.run_name}-w{wid}",
+                name=names[i] if names else spare_name(self.run_name, wid), namespace=NAMESPACE,
                 num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
                 resources={k: v for k, v in res.items() if k not in ("CPU", "GPU", "memory")} or None,
                 max_restarts=0,
@@ -446,10 +456,15 @@ class Controller:
             ev["total_s"] = ev["detect_s"] + ev["replan_s"] + ev["restore_s"] + ev["first_step_s"]
             ev["resumed_at"] = time.time()
             self._pending_recovery = None
+            self.metrics.record_event(ev)
+        self.metrics.record_step(record)
         if step % cfg.checkpoint.memory_every == 0:
-            self._take_snapshot(step, self._shard_refs)
+            self._take_snapshot(step, self._shard_refs, nbytes=sum(o.get("snapshot_bytes", 0) for o in results))
         self._shard_refs = {}
-        self.snapshots.poll()
+        for snap in self.snapshots.poll():
+            # Not a result event (one per step would drown the others): a metric only.
+            self.metrics.record_event({"kind": "snapshot", "step": snap.step, "bytes": snap.nbytes,
+                                       "seconds": snap.committed_at - snap.started})
         self.snapshots.prune()
         if cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 and step < cfg.train.steps:
             self._start_durable(step)
@@ -474,7 +489,7 @@ class Controller:
                 out[topo.rank(replica, stage)] = parts[replica]
         return out
 
-    def _take_snapshot(self, step: int, shard_refs: dict, full: bool = False) -> None:
+    def _take_snapshot(self, step: int, shard_refs: dict, full: bool = False, nbytes: int = 0) -> None:
         """Start replicating the parts of ``step`` (worker id -> shard ref) of the current ranks;
         ``full``: each rank returned all its blocks (a snapshot off the schedule)."""
         topo = self.plan.topology
@@ -487,7 +502,7 @@ class Controller:
             stage = topo.coords(r)[1]
             copy_nodes[r] = {self.slots[self.ranks[topo.rank(d, stage)]].node for d in range(topo.dp)}
         workers = [(w, self.slots[w].actor, self.slots[w].node) for w in self.ranks.values()]
-        self.snapshots.take(step, parts, workers, copy_nodes)
+        self.snapshots.take(step, parts, workers, copy_nodes, nbytes)
 
     # -- recovery --------------------------------------------------------------------------
     def _recover(self, out: StepOutcome) -> None:

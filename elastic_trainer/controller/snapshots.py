@@ -38,16 +38,16 @@ class Snapshot:
     started: float
     shards: dict[int, ShardEntry]   # rank -> entry
     committed_at: float | None = None
+    nbytes: int = 0                 # one copy of every part
 
 
 class SnapshotStore:
     def __init__(self, replicas: int):
         self.replicas = replicas
         self.snaps: dict[int, Snapshot] = {}
-        self.bytes_last = 0
 
     def take(self, step: int, parts: dict[int, tuple], workers: list[tuple],
-             copy_nodes: dict[int, set[str]]) -> None:
+             copy_nodes: dict[int, set[str]], nbytes: int = 0) -> None:
         """Start replicating snapshot ``step``.
 
         ``parts``: rank -> (worker id, node, shard ref, blocks) of the ranks that
@@ -69,10 +69,10 @@ class SnapshotStore:
                     continue
                 used.add(h_node)
                 entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref])
-        self.snaps[step] = Snapshot(step, time.perf_counter(), shards)
+        self.snaps[step] = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes)
 
-    def poll(self) -> list[int]:
-        """Record finished pins; returns steps that committed now."""
+    def poll(self) -> list[Snapshot]:
+        """Record finished pins; returns the snapshots that committed now."""
         done = []
         for snap in self.snaps.values():
             if snap.committed_at is not None:
@@ -90,7 +90,7 @@ class SnapshotStore:
                                 pass  # holder died; the shard may still commit via restore-time checks
             if all(len(e.pinned) == len(e.pins) for e in snap.shards.values()):
                 snap.committed_at = time.perf_counter()
-                done.append(snap.step)
+                done.append(snap)
         return done
 
     def committed_steps(self) -> list[int]:

@@ -19,7 +19,7 @@ import traceback
 import ray
 import torch
 
-from ..checkpoint.state import select_blocks
+from ..checkpoint.state import select_blocks, shard_nbytes
 from ..config import TrainerConfig
 from ..parallel.topology import Topology
 from .process_group import destroy_groups, free_port, init_groups
@@ -175,7 +175,8 @@ class TrainWorker:
             if put_blocks is not None:
                 shard = select_blocks(shard, put_blocks) if put_blocks else None
         return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_s": r.comm_s,
-                 "comm_bytes": r.comm_bytes, "cursor": r.cursor}, shard)
+                 "comm_bytes": r.comm_bytes, "cursor": r.cursor,
+                 "snapshot_bytes": shard_nbytes(shard) if shard else 0}, shard)
 
     # -- snapshots and restore sources --------------------------------------------
     @ray.method(concurrency_group="control")

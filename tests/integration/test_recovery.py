@@ -12,6 +12,7 @@ from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.controller.controller import RunError
 from elastic_trainer.controller.policy import choose_plan
 from elastic_trainer.models.factory import block_param_counts
+from elastic_trainer.naming import NAMESPACE
 
 from ..conftest import tiny_config
 from ..helpers import reference_losses
@@ -30,7 +31,7 @@ def config(corpus, name, steps=24, **sections):
 
 
 def status(name):
-    return ray.get(ray.get_actor(f"{name}-controller").status.remote())
+    return ray.get(ray.get_actor(f"{name}-controller", namespace=NAMESPACE).status.remote())
 
 
 def node_of_rank(name, rank, nodes):
@@ -70,9 +71,9 @@ def pids(result):
     return {w["worker_id"]: w["pid"] for w in result.workers}
 
 
-def test_node_loss_at_2x2_replans_survivors_and_follows_the_loss_curve(fresh_cluster, corpus_dir):
+def test_node_loss_at_2x2_replans_survivors_and_follows_the_loss_curve(fresh_cluster, corpus_dir, tmp_path):
     c, nodes = fresh_cluster(4)
-    cfg = config(corpus_dir, "loss1", parallel={"dp": 2, "pp": 2})
+    cfg = config(corpus_dir, "loss1", parallel={"dp": 2, "pp": 2}).with_overrides([f"run.report_dir={tmp_path}"])
     before = {}
 
     def kill():
@@ -99,6 +100,9 @@ def test_node_loss_at_2x2_replans_survivors_and_follows_the_loss_curve(fresh_clu
     assert got[:change - 1] == pytest.approx(ref[:change - 1], rel=1e-4)
     assert got[change - 1:change + 9] == pytest.approx(ref[change - 1:change + 9], rel=1e-3)
     assert {(r["dp"], r["pp"]) for r in result.history[change - 1:]} == {(expected.dp, expected.pp)}
+    # The run report is drawn, failure and recovery included.
+    assert result.report_path == str(tmp_path / "loss1.png")
+    assert (tmp_path / "loss1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_two_losses_in_a_row(fresh_cluster, corpus_dir):
@@ -124,7 +128,8 @@ def test_loss_during_a_recovery(fresh_cluster, corpus_dir):
         # Hold the next set-up of two survivors, so the recovery lasts long enough to be hit.
         for w in st["workers"]:
             if w["rank"] in (0, 1):
-                ray.get_actor(f"loss3-rank{w['rank']}-r0s{w['rank']}").inject_fault.remote("slow_setup", seconds=2.0)
+                actor = ray.get_actor(f"loss3-rank{w['rank']}-r0s{w['rank']}", namespace=NAMESPACE)
+                actor.inject_fault.remote("slow_setup", seconds=2.0)
         victims["second"] = node_of_rank("loss3", 2, nodes)
         c.remove_node(node_of_rank("loss3", 3, nodes), allow_graceful=False)
 
@@ -160,7 +165,7 @@ def test_loss_while_a_snapshot_is_taken_falls_back_to_the_previous_one(fresh_clu
         seen_at.append(status("snap")["step"])
         for r in range(4):
             for step in (20, 30, 40):
-                ray.get_actor(f"snap-rank{r}-r0s{r}").inject_fault.remote("slow_pin", step=step, seconds=30)
+                ray.get_actor(f"snap-rank{r}-r0s{r}", namespace=NAMESPACE).inject_fault.remote("slow_pin", step=step, seconds=30)
 
     def kill_mid_snapshot():
         # A snapshot is being replicated (its pins are held) when rank 2's node goes.
@@ -225,7 +230,7 @@ def test_exception_in_a_step_rolls_back_and_retries_with_the_same_workers(fresh_
         st = status("exc")
         before.update({w["worker_id"]: w["pid"] for w in st["workers"]})
         target.append(st["step"] + 5)  # far enough ahead of the running step
-        ray.get(ray.get_actor("exc-rank2-r1s0").inject_fault.remote("raise", step=target[0]))
+        ray.get(ray.get_actor("exc-rank2-r1s0", namespace=NAMESPACE).inject_fault.remote("raise", step=target[0]))
 
     result = Trainer(cfg, verbose=False, on_step=Chaos().at(2, inject)).fit()
     assert_contiguous_data(result, cfg)
@@ -242,16 +247,18 @@ def test_exception_in_a_step_rolls_back_and_retries_with_the_same_workers(fresh_
 def test_too_many_failures_stop_the_run_with_a_durable_checkpoint(fresh_cluster, corpus_dir, tmp_path):
     fresh_cluster(4)
     cfg = config(corpus_dir, "maxf", steps=40, parallel={"dp": 2, "pp": 2}, failure={"max_failures": 1},
-                 checkpoint={"storage": str(tmp_path / "ck")})
+                 checkpoint={"storage": str(tmp_path / "ck")}).with_overrides([f"run.report_dir={tmp_path}"])
 
     def inject():
         now = status("maxf")["step"]
         for s in (now + 5, now + 9):
-            ray.get(ray.get_actor("maxf-rank0-r0s0").inject_fault.remote("raise", step=s))
+            ray.get(ray.get_actor("maxf-rank0-r0s0", namespace=NAMESPACE).inject_fault.remote("raise", step=s))
 
     with pytest.raises(RunError, match=r"stopped after 2 failures \(failure.max_failures=1\).*durable checkpoint at"):
         Trainer(cfg, verbose=False, on_step=Chaos().at(2, inject)).fit()
     assert any(p.name.startswith("step-") for p in (tmp_path / "ck").iterdir())
+    # A failed run still gets its report.
+    assert (tmp_path / "maxf.png").stat().st_size > 10_000
 
 
 def test_node_added_mid_run_grows_the_plan(fresh_cluster, corpus_dir):

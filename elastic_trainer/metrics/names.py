@@ -1,0 +1,164 @@
+"""Every metric the trainer exports, as data.
+
+Dashboards and alert rules are generated from ``METRICS`` (see
+``metrics.dashboards``), so a panel can only show a series that something
+records. Nothing here imports Ray: the torch-only parts and the dashboard
+generator read these names without a cluster.
+
+Names as Prometheus sees them (Ray 2.60, OpenTelemetry export, the default):
+Ray's metrics agent registers every ``ray.util.metrics`` metric as
+``ray_<name>``; a Counter is exported as a Prometheus counter, which the
+Prometheus client names ``<family>_total``; a Histogram is exported as
+``<family>_bucket`` / ``_sum`` / ``_count``. The unit Ray passes ("1") maps to
+no suffix (tests/integration/test_metrics_export.py scrapes a real node to
+keep ``prometheus_names()`` honest). Ray adds its own labels to every series
+(``Component``, ``NodeAddress``, ``SessionName``, ``Version``, ``WorkerId``,
+``otel_scope_*``), so queries aggregate ``by (run, ...)`` to drop them.
+Gauges stay exported at their last value while the recording process lives,
+and vanish a few seconds after it exits.
+
+``elastic_trainer_controller_state`` is one gauge per state (tag ``state``):
+1 for the state the controller is in, 0 for every other state. A numeric
+code would need a legend to read and cannot be summed across runs; one
+series per state can (``sum(...{state="RECOVERING"})`` counts recovering runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "elastic_trainer_"
+# Ray's agent prepends this to every application metric it exports.
+RAY_PREFIX = "ray_"
+
+GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+
+# Mirrors controller.RunState (a test keeps them equal): metrics sits below the
+# controller in the import order, so it cannot import the enum.
+STATES = ("PENDING", "PLACING", "STARTING", "RUNNING", "RECOVERING", "RESIZING", "FINISHED", "FAILED")
+
+# Phases of one recovery, as the controller's "recovery" event times them.
+RECOVERY_PHASES = ("detect", "replan", "restore", "first_step", "total")
+
+# Dashboard rows, in display order.
+GROUPS = ("progress", "throughput", "communication", "elasticity", "checkpoints")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    ``source`` says what feeds it: ``"step"`` (a key of a history record,
+    named by ``field``), an event kind (``"failure"``, ``"recovery"``,
+    ``"snapshot"``, ``"durable_checkpoint"``), or ``"state"``.
+    """
+
+    name: str
+    kind: str
+    description: str
+    unit: str
+    group: str
+    source: str
+    field: str | None = None
+    tag_keys: tuple[str, ...] = ("run",)
+    boundaries: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if not self.name.startswith(PREFIX):
+            raise ValueError(f"metric {self.name!r} must start with {PREFIX!r}")
+        if self.kind not in (GAUGE, COUNTER, HISTOGRAM):
+            raise ValueError(f"metric {self.name!r}: kind {self.kind!r} is not one of gauge, counter, histogram")
+        if (self.kind == HISTOGRAM) != bool(self.boundaries):
+            raise ValueError(f"metric {self.name!r}: boundaries are required for histograms and only for them")
+        if self.tag_keys[:1] != ("run",):
+            raise ValueError(f"metric {self.name!r}: the first tag must be 'run', got {self.tag_keys}")
+        if self.group not in GROUPS:
+            raise ValueError(f"metric {self.name!r}: group {self.group!r} is not one of {GROUPS}")
+        if self.kind == COUNTER and self.name.endswith("_total"):
+            # Ray's legacy (OpenCensus) exporter would then name it ..._total_total.
+            raise ValueError(f"counter {self.name!r}: leave '_total' off; the exporter adds it")
+
+    @property
+    def prometheus_name(self) -> str:
+        """The metric family name Prometheus sees (without histogram suffixes)."""
+        return RAY_PREFIX + self.name + ("_total" if self.kind == COUNTER else "")
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """Every series name this metric produces in Prometheus."""
+        if self.kind == HISTOGRAM:
+            return tuple(self.prometheus_name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.prometheus_name,)
+
+
+def _step(name, description, unit, group, field=None):
+    return MetricSpec(PREFIX + name, GAUGE, description, unit, group, "step", field or name)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # progress
+    _step("step", "Last step every rank finished; drops when a recovery rolls back.", "steps", "progress"),
+    _step("loss", "Training loss of the last step, averaged over the ranks that compute it.", "loss", "progress"),
+    MetricSpec(PREFIX + "controller_state", GAUGE,
+               "1 for the state the run's controller is in, 0 for the others.", "bool", "progress", "state",
+               tag_keys=("run", "state")),
+    # throughput
+    _step("tokens_per_s", "Tokens of the global batch divided by the last step's wall time.", "tokens/s",
+          "throughput"),
+    _step("step_time_s", "Wall time of the last step as the controller saw it.", "s", "throughput"),
+    # communication
+    _step("comm_bytes", "Gradient bytes all ranks sent in the last step.", "bytes", "communication"),
+    _step("comm_time_s", "Time the slowest rank spent in collectives in the last step.", "s", "communication",
+          field="comm_s"),
+    _step("exposed_comm_s", "Communication time of the last step not hidden behind compute.", "s",
+          "communication"),
+    _step("compression_ratio", "Uncompressed over sent gradient bytes in the last step (1 = no compression).",
+          "ratio", "communication"),
+    # elasticity
+    _step("world_size", "Ranks in the current plan.", "workers", "elasticity"),
+    _step("dp", "Data-parallel replicas in the current plan.", "workers", "elasticity"),
+    _step("pp", "Pipeline stages in the current plan.", "workers", "elasticity"),
+    MetricSpec(PREFIX + "failures", COUNTER, "Worker failures seen by the controller, by kind.", "failures",
+               "elasticity", "failure", tag_keys=("run", "kind")),
+    MetricSpec(PREFIX + "recovery_seconds", HISTOGRAM,
+               "Time from failure (or resize) to the first step committed after it.", "s", "elasticity",
+               "recovery", tag_keys=("run", "reason"),
+               boundaries=(0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)),
+    # Exact seconds of the last recovery per phase: the histogram's _sum is rebuilt
+    # from bucket midpoints by Ray's OpenTelemetry exporter, so it is approximate.
+    MetricSpec(PREFIX + "last_recovery_seconds", GAUGE, "Seconds each phase of the last recovery took.", "s",
+               "elasticity", "recovery", tag_keys=("run", "phase")),
+    # checkpoints
+    MetricSpec(PREFIX + "snapshot_seconds", GAUGE,
+               "Seconds from taking the last object-store snapshot to all its copies being pinned.", "s",
+               "checkpoints", "snapshot"),
+    MetricSpec(PREFIX + "snapshot_bytes", GAUGE, "Bytes of the last object-store snapshot (one copy).", "bytes",
+               "checkpoints", "snapshot"),
+    MetricSpec(PREFIX + "durable_checkpoint_seconds", GAUGE, "Seconds the last durable checkpoint took to write.",
+               "s", "checkpoints", "durable_checkpoint"),
+    MetricSpec(PREFIX + "durable_checkpoint_bytes", GAUGE, "Bytes of the last durable checkpoint.", "bytes",
+               "checkpoints", "durable_checkpoint"),
+    MetricSpec(PREFIX + "durable_checkpoint_step", GAUGE, "Step of the last durable checkpoint.", "steps",
+               "checkpoints", "durable_checkpoint"),
+)
+
+_BY_NAME = {m.name: m for m in METRICS}
+if len(_BY_NAME) != len(METRICS):
+    raise ValueError("two metrics share a name")
+
+
+def metric(name: str) -> MetricSpec:
+    """The spec named ``name``, with or without the ``elastic_trainer_`` prefix."""
+    full = name if name.startswith(PREFIX) else PREFIX + name
+    try:
+        return _BY_NAME[full]
+    except KeyError:
+        raise KeyError(f"no metric {full!r}; known: {sorted(_BY_NAME)}") from None
+
+
+def prometheus_names() -> list[str]:
+    """Every series name the trainer's metrics produce in Prometheus, sorted.
+
+    Histograms contribute ``_bucket``, ``_sum`` and ``_count``; counters end in ``_total``.
+    """
+    return sorted(s for m in METRICS for s in m.series)

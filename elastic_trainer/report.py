@@ -1,0 +1,133 @@
+"""A one-page PNG of a run: loss, throughput, layout and communication share per step,
+with failures (red) and recoveries (green) marked where they happened.
+
+Draws with matplotlib's object API on the Agg canvas, never through pyplot,
+so it needs no display and leaves the process's backend alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FAILURE_COLOR = "tab:red"
+RECOVERY_COLOR = "tab:green"
+
+
+def _failures(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("kind") == "failure"]
+
+
+def _recoveries(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("kind") == "recovery"]
+
+
+def _failed_state(events: list[dict]) -> dict | None:
+    return next((e for e in reversed(events) if e.get("kind") == "state" and e.get("to") == "FAILED"), None)
+
+
+def _title(history: list[dict], events: list[dict], title: str | None) -> str:
+    parts = [title] if title else []
+    failures, recoveries = _failures(events), _recoveries(events)
+    parts.append(f"{len(history)} step(s), {len(failures)} failure(s), {len(recoveries)} recovery(ies)")
+    failed = _failed_state(events)
+    if failed is not None:
+        parts.append("run FAILED" + (f": {str(failed['error'])[:100]}" if failed.get("error") else ""))
+    return "\n".join(parts)
+
+
+def _mark_events(ax, events: list[dict]) -> None:
+    """Failures at the step that did not complete; recoveries at the step training resumed from."""
+    for e in _failures(events):
+        if e.get("step") is not None:
+            ax.axvline(e["step"], color=FAILURE_COLOR, linestyle="--", linewidth=1.2, alpha=0.8)
+    for e in _recoveries(events):
+        if e.get("restored_step") is not None:
+            # A resize (reason "grow") is a planned change, not a failure's aftermath.
+            style = ":" if e.get("reason") == "grow" else "-"
+            ax.axvline(e["restored_step"], color=RECOVERY_COLOR, linestyle=style, linewidth=1.2, alpha=0.8)
+
+
+def _ratio(num, den) -> float:
+    return num / den if num is not None and den else float("nan")
+
+
+def report_figure(history: list[dict], events: list[dict], title: str | None = None):
+    """The report as a matplotlib ``Figure`` (not yet saved); see ``write_report``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    if not history:
+        fig = Figure(figsize=(8, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        fig.suptitle(_title(history, events, title), fontsize=11)
+        lines = ["no steps completed"]
+        for e in _failures(events)[:10]:
+            where = f" (rank {e['rank']})" if e.get("rank") is not None else ""
+            lines.append(f"{e.get('failure')} of worker {e.get('worker')}{where} at step {e.get('step')}")
+        if len(_failures(events)) > 10:
+            lines.append(f"... and {len(_failures(events)) - 10} more failure(s)")
+        fig.text(0.5, 0.5, "\n".join(lines), ha="center", va="center", fontsize=12,
+                 color=FAILURE_COLOR if _failures(events) else "black")
+        return fig
+
+    steps = [r["step"] for r in history]
+    fig = Figure(figsize=(10, 12), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(4, 1, sharex=True)
+    fig.suptitle(_title(history, events, title), fontsize=11)
+
+    ax = axes[0]
+    ax.plot(steps, [r.get("loss", float("nan")) for r in history], color="tab:blue", linewidth=1.2)
+    ax.set_ylabel("loss")
+
+    ax = axes[1]
+    ax.plot(steps, [r.get("tokens_per_s", float("nan")) for r in history], color="tab:purple", linewidth=1.2)
+    ax.set_ylabel("tokens/s")
+
+    ax = axes[2]
+    # Layout changes only at recoveries and resizes, so steps, not slopes.
+    ax.step(steps, [r.get("world_size") for r in history], where="post", label="world size", color="black")
+    ax.step(steps, [r.get("dp") for r in history], where="post", label="dp", color="tab:orange", linestyle="--")
+    ax.step(steps, [r.get("pp") for r in history], where="post", label="pp", color="tab:cyan", linestyle="-.")
+    ax.set_ylabel("ranks")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="upper right", fontsize=8)
+
+    ax = axes[3]
+    ax.plot(steps, [100 * _ratio(r.get("comm_s"), r.get("step_time_s")) for r in history],
+            color="tab:brown", linewidth=1.2)
+    ax.set_ylabel("comm / step time (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+    for ax in axes:
+        _mark_events(ax, events)
+        ax.grid(True, alpha=0.3)
+    handles = []
+    if _failures(events):
+        handles.append(Line2D([], [], color=FAILURE_COLOR, linestyle="--", label="failure"))
+    if any(e.get("reason") != "grow" for e in _recoveries(events)):
+        handles.append(Line2D([], [], color=RECOVERY_COLOR, linestyle="-", label="recovery (resumed from)"))
+    if any(e.get("reason") == "grow" for e in _recoveries(events)):
+        handles.append(Line2D([], [], color=RECOVERY_COLOR, linestyle=":", label="resize"))
+    if handles:
+        axes[0].legend(handles=handles, loc="upper right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write_report(history: list[dict], events: list[dict], path, title: str | None = None) -> Path:
+    """Draw the run's report to a PNG at ``path`` and return the path.
+
+    ``history`` and ``events`` are a ``Result``'s (or the controller's) lists;
+    an empty history gives a page that says no step completed, listing the
+    failures if there were any. Needs matplotlib.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report_figure(history, events, title).savefig(path, format="png")
+    return path

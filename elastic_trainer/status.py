@@ -1,0 +1,66 @@
+"""``elastic-trainer status``: the live runs on a cluster, read from their controllers."""
+
+from __future__ import annotations
+
+import time
+
+from .naming import NAMESPACE, is_controller
+
+_ANSWER_TIMEOUT_S = 10.0
+
+
+def live_statuses(run: str | None = None) -> list[dict]:
+    """Status of every live run's controller (one run with ``run``), on the connected cluster.
+
+    A controller that does not answer in time is reported as such rather than
+    hiding the others.
+    """
+    import ray
+
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a.get("namespace") == NAMESPACE and is_controller(a["name"]))
+    if run is not None:
+        names = [n for n in names if n == f"{run}-controller"]
+    refs = {n: ray.get_actor(n, namespace=NAMESPACE).status.remote() for n in names}
+    out = []
+    for name, ref in refs.items():
+        try:
+            out.append(ray.get(ref, timeout=_ANSWER_TIMEOUT_S))
+        except Exception as e:  # a controller that died or is stuck still belongs in the list
+            out.append({"run": name[: -len("-controller")], "state": "UNREACHABLE",
+                        "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+    return out
+
+
+def format_status(st: dict) -> str:
+    """A few lines per run: state, step, throughput, plan with each rank's node, last failures."""
+    lines = [f"run {st['run']}: {st['state']}"]
+    if "error" in st:
+        lines.append(f"  controller did not answer: {st['error']}")
+        return "\n".join(lines)
+    step_line = f"  step {st['step']}/{st['steps']}"
+    if st.get("last"):
+        step_line += f", loss {st['last']['loss']:.4f}"
+    if st.get("tokens_per_s"):
+        step_line += f", {st['tokens_per_s']:,.0f} tok/s, {st['step_time_s'] * 1000:.1f} ms/step"
+        left = (st["steps"] - st["step"]) * st["step_time_s"]
+        step_line += f", ~{left / 60:.1f} min left"
+    lines.append(step_line)
+    plan = st.get("plan")
+    if plan:
+        stages = ", ".join(f"stage {s['stage']}: blocks {s['blocks'][0]}..{s['blocks'][1] - 1}"
+                           for s in plan["stages"])
+        lines.append(f"  plan dp={plan['dp']} x pp={plan['pp']} (world {plan['world_size']}); {stages}")
+    by_rank = sorted((w for w in st.get("workers", []) if w["rank"] is not None), key=lambda w: w["rank"])
+    for w in by_rank:
+        lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}")
+    spares = [w for w in st.get("workers", []) if w["rank"] is None]
+    if spares:
+        lines.append(f"    spares: {', '.join(str(w['worker_id']) for w in spares)}")
+    fails = st.get("failures") or []
+    lines.append(f"  failures: {len(fails)} recent, {st.get('recoveries', 0)} recoveries")
+    for f in fails:
+        when = time.strftime("%H:%M:%S", time.localtime(f["time"])) if f.get("time") else "?"
+        lines.append(f"    {when} step {f['step']}: {f['failure']} of worker {f['worker']}"
+                     + (f" (rank {f['rank']})" if f.get("rank") is not None else ""))
+    return "\n".join(lines)

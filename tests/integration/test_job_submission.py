@@ -1,0 +1,100 @@
+"""The demo job through ``ray job submit`` on a real Ray head (dashboard on 127.0.0.1):
+it succeeds, its logs show progress, ``elastic-trainer status`` reads it while it runs,
+and its metrics reach the head's Prometheus export port."""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_SERIES = re.compile(r'^ray_elastic_trainer_step\{[^}]*run="jobtest"[^}]*\} (\S+)$', re.M)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialized in this process")
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    ports = {"gcs": _free_port(), "dashboard": _free_port(), "metrics": _free_port()}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           # Export every second, so the metrics show up while a short job runs.
+           "RAY_metrics_report_interval_ms": "1000"}
+    env.pop("RAY_ADDRESS", None)
+    # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
+    temp_dir = tempfile.mkdtemp(prefix="etjob-", dir="/tmp")
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
+                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+                    f"--metrics-export-port={ports['metrics']}", "--num-cpus=4", "--disable-usage-stats",
+                    f"--temp-dir={temp_dir}"],
+                   env=env, check=True, timeout=180, capture_output=True)
+    try:
+        yield ray_bin, ports, env
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, timeout=120, capture_output=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _scrape_step(port: int) -> float | None:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    found = STEP_SERIES.findall(text)
+    return max(float(v) for v in found) if found else None
+
+
+def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
+    ray_bin, ports, env = ray_head
+    # Ray's local heads take job submissions with the token `ray start` left in ~/.ray.
+    env = {**env, "RAY_AUTH_MODE": "token"}
+    entrypoint = (f"{sys.executable} -m elastic_trainer run {ROOT / 'jobs' / 'demo.yaml'} "
+                  "--set train.steps=80 --set run.log_every=10 --set run.name=jobtest "
+                  f"--set scaling.workers_per_node=4 --set run.report_dir={tmp_path}")
+    # Blocking submit: it follows the job's logs until the job ends, as a user would see them.
+    submit = subprocess.Popen(
+        [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{ports['dashboard']}", "--", *entrypoint.split()],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    step_metric, status_out = None, None
+    deadline = time.monotonic() + 300
+    try:
+        while submit.poll() is None and time.monotonic() < deadline:
+            if step_metric is None or step_metric < 2:
+                step_metric = _scrape_step(ports["metrics"]) or step_metric
+            if status_out is None and step_metric:
+                # The status command, from another process, while the run is live.
+                status_out = subprocess.run(
+                    [sys.executable, "-m", "elastic_trainer", "status", "--address", f"127.0.0.1:{ports['gcs']}"],
+                    env=env, capture_output=True, text=True, timeout=120).stdout
+            time.sleep(0.5)
+        logs, _ = submit.communicate(timeout=30)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert "succeeded" in logs.lower() and submit.returncode == 0, logs[-3000:]
+    # Progress in the job's logs: plain periodic lines (no live bar in a log).
+    assert "step    10/80" in logs and "step    80/80" in logs and "\r" not in logs
+    assert "run jobtest: final loss" in logs
+    assert f"run report: {tmp_path / 'jobtest.png'}" in logs and (tmp_path / "jobtest.png").exists()
+    # The run's metrics on the head's export port, while it ran.
+    assert step_metric is not None and step_metric >= 1, "no ray_elastic_trainer_step series for the run"
+    assert status_out is not None and "run jobtest: RUNNING" in status_out, status_out
+    assert "plan dp=2 x pp=2" in status_out and "rank 3: worker" in status_out

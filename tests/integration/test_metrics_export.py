@@ -1,0 +1,84 @@
+"""RunMetrics inside an actor reaches Ray's Prometheus endpoint under exactly the names
+``prometheus_names()`` promises (the names the dashboards and alerts are generated with)."""
+
+import re
+import socket
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from elastic_trainer.metrics import RunMetrics, prometheus_names
+
+pytestmark = pytest.mark.integration
+
+SERIES = re.compile(r"^(ray_elastic_trainer_\w+)\{(.*)\} (\S+)$", re.M)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def metrics_port():
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialized in this process")
+    port = _free_port()
+    # Export every second so the test does not wait out Ray's default ten.
+    ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port, _node_ip_address="127.0.0.1",
+             _system_config={"metrics_report_interval_ms": 1000})
+    yield port
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Recorder:
+    def __init__(self, run: str):
+        self.metrics = RunMetrics(run)
+
+    def record(self) -> bool:
+        m = self.metrics
+        m.record_event({"kind": "state", "from": "STARTING", "to": "RUNNING", "time": 1.0})
+        m.record_step({"step": 3, "loss": 1.5, "dp": 2, "pp": 1, "world_size": 2, "step_time_s": 0.5,
+                       "tokens_per_s": 100.0, "comm_s": 0.1, "comm_bytes": 10, "exposed_comm_s": 0.05,
+                       "compression_ratio": 2.0})
+        for _ in range(2):
+            m.record_event({"kind": "failure", "failure": "death"})
+        m.record_event({"kind": "recovery", "reason": "death", "detect_s": 1.0, "replan_s": 1.0, "restore_s": 1.0,
+                        "first_step_s": 1.0, "total_s": 4.0, "time": 1.0})
+        m.record_event({"kind": "snapshot", "step": 3, "seconds": 0.1, "bytes": 5})
+        m.record_event({"kind": "durable_checkpoint", "step": 3, "seconds": 0.2, "bytes": 6})
+        return m.enabled
+
+
+def _scrape(port: int) -> dict[str, list[tuple[str, float]]]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, list[tuple[str, float]]] = {}
+    for name, labels, value in SERIES.findall(text):
+        out.setdefault(name, []).append((labels, float(value)))
+    return out
+
+
+def test_recorded_metrics_are_exported_under_the_promised_names(metrics_port):
+    actor = Recorder.remote("export-test")
+    assert ray.get(actor.record.remote())
+    want = set(prometheus_names())
+    deadline = time.time() + 60
+    while True:
+        got = _scrape(metrics_port)
+        if want <= set(got) or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert set(got) == want, f"missing {sorted(want - set(got))}, unexpected {sorted(set(got) - want)}"
+    assert got["ray_elastic_trainer_step"] == [(got["ray_elastic_trainer_step"][0][0], 3.0)]
+    assert 'run="export-test"' in got["ray_elastic_trainer_step"][0][0]
+    failures = got["ray_elastic_trainer_failures_total"]
+    assert [v for _, v in failures] == [2.0] and 'kind="death"' in failures[0][0]
+    running = [v for labels, v in got["ray_elastic_trainer_controller_state"] if 'state="RUNNING"' in labels]
+    assert running == [1.0]
+    # Gauges set once stay exported while the recording process lives (the alerts rely on it).
+    time.sleep(5)
+    assert "ray_elastic_trainer_durable_checkpoint_step" in _scrape(metrics_port)

@@ -1,0 +1,48 @@
+"""Progress output: a live bar on a terminal, plain periodic lines in job logs."""
+
+import io
+
+from elastic_trainer import TrainerConfig
+from elastic_trainer.progress import ProgressPrinter
+
+from ..conftest import tiny_config
+
+
+def _cfg():
+    raw = tiny_config("/nonexistent")
+    raw["train"]["steps"] = 40
+    raw["run"]["log_every"] = 10
+    return TrainerConfig.from_dict(raw)
+
+
+def _rec(step):
+    return {"step": step, "loss": 3.0 - step * 0.01, "tokens_per_s": 1000.0, "step_time_s": 0.5,
+            "comm_s": 0.01, "dp": 2, "pp": 2}
+
+
+def test_job_logs_get_periodic_lines_with_an_eta_and_no_carriage_returns():
+    cfg = _cfg()
+    out = io.StringIO()
+    p = ProgressPrinter(cfg, out)
+    for s in range(1, 41):
+        p.step(_rec(s))
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [ln.split("/")[0].split()[-1] for ln in lines] == ["1", "10", "20", "30", "40"]
+    # 20 steps left at 0.5 s each.
+    assert "ETA 0:10" in lines[2]
+
+
+def test_a_terminal_gets_a_bar_redrawn_in_place():
+    cfg = _cfg()
+    out = io.StringIO()
+    p = ProgressPrinter(cfg, out, live=True)
+    for s in range(1, 6):
+        p.step(_rec(s))
+    p.event({"kind": "failure", "step": 6, "failure": "death", "worker": 3, "rank": 3, "node": "abcdef123"})
+    text = out.getvalue()
+    assert text.count("\r\x1b[2K[") == 5
+    assert "5/40" in text and "ETA 0:18" in text
+    # An event clears the bar and stands on its own line.
+    assert "\r\x1b[2K!! failure at step 6" in text
