@@ -46,7 +46,7 @@ class ProgressPrinter:
             eta = self.eta_s(s)
             self._line(
                 f"step {s:>5}/{self.total} | loss {rec['loss']:.4f} | {rec['tokens_per_s']:>9,.0f} tok/s"
-                f" | {rec['step_time_s'] * 1000:7.1f} ms/step | comm {rec['comm_s'] * 1000:6.1f} ms"
+                f" | {rec['step_time_s'] * 1000:7.1f} ms/step | comm {rec['exposed_comm_s'] * 1000:6.1f} ms exposed"
                 f" | dp={rec['dp']} pp={rec['pp']} | ETA {_clock(eta) if eta is not None else '?'}"
             )
         if self.live:

@@ -37,10 +37,29 @@ def _dirname(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def _tensors(obj):
+    """numpy arrays -> tensors, through nested dicts (what weights_only loading accepts)."""
+    if isinstance(obj, dict):
+        return {k: _tensors(v) for k, v in obj.items()}
+    if isinstance(obj, np.ndarray | np.generic):
+        return torch.from_numpy(np.array(obj))
+    return obj
+
+
+def _arrays(obj):
+    if isinstance(obj, dict):
+        return {k: _arrays(v) for k, v in obj.items()}
+    if torch.is_tensor(obj):
+        return obj.numpy()
+    return obj
+
+
 def _to_torch(shard: dict) -> dict:
     return {
         "params": {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in shard["params"].items()},
-        "optim": {n: {k: torch.from_numpy(np.array(v)) for k, v in st.items()} for n, st in shard["optim"].items()},
+        "optim": _tensors(shard["optim"]),
+        "comm": _tensors(shard.get("comm") or {}),
+        "comm_meta": _tensors(shard.get("comm_meta") or {}),
     }
 
 
@@ -48,7 +67,9 @@ def _to_numpy(obj: dict, step: int, blocks: list[int]) -> dict:
     return {
         "step": step, "blocks": blocks, "extra": {},
         "params": {n: t.numpy() for n, t in obj["params"].items()},
-        "optim": {n: {k: v.numpy() for k, v in st.items()} for n, st in obj["optim"].items()},
+        "optim": _arrays(obj["optim"]),
+        "comm": _arrays(obj.get("comm", {})),
+        "comm_meta": _arrays(obj.get("comm_meta", {})),
     }
 
 

@@ -9,6 +9,11 @@ Ray object store can hold it and readers map it without copying:
 
 Any set of shards from one step that covers every block restores into any
 dp x pp: a rank takes the names of its own blocks from whichever shard has them.
+
+Two more sections carry the communication layer's state: ``comm`` (by
+parameter name, like ``optim``: error-feedback residuals, DiLoCo's outer
+parameters and momentum) and ``comm_meta`` (the codec, the replica and dp that
+wrote it, PowerSGD's per-bucket matrices). Residuals belong to one replica.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
-                 extra: dict | None = None) -> dict:
+                 extra: dict | None = None, comm: dict | None = None, comm_meta: dict | None = None) -> dict:
     """Copy one rank's parameters and optimizer state out of the live tensors."""
     params, optim = {}, {}
     for name, p in named_params:
@@ -37,16 +42,41 @@ def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, bloc
         st = optimizer.state.get(p)
         if st:
             optim[name] = {k: to_numpy(v) if torch.is_tensor(v) else np.asarray(v) for k, v in st.items()}
-    return {"step": step, "blocks": sorted(blocks), "params": params, "optim": optim, "extra": extra or {}}
+    return {"step": step, "blocks": sorted(blocks), "params": params, "optim": optim, "extra": extra or {},
+            "comm": comm or {}, "comm_meta": comm_meta or {}}
+
+
+def pick_comm(shards: list[dict], names, own_residuals) -> tuple[dict, dict]:
+    """Comm state for ``names`` from shards of one step: ``({name: {kind: array}}, buckets)``.
+
+    Residuals are taken only from shards for which ``own_residuals(comm_meta)``
+    holds (written by this replica, under the same dp and codec); the other
+    kinds (DiLoCo's outer state) are the same on every replica.
+    """
+    out: dict = {}
+    buckets: dict = {}
+    for s in shards:
+        meta = s.get("comm_meta") or {}
+        mine = own_residuals(meta)
+        for n in names:
+            for kind, value in (s.get("comm") or {}).get(n, {}).items():
+                if kind == "residual" and not mine:
+                    continue
+                out.setdefault(n, {}).setdefault(kind, value)
+        for sig, extras in (meta.get("buckets") or {}).items():
+            buckets.setdefault(sig, extras)
+    return out, buckets
 
 
 def select_blocks(shard: dict, blocks) -> dict:
     """The part of ``shard`` that holds ``blocks`` (no copy: the arrays are shared)."""
     want = set(blocks)
     keep = [n for n in shard["params"] if block_of(n) in want]
+    comm = shard.get("comm") or {}
     return {"step": shard["step"], "blocks": sorted(want & set(shard["blocks"])),
             "params": {n: shard["params"][n] for n in keep},
-            "optim": {n: shard["optim"][n] for n in keep if n in shard["optim"]}, "extra": shard["extra"]}
+            "optim": {n: shard["optim"][n] for n in keep if n in shard["optim"]}, "extra": shard["extra"],
+            "comm": {n: comm[n] for n in keep if n in comm}, "comm_meta": shard.get("comm_meta") or {}}
 
 
 def split_blocks(blocks: list[int], parts: int, sizes: dict[int, int]) -> list[list[int]]:
@@ -105,4 +135,5 @@ def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, opti
 
 def shard_nbytes(shard: dict) -> int:
     n = sum(a.nbytes for a in shard["params"].values())
-    return n + sum(a.nbytes for st in shard["optim"].values() for a in st.values())
+    n += sum(a.nbytes for st in shard["optim"].values() for a in st.values())
+    return n + sum(np.asarray(a).nbytes for st in (shard.get("comm") or {}).values() for a in st.values())

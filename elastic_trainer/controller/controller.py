@@ -438,12 +438,15 @@ class Controller:
             "step": step, "loss": sum(losses) / len(losses), "cursor": cursors.pop(),
             "dp": topo.dp, "pp": topo.pp, "world_size": topo.world_size, "plan": len(self.plans) - 1,
             "step_time_s": dt, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / dt,
-            "comm_s": max(o["comm_s"] for o in results),
+            "comm_time_s": max(o["comm_time_s"] for o in results),
+            "exposed_comm_s": max(o["exposed_comm_s"] for o in results),
             # The slowest rank's own time; step_time_s minus this is what driving the step costs.
             # (Queuing the next step on the workers to hide that cost measured slower on
             # oversubscribed CPU nodes: Ray's task handling then competes with the step.)
-            "worker_s": max(o["compute_s"] + o["comm_s"] for o in results),
+            "worker_s": max(o["compute_s"] + o["exposed_comm_s"] for o in results),
             "comm_bytes": sum(o["comm_bytes"] for o in results),
+            "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sum(o["comm_bytes"] for o in results))
+                                  if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),
             "time": time.time(),
         }
         with self._lock:

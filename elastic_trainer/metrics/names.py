@@ -109,7 +109,7 @@ METRICS: tuple[MetricSpec, ...] = (
     # communication
     _step("comm_bytes", "Gradient bytes all ranks sent in the last step.", "bytes", "communication"),
     _step("comm_time_s", "Time the slowest rank spent in collectives in the last step.", "s", "communication",
-          field="comm_s"),
+          field="comm_time_s"),
     _step("exposed_comm_s", "Communication time of the last step not hidden behind compute.", "s",
           "communication"),
     _step("compression_ratio", "Uncompressed over sent gradient bytes in the last step (1 = no compression).",

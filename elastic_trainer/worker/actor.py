@@ -143,6 +143,8 @@ class TrainWorker:
         of waiting out their collective timeout.
         """
         had_stage = self.trainer is not None
+        if had_stage:
+            self.trainer.close()
         self.trainer = None
         self.rank = None
         if had_stage:
@@ -174,8 +176,9 @@ class TrainWorker:
                     del self.local[old]
             if put_blocks is not None:
                 shard = select_blocks(shard, put_blocks) if put_blocks else None
-        return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_s": r.comm_s,
-                 "comm_bytes": r.comm_bytes, "cursor": r.cursor,
+        return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
+                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
+                 "cursor": r.cursor,
                  "snapshot_bytes": shard_nbytes(shard) if shard else 0}, shard)
 
     # -- snapshots and restore sources --------------------------------------------

@@ -15,8 +15,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ..checkpoint.state import block_of, export_shard, load_into, merge_shards
-from ..comm.allreduce import CommStats, GradAverager
+from ..checkpoint.state import block_of, export_shard, load_into, merge_shards, pick_comm
+from ..comm.algorithms import ring_allreduce_bytes
+from ..comm.allreduce import CommStats
+from ..comm.grad_sync import GradSync
+from ..comm.local_sgd import ModelAverager
 from ..config import TrainerConfig, TrainSection
 from ..data.dataset import TokenDataset, ensure_prepared
 from ..data.sampler import GlobalSampler
@@ -43,10 +46,12 @@ class StepResult:
     step: int
     loss: float | None  # mean micro-batch loss; only ranks holding the last stage know it
     compute_s: float
-    comm_s: float
-    comm_bytes: int
+    comm_s: float          # seconds in collectives, hidden or not
+    comm_bytes: int        # bytes this rank sent
     samples: int
     cursor: int  # global index of the step's first sample
+    exposed_comm_s: float = 0.0  # seconds the step waited for communication
+    dense_bytes: int = 0   # what an uncompressed all-reduce of every gradient would have sent
 
 
 class StageTrainer:
@@ -78,7 +83,16 @@ class StageTrainer:
         del blocks
         self.params = [p for m in self.modules.values() for p in m.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.train)
-        self.averager = GradAverager(self.params, groups.dp, topo.dp, cfg.comm.bucket_mb)
+        named = list(self.named_parameters())
+        comm = cfg.comm
+        # The pipeline schedules are built not to scale gradients (scale_grads=False):
+        # GradSync scales once, after averaging, whatever backward produced.
+        self.sync = GradSync(named, groups.dp, topo.dp if comm.sync == "allreduce" else 1, comm,
+                             accumulations=cfg.micro_batches, grad_scale=1.0 if topo.pp == 1 else 1.0 / cfg.micro_batches,
+                             seed=cfg.train.seed)
+        self.model_avg = (ModelAverager(named, groups.dp, topo.dp, comm)
+                          if comm.sync in ("local_sgd", "diloco") else None)
+        self.dense_bytes = sum(ring_allreduce_bytes(b.numel * 4, topo.dp) for b in self.sync.buckets) if topo.dp > 1 else 0
 
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
@@ -97,8 +111,8 @@ class StageTrainer:
         ]
         n_micro = self.cfg.micro_batches
         if self.cfg.parallel.schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self.loss_fn)
-        return _SCHEDULES[self.cfg.parallel.schedule](stages[0], n_micro, loss_fn=self.loss_fn)
+            return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self.loss_fn, scale_grads=False)
+        return _SCHEDULES[self.cfg.parallel.schedule](stages[0], n_micro, loss_fn=self.loss_fn, scale_grads=False)
 
     # -- naming -------------------------------------------------------------
     def named_parameters(self):
@@ -116,15 +130,48 @@ class StageTrainer:
         return [i for a, b in self.stage_bounds.values() for i in range(a, b)]
 
     def export(self, step: int) -> dict:
-        """A copy of this rank's state after ``step`` (parameters, AdamW state)."""
-        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks)
+        """A copy of this rank's state after ``step``: parameters, AdamW state, and the comm
+        layer's (error-feedback residuals, PowerSGD's Q, DiLoCo's outer state)."""
+        comm: dict = {}
+        meta = {"codec": self.cfg.comm.compression, "replica": self.replica, "dp": self.topo.dp}
+        sync_state = self.sync.export_state()
+        for name, res in sync_state["residual"].items():
+            comm.setdefault(name, {})["residual"] = res
+        if sync_state["buckets"]:
+            meta["buckets"] = sync_state["buckets"]
+        if self.model_avg is not None:
+            for kind, per_name in self.model_avg.export_state().items():
+                for name, value in per_name.items():
+                    comm.setdefault(name, {})[kind] = value
+        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks, comm=comm, comm_meta=meta)
 
     def load(self, shards: list[dict]) -> int:
-        """Load this rank's blocks from shards of one step; returns that step."""
+        """Load this rank's blocks from shards of one step; returns that step.
+
+        Error-feedback residuals are per replica: they come back where the
+        shard was written by this replica index under the same dp and codec,
+        and start from zero elsewhere (the gradient they owed is dropped).
+        """
         names = [n for n, _ in self.named_parameters()]
         step, params, optim = merge_shards(shards, names)
         load_into(self.named_parameters(), self.optimizer, params, optim)
+
+        def own(meta: dict) -> bool:
+            return (meta.get("replica"), meta.get("dp"), meta.get("codec")) == (
+                self.replica, self.topo.dp, self.cfg.comm.compression)
+
+        comm, buckets = pick_comm(shards, names, own)
+        self.restored_residuals = self.sync.load_state(
+            {"codec": self.cfg.comm.compression, "buckets": buckets,
+             "residual": {n: c["residual"] for n, c in comm.items() if "residual" in c}}, set(names))
+        if self.model_avg is not None:
+            self.model_avg.load_state({kind: {n: c[kind] for n, c in comm.items() if kind in c}
+                                       for kind in ("outer", "momentum")})
         return step
+
+    def close(self) -> None:
+        """Stop the comm thread and drop the gradient hooks (they reference the groups)."""
+        self.sync.close()
 
     # -- one step -------------------------------------------------------------
     def _batch(self, step: int):
@@ -146,31 +193,42 @@ class StageTrainer:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        if self.schedule is None:
-            n_micro = self.cfg.micro_batches
-            for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
-                loss = self.loss_fn(self.modules[0](xm), ym)
-                (loss / n_micro).backward()
-                losses.append(loss.detach())
-        else:
-            self.schedule.step(
-                *([x] if self.has_first else []),
-                target=y if self.has_last else None,
-                losses=losses if self.has_last else None,
-                return_outputs=False,
-            )
-        self.averager.average(stats)
+        self.sync.begin_step(step)
+        try:
+            if self.schedule is None:
+                n_micro = self.cfg.micro_batches
+                for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
+                    loss = self.loss_fn(self.modules[0](xm), ym)
+                    (loss / n_micro).backward()
+                    losses.append(loss.detach())
+            else:
+                self.schedule.step(
+                    *([x] if self.has_first else []),
+                    target=y if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                    return_outputs=False,
+                )
+            exposed = self.sync.finish(stats)
+        except BaseException:
+            self.sync.abort()
+            raise
         if self.cfg.train.grad_clip is not None:
+            t_clip = time.perf_counter()
             self._clip(self.cfg.train.grad_clip, stats)
+            exposed += (time.perf_counter() - t_clip) if self.topo.pp > 1 else 0.0
         self.optimizer.step()
-        compute_s = time.perf_counter() - t0 - stats.seconds
+        if self.model_avg is not None:
+            exposed += self.model_avg.maybe_sync(step, stats)
+        compute_s = time.perf_counter() - t0 - exposed
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
         gb = self.cfg.train.global_batch_size
-        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, gb // self.topo.dp, (step - 1) * gb)
+        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, gb // self.topo.dp, (step - 1) * gb,
+                          exposed_comm_s=exposed, dense_bytes=self.dense_bytes)
 
     def _clip(self, max_norm: float, stats: CommStats) -> None:
         """Clip by the norm over the whole model: after DP averaging every replica holds
-        the same grads, so summing squares over the PP group gives the global norm."""
+        the same grads, so summing squares over the PP group gives the global norm.
+        (With local SGD / DiLoCo each replica clips its own gradients.)"""
         grads = [p.grad for p in self.params if p.grad is not None]
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for g in grads:

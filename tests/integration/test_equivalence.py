@@ -42,3 +42,19 @@ def test_matches_single_process(cluster, corpus_dir, reference, dp, pp, schedule
     assert state.keys() == ref_state.keys()
     for name, ref in ref_state.items():
         torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+COMM_VARIANTS = [("tree", True), ("chunked", True), ("ring", False)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("algorithm, overlap", COMM_VARIANTS, ids=[f"{a}-overlap{o}" for a, o in COMM_VARIANTS])
+def test_own_all_reduce_algorithms_and_no_overlap_match_single_process(cluster, corpus_dir, reference,
+                                                                        algorithm, overlap):
+    ref_losses, ref_state = reference
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, parallel={"dp": 2, "pp": 2},
+                                              comm={"algorithm": algorithm, "overlap": overlap}))
+    result = Trainer(cfg, verbose=False).fit(return_model_state=True)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref_losses, rel=1e-5)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(result.model_state[name], ref, rtol=1e-4, atol=1e-5)

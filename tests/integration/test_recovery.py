@@ -330,3 +330,23 @@ def test_whole_cluster_lost_then_resume_and_corrupt_checkpoint_fallback(fresh_cl
     assert_contiguous_data(result, cfg)
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
+
+
+def test_node_loss_with_compression_keeps_training_correctly(fresh_cluster, corpus_dir):
+    """int8 with error feedback: the residuals are worker state that a recovery restores
+    (the survivors' own copies) or resets; training carries on along the same curve."""
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "cmp", parallel={"dp": 2, "pp": 2}, comm={"compression": "int8", "timeout_s": 20})
+    clean = Trainer(cfg.with_overrides(["run.name=cmp-clean"]), verbose=False).fit()
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(
+        4, lambda: c.remove_node(node_of_rank("cmp", 3, nodes), allow_graceful=False))).fit()
+    assert_contiguous_data(result, cfg)
+    [rec] = result.recoveries
+    change = rec["failed_step"]
+    got = [r["loss"] for r in result.history]
+    want = [r["loss"] for r in clean.history]
+    # Same plan, same codec: the same losses until the failure.
+    assert got[:change - 1] == pytest.approx(want[:change - 1], rel=1e-5)
+    # After it a new dp x pp re-splits what int8 rounds; the curve stays on course.
+    assert got[change - 1:] == pytest.approx(want[change - 1:], rel=0.02)
+    assert all(r["compression_ratio"] > 3.5 for r in result.history if r["dp"] > 1)

@@ -45,7 +45,7 @@ def calls(made, short):
 
 
 RECORD = {"step": 7, "loss": 2.5, "cursor": 56, "dp": 2, "pp": 3, "world_size": 6, "plan": 0,
-          "step_time_s": 0.5, "tokens_per_s": 1024.0, "comm_s": 0.125, "worker_s": 0.4, "comm_bytes": 4096,
+          "step_time_s": 0.5, "tokens_per_s": 1024.0, "comm_time_s": 0.125, "worker_s": 0.4, "comm_bytes": 4096,
           "time": 1700000000.0}
 
 
@@ -96,7 +96,7 @@ def test_record_step_sets_every_step_gauge_from_its_history_key(recorder):
     tags = {"run": "run-a"}
     assert calls(made, "step") == [("set", 7.0, tags)]
     assert calls(made, "loss") == [("set", 2.5, tags)]
-    assert calls(made, "comm_time_s") == [("set", 0.125, tags)]   # from comm_s
+    assert calls(made, "comm_time_s") == [("set", 0.125, tags)]
     assert calls(made, "comm_bytes") == [("set", 4096.0, tags)]
     assert [calls(made, k)[0][1] for k in ("dp", "pp", "world_size")] == [2.0, 3.0, 6.0]
     # Not in this record: left unset rather than set to a made-up value.

@@ -17,7 +17,7 @@ def _cfg():
 
 def _rec(step):
     return {"step": step, "loss": 3.0 - step * 0.01, "tokens_per_s": 1000.0, "step_time_s": 0.5,
-            "comm_s": 0.01, "dp": 2, "pp": 2}
+            "comm_time_s": 0.01, "exposed_comm_s": 0.01, "dp": 2, "pp": 2}
 
 
 def test_job_logs_get_periodic_lines_with_an_eta_and_no_carriage_returns():

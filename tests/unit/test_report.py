@@ -17,7 +17,7 @@ def _history():
         dp = 2 if step <= 10 else 1
         out.append({"step": step, "loss": 5.0 / step, "cursor": step * 8, "dp": dp, "pp": 2, "world_size": dp * 2,
                     "plan": 0 if step <= 10 else 1, "step_time_s": 0.2 * (3 - dp), "tokens_per_s": 640.0 * dp,
-                    "comm_s": 0.05, "worker_s": 0.15, "comm_bytes": 1000 * dp, "time": 1000.0 + step})
+                    "comm_time_s": 0.05, "exposed_comm_s": 0.05, "worker_s": 0.15, "comm_bytes": 1000 * dp, "time": 1000.0 + step})
     return out
 
 

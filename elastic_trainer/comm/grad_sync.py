@@ -1,0 +1,222 @@
+"""Data-parallel gradient averaging: bucketed, overlapped with backward, compressed.
+
+All gradient traffic of ``comm.sync: allreduce`` goes through :class:`GradSync`.
+Parameters are grouped into buckets in reverse order (the order backward
+produces their gradients). With ``comm.overlap`` a post-accumulate hook counts
+each parameter's accumulations; once every parameter of a bucket has had its
+last micro-batch's gradient, the bucket is copied out and handed to a comm
+thread, which averages it (codec + algorithm) while backward carries on with
+the next buckets. ``finish`` waits for the rest; that wait is the step's
+*exposed* communication.
+
+Buckets are averaged strictly in index order, so every replica runs the same
+sequence of collectives whatever the timing of its hooks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ..config import CommSection
+from .algorithms import get_algorithm, ring_allreduce_bytes
+from .allreduce import CommStats, make_buckets
+from .compression import make_codec
+
+# Own algorithms replace the all-reduce inside these codecs; the others are built
+# from all-to-all / all-gather and keep the backend's.
+_ALLREDUCE_CODECS = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def codec_options(comm: CommSection, seed: int) -> dict:
+    if comm.compression == "topk":
+        return {"ratio": comm.topk_ratio}
+    if comm.compression == "powersgd":
+        return {"rank": comm.powersgd_rank, "start_step": comm.powersgd_start_step, "seed": seed}
+    return {}
+
+
+class _Bucket:
+    def __init__(self, index: int, named: list[tuple[str, torch.nn.Parameter]]):
+        self.index = index
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes, offset = [], 0
+        for p in self.params:
+            self.shapes.append((offset, tuple(p.shape)))
+            offset += p.numel()
+        self.numel = offset
+
+
+class GradSync:
+    """Averages one rank's gradients over its DP group (``group_size`` ranks).
+
+    ``accumulations``: backward passes per step that add into each gradient
+    (the micro-batches); ``grad_scale`` multiplies the averaged gradients (1 /
+    micro-batches where the loss was not already divided by them).
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], group, group_size: int,
+                 comm: CommSection, accumulations: int, grad_scale: float = 1.0, seed: int = 0):
+        self.group, self.p, self.comm = group, group_size, comm
+        self.accumulations, self.grad_scale = accumulations, grad_scale
+        by_id = {id(p): n for n, p in named_params}
+        buckets = make_buckets([p for _, p in named_params], int(comm.bucket_mb * (1 << 20)))
+        self.buckets = [_Bucket(i, [(by_id[id(p)], p) for p in b]) for i, b in enumerate(buckets)]
+        self.codec = make_codec(comm.compression, **codec_options(comm, seed))
+        self.algorithm = get_algorithm(comm.algorithm) if comm.algorithm != "ring" else None
+        self.overlap = comm.overlap and group_size > 1
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets for p in b.params] if self.overlap else []
+        self._reset_step(0)
+
+    # -- per step -----------------------------------------------------------------
+    def _reset_step(self, step: int) -> None:
+        self._step = step
+        self._counts = {b.index: 0 for b in self.buckets}
+        self._flats: dict[int, torch.Tensor] = {}
+        self._ready = {b.index: threading.Event() for b in self.buckets}
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = CommStats()
+
+    def begin_step(self, step: int) -> None:
+        """Arm the hooks for ``step``; with overlap, start the comm thread."""
+        self.abort()
+        self._reset_step(step)
+        if self.overlap:
+            self._thread = threading.Thread(target=self._comm_loop, name="grad-sync", daemon=True)
+            self._thread.start()
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b = self._bucket_of[id(p)]
+        self._counts[b.index] += 1
+        if self._counts[b.index] == len(b.params) * self.accumulations:
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        # Copied now, in the backward thread: the comm thread must not see grads
+        # that later code (a schedule's scaling, the optimizer) may change.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        self._flats[b.index] = torch.cat([g.detach().reshape(-1).float() for g in grads])
+        self._ready[b.index].set()
+
+    def _comm_loop(self) -> None:
+        try:
+            for b in self.buckets:
+                self._ready[b.index].wait()
+                if self._error is not None or b.index not in self._flats:
+                    return  # aborted
+                self._average(b, self._flats[b.index], self._stats)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by finish()
+            self._error = e
+
+    def _average(self, b: _Bucket, flat: torch.Tensor, stats: CommStats) -> None:
+        if self.algorithm is not None and self.comm.compression in _ALLREDUCE_CODECS:
+            dtype = _ALLREDUCE_CODECS[self.comm.compression]
+            low = flat.div(self.p).to(dtype) if dtype != torch.float32 else flat
+            self.algorithm(low, self.group, stats)
+            if low is flat:
+                flat.div_(self.p)
+            else:
+                flat.copy_(low)
+        else:
+            self.codec.average(flat, self.group, stats, bucket=b.index, shapes=b.shapes, step=self._step)
+
+    def finish(self, stats: CommStats) -> float:
+        """Average whatever backward has not handed over yet, wait for the comm thread,
+        write the averages into ``.grad``; returns the seconds this waited (exposed comm)."""
+        t0 = time.perf_counter()
+        if self.p > 1:
+            for b in self.buckets:
+                if b.index not in self._flats:  # no hook (overlap off), or a parameter got no gradient
+                    self._launch(b)
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            else:
+                for b in self.buckets:
+                    self._average(b, self._flats[b.index], self._stats)
+            if self._error is not None:
+                raise self._error
+        exposed = time.perf_counter() - t0
+        for op, n in self._stats.by_op.items():
+            stats.by_op[op] = stats.by_op.get(op, 0) + n
+        stats.bytes += self._stats.bytes
+        stats.seconds += self._stats.seconds
+        stats.calls += self._stats.calls
+        for b in self.buckets:
+            flat = self._flats.get(b.index)
+            for p, (offset, shape) in zip(b.params, b.shapes):
+                if flat is None:  # alone: the gradient is already the average
+                    if p.grad is not None and self.grad_scale != 1.0:
+                        p.grad.mul_(self.grad_scale)
+                    continue
+                avg = flat[offset:offset + p.numel()].view(shape)
+                if self.grad_scale != 1.0:
+                    avg = avg * self.grad_scale
+                if p.grad is None:
+                    p.grad = avg.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(avg)
+        self._flats = {}
+        return exposed
+
+    def dense_bytes(self) -> int:
+        """Bytes an uncompressed fp32 ring all-reduce of every bucket would send (for the ratio)."""
+        return sum(ring_allreduce_bytes(b.numel * 4, self.p) for b in self.buckets) if self.p > 1 else 0
+
+    def abort(self) -> None:
+        """Stop a step's comm thread (the step failed): it must not hold the groups."""
+        if self._thread is not None:
+            self._error = self._error or RuntimeError("step aborted")
+            for ev in self._ready.values():
+                ev.set()
+            self._thread.join(timeout=0.1)
+            self._thread = None
+
+    def close(self) -> None:
+        self.abort()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- state carried by snapshots ----------------------------------------------
+    def export_state(self) -> dict:
+        """Codec state by parameter name (error-feedback residuals) plus per-bucket extras
+        (PowerSGD's Q), as numpy; the replica it belongs to is recorded by the caller."""
+        state = self.codec.state_dict()
+        out: dict = {"codec": self.comm.compression, "residual": {}, "buckets": {}}
+        for b in self.buckets:
+            res = state.get(f"residual.{b.index}")
+            if res is not None:
+                for name, p, (offset, _) in zip(b.names, b.params, b.shapes):
+                    out["residual"][name] = res[offset:offset + p.numel()].numpy().copy()
+            extras = {k.rpartition(".")[0]: v.numpy().copy() for k, v in state.items()
+                      if k.endswith(f".{b.index}") and not k.startswith("residual.")}
+            if extras:
+                out["buckets"][",".join(b.names)] = extras
+        return out
+
+    def load_state(self, saved: dict | None, names: set[str]) -> int:
+        """Restore residuals for the parameters in ``names`` (others start at zero) and the
+        per-bucket extras of buckets with the same parameters. Returns residuals restored."""
+        if not saved or saved.get("codec") != self.comm.compression:
+            return 0
+        state, restored = {}, 0
+        for b in self.buckets:
+            if any(n in saved["residual"] for n in b.names):
+                res = torch.zeros(b.numel)
+                for name, p, (offset, _) in zip(b.names, b.params, b.shapes):
+                    if name in names and name in saved["residual"]:
+                        res[offset:offset + p.numel()] = torch.from_numpy(np.array(saved["residual"][name]))
+                        restored += 1
+                state[f"residual.{b.index}"] = res
+            for kind, value in saved["buckets"].get(",".join(b.names), {}).items():
+                state[f"{kind}.{b.index}"] = torch.from_numpy(np.array(value))
+        self.codec.load_state_dict(state)
+        return restored
