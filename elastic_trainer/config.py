@@ -157,11 +157,6 @@ class CommSection(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "CommSection":
-        if self.sync == "parameter_server":
-            # comm/parameter_server.py holds the shards and their client; the step loop and
-            # recovery (shard snapshots, re-sharding on a new dp) do not drive them yet.
-            raise ValueError("comm.sync 'parameter_server' is not wired into training yet; "
-                             "use 'allreduce', 'local_sgd' or 'diloco'")
         if self.algorithm != "ring" and self.compression not in ("none", "fp16", "bf16"):
             raise ValueError(f"comm.algorithm({self.algorithm!r}) replaces an all-reduce; comm.compression"
                              f"({self.compression!r}) is built from all-to-all / all-gather: use algorithm 'ring', "

@@ -106,6 +106,8 @@ class ParameterServerShard:
         self._base_step = step                     # the step of a shard that owns no names
         self._pending: dict[str, dict[int, torch.Tensor]] = {n: {} for n in names}  # name -> replica -> grad
         self._cond = threading.Condition()
+        # Bumped when pending pushes are dropped: pulls waiting on them end at once.
+        self._epoch = 0
 
     # -- one step -----------------------------------------------------------
     def push(self, step: int, replica: int, grads: Mapping[str, np.ndarray]) -> int:
@@ -170,8 +172,13 @@ class ParameterServerShard:
             raise KeyError(f"shard {self.shard_index} was asked for {_examples(unknown)}, which it does not own")
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            if not self._cond.wait_for(lambda: all(self._version[n] >= step for n in names), timeout):
+            epoch = self._epoch
+            if not self._cond.wait_for(
+                    lambda: self._epoch != epoch or all(self._version[n] >= step for n in names), timeout):
                 raise TimeoutError(self._waiting_message(f"pull(step={step})", step, names, timeout))
+            if self._epoch != epoch and not all(self._version[n] >= step for n in names):
+                raise RuntimeError(f"shard {self.shard_index}: pull(step={step}) abandoned: the step's "
+                                   "pending pushes were dropped (a recovery is under way)")
             self._check_not_past(f"pull(step={step})", step, names)
             # Copied under the lock: a threaded actor serialises the result after returning,
             # when another thread may already be applying the next step in place.
@@ -245,16 +252,19 @@ class ParameterServerShard:
             self._version = {n: step for n in self._params}
             self._base_step = step
             self._pending = {n: {} for n in self._params}
+            self._epoch += 1
             self._cond.notify_all()
             return step
 
     def reset_pending(self, n_workers: int | None = None) -> int:
-        """Drop the pushes of an unfinished step (and take a new DP degree); returns how many were dropped."""
+        """Drop the pushes of an unfinished step (and take a new DP degree); pulls waiting on
+        them fail at once. Returns how many pushes were dropped."""
         if n_workers is not None and n_workers < 1:
             raise ValueError(f"n_workers({n_workers}) must be >= 1 (it is the DP degree)")
         with self._cond:
             dropped = sum(len(p) for p in self._pending.values())
             self._pending = {n: {} for n in self._params}
+            self._epoch += 1
             if n_workers is not None:
                 self.n_workers = n_workers
             self._cond.notify_all()

@@ -31,6 +31,7 @@ from .failures import Diagnosis, StepOutcome, diagnose
 from .placement import assign_ranks, find_nodes, free_slots
 from .plan import Plan, make_plan
 from .policy import choose_plan
+from .ps_group import ParameterServers
 from .restore import choose_restore
 from .snapshots import SnapshotStore
 
@@ -112,6 +113,7 @@ class Controller:
         self._inflight: dict = {}
         self._shard_refs: dict = {}
         self._put_blocks: dict[int, list[int]] = {}  # rank -> blocks it puts in each snapshot
+        self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self._setup_timings: dict = {}
         self._setup_refs: list = []   # (worker id, ref) of set-up calls of failed attempts
         self._generation = 0          # numbers set-up attempts, so a stale one can be aborted
@@ -185,6 +187,8 @@ class Controller:
                          for r in range(topo.world_size)])
             self._await_joining(self.cfg.scaling.placement_timeout_s, required=True)
             self._transition(RunState.STARTING)
+            if self.cfg.comm.sync == "parameter_server":
+                self.ps = ParameterServers(self.cfg, self.run_name, ray.get_runtime_context().get_node_id(), topo.dp)
             restore = self._resume_source() if resume else None
             self._apply_plan(plan, restore, ranks={r: r for r in range(topo.world_size)})
             self._transition(RunState.RUNNING)
@@ -308,9 +312,10 @@ class Controller:
         coll_timeout = self._collective_timeout()
         rendezvous = self.cfg.failure.rendezvous_timeout_s
         self._generation += 1
+        ps = (self.ps.handles, self.ps.assignment) if self.ps else None
         refs = {r: self.slots[w].actor.setup.remote(
                     cfg_json, topo.dp, topo.pp, plan.stage_bounds, r, master_slot.ip, port, sources[r],
-                    coll_timeout, rendezvous, self._generation)
+                    coll_timeout, rendezvous, self._generation, ps)
                 for r, w in ranks.items()}
         self._setup_refs = [(ranks[r], ref) for r, ref in refs.items()]
         outs = self._get_all(refs, ranks, rendezvous + 30, "set up")
@@ -319,6 +324,13 @@ class Controller:
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
             raise WorkerError(f"ranks restored different steps {sorted(steps)}")
+        restored = next(iter(steps))
+        if self.ps:
+            # The shards go back to the step the workers restored (from their own snapshot of
+            # it, or the durable shards on a resume) and expect the new number of replicas.
+            durable = [self._durable_refs[src.holder] for src in set(restore[1].values())
+                       if src.tier == "durable"] if restore else []
+            self.ps.restore(restored, topo.dp, durable or None)
         for r, w in ranks.items():
             self.slots[w].rank = r
         self.ranks = ranks
@@ -463,6 +475,8 @@ class Controller:
         self.metrics.record_step(record)
         if step % cfg.checkpoint.memory_every == 0:
             self._take_snapshot(step, self._shard_refs, nbytes=sum(o.get("snapshot_bytes", 0) for o in results))
+            if self.ps:
+                self.ps.snapshot(step)
         self._shard_refs = {}
         for snap in self.snapshots.poll():
             # Not a result event (one per step would drown the others): a metric only.
@@ -528,6 +542,8 @@ class Controller:
                 slot = self.slots[w]
                 _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node, soft=False)).remote(slot.pid)
         self._drop(diag.dead + diag.hung)
+        if self.ps:
+            self.ps.abandon_step()
         self._quiesce(out)
         self._check_limits(diag)
         self._replan_and_restore(out, detected, plan_before, reason=diag.kind)
@@ -784,7 +800,10 @@ class Controller:
 
     # -- durable checkpoints -------------------------------------------------------------
     def _durable_shards(self, step: int) -> list:
-        """Refs of snapshot parts of ``step`` covering every block."""
+        """Refs of snapshot parts of ``step`` covering every block (the parameter-server
+        shards' in that mode: they hold the optimizer state, the workers do not)."""
+        if self.ps:
+            return self.ps.shards(step) or []
         return self.snapshots.covering(step, len(self.counts)) or []
 
     def _start_durable(self, step: int) -> None:
@@ -831,7 +850,8 @@ class Controller:
             self._durable_thread.join()
         alive = {s.node for s in self.slots.values()}
         for step in reversed(self.snapshots.committed_steps()):
-            pick = self.snapshots.covering(step, len(self.counts), alive, set(self.slots))
+            pick = self.ps.shards(step) if self.ps else self.snapshots.covering(
+                step, len(self.counts), alive, set(self.slots))
             if pick:
                 history = [h for h in self.history if h["step"] <= step]
                 return self._write_durable(step, pick, history)
@@ -848,6 +868,8 @@ class Controller:
         return out
 
     def _teardown(self) -> None:
+        if self.ps:
+            self.ps.kill()
         for slot in list(self.slots.values()):
             try:
                 ray.kill(slot.actor, no_restart=True)

@@ -84,25 +84,26 @@ class TrainWorker:
     def setup(self, cfg_json: dict, dp: int, pp: int, stage_bounds: list[tuple[int, int]], rank: int,
               master_addr: str, master_port: int, sources: list | None = None,
               collective_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None,
-              generation: int = 0) -> dict:
+              generation: int = 0, ps: tuple | None = None) -> dict:
         """Join the process groups of a plan as ``rank`` and build its stage(s).
 
         ``sources``: object refs (nested in a list, so Ray does not resolve them
         on the way in) of shards from one step covering this rank's blocks, or
         None to start from the seed. ``generation`` numbers the controller's
         attempts, so ``abort_setup`` can end this one without touching a later one.
+        ``ps``: (shard handles, parameter -> shard) in parameter-server mode.
         """
         with self._setup_lock:
             try:
                 return self._setup(cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-                                   collective_timeout_s, rendezvous_timeout_s, generation)
+                                   collective_timeout_s, rendezvous_timeout_s, generation, ps)
             except BaseException as e:
                 traceback.clear_frames(e.__traceback__)
                 self.reset()
                 raise
 
     def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-               collective_timeout_s, rendezvous_timeout_s, generation) -> dict:
+               collective_timeout_s, rendezvous_timeout_s, generation, ps) -> dict:
         t = [time.perf_counter()]
         self.reset()
         delay = self._faults.pop("setup", None)
@@ -116,7 +117,7 @@ class TrainWorker:
                              collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s,
                              aborted=lambda: self._aborted_upto >= generation > 0)
         t.append(time.perf_counter())
-        trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device)
+        trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device, ps=ps)
         t.append(time.perf_counter())
         step = 0
         if sources:

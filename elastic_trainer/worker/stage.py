@@ -20,6 +20,7 @@ from ..comm.algorithms import ring_allreduce_bytes
 from ..comm.allreduce import CommStats
 from ..comm.grad_sync import GradSync
 from ..comm.local_sgd import ModelAverager
+from ..comm.parameter_server import PSClient
 from ..config import TrainerConfig, TrainSection
 from ..data.dataset import TokenDataset, ensure_prepared
 from ..data.sampler import GlobalSampler
@@ -63,6 +64,7 @@ class StageTrainer:
         groups: Groups,
         stage_bounds: list[tuple[int, int]],
         device: torch.device,
+        ps: tuple | None = None,
     ):
         self.cfg, self.topo, self.rank, self.groups, self.device = cfg, topo, rank, groups, device
         self.replica, self.pp_rank = topo.coords(rank)
@@ -92,6 +94,11 @@ class StageTrainer:
                              seed=cfg.train.seed)
         self.model_avg = (ModelAverager(named, groups.dp, topo.dp, comm)
                           if comm.sync in ("local_sgd", "diloco") else None)
+        # Parameter-server mode: the shards own the optimizer; this rank's never steps.
+        if comm.sync == "parameter_server" and ps is None:
+            raise ValueError("comm.sync is parameter_server but no parameter-server shards were given")
+        self.ps = (PSClient(named, ps[0], ps[1], self.replica, topo.dp, timeout_s=comm.timeout_s)
+                   if comm.sync == "parameter_server" else None)
         self.dense_bytes = sum(ring_allreduce_bytes(b.numel * 4, topo.dp) for b in self.sync.buckets) if topo.dp > 1 else 0
 
         self.has_first = 0 in self.stage_ids
@@ -216,7 +223,12 @@ class StageTrainer:
             t_clip = time.perf_counter()
             self._clip(self.cfg.train.grad_clip, stats)
             exposed += (time.perf_counter() - t_clip) if self.topo.pp > 1 else 0.0
-        self.optimizer.step()
+        if self.ps is not None:
+            t_ps = time.perf_counter()
+            self.ps.push_pull(step, stats)
+            exposed += time.perf_counter() - t_ps
+        else:
+            self.optimizer.step()
         if self.model_avg is not None:
             exposed += self.model_avg.maybe_sync(step, stats)
         compute_s = time.perf_counter() - t0 - exposed

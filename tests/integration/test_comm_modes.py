@@ -71,3 +71,12 @@ def test_local_updates_train_like_all_reduce_and_talk_every_local_steps(cluster,
     sent = sum(r["comm_bytes"] for r in result.history)
     dense = sum(r["comm_bytes"] for r in baseline.history)
     assert sent == pytest.approx(dense / 4, rel=0.01)
+
+
+def test_parameter_server_trains_like_all_reduce(cluster, baseline):
+    result = Trainer(demo("cm-ps", "comm.sync=parameter_server", "comm.ps_shards=2"), verbose=False).fit()
+    # Clipping is per replica before the push (the mean of clipped gradients), so close, not equal.
+    assert tail_loss(result) == pytest.approx(tail_loss(baseline), rel=0.05)
+    n_params = sum(block_param_counts(demo("x").model))
+    # Each of the 2 replicas pushes every gradient and pulls every parameter, in fp32.
+    assert all(r["comm_bytes"] == 2 * 2 * n_params * 4 for r in result.history)

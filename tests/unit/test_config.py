@@ -114,7 +114,6 @@ def test_shipped_job_files_are_valid():
 @pytest.mark.parametrize("comm, message", [
     ({"sync": "diloco", "compression": "int8"}, r"comm.compression\('int8'\) and comm.algorithm\('ring'\) apply to comm.sync 'allreduce' only"),
     ({"algorithm": "tree", "compression": "topk"}, r"comm.algorithm\('tree'\) replaces an all-reduce; comm.compression\('topk'\)"),
-    ({"sync": "parameter_server"}, r"'parameter_server' is not wired into training yet"),
     ({"compression": "zip"}, r"comm.compression: Input should be 'none', 'fp16'"),
     ({"topk_ratio": 0}, r"comm.topk_ratio: Input should be greater than 0"),
 ])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -265,3 +266,24 @@ def test_client_rejects_names_without_a_shard():
         PSClient(params, [object()], {"blocks.0.weight": 0, "blocks.3.bias": 1}, 0, 1)
     with pytest.raises(ValueError, match=r"replica\(2\) is not in range\(n_replicas=2\)"):
         PSClient(params, [object()], {"blocks.0.weight": 0, "blocks.3.bias": 0}, 2, 2)
+
+
+def test_dropping_pending_pushes_ends_a_waiting_pull_at_once():
+    shard = ParameterServerShard({"blocks.0.w": np.zeros(3, np.float32)}, {"lr": 0.1}, n_workers=2, timeout_s=30)
+    shard.push(1, 0, {"blocks.0.w": np.ones(3, np.float32)})
+    errors = []
+
+    def pull():
+        try:
+            shard.pull(1)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=pull)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.2)
+    shard.reset_pending()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - t0 < 5
+    assert errors and "abandoned" in errors[0]

@@ -1,0 +1,80 @@
+"""The parameter-server shards of a ``comm.sync: parameter_server`` run, as the controller sees them.
+
+The shards live on the controller's node: they hold the only copy of the
+AdamW state, so they must not share the fate of the (preemptible) worker
+nodes, and a run does not outlive its controller anyway. Their state is
+snapshotted with the workers' (same steps, refs owned by the controller), and
+a recovery puts them back at the step the workers restore.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..comm.parameter_server import assign_shards, remote_shard_class
+from ..config import TrainerConfig
+from ..models.factory import build_blocks
+from ..naming import NAMESPACE
+
+# Snapshots of the shards kept: the workers' snapshot store keeps the last two committed.
+_KEEP = 4
+
+
+class ParameterServers:
+    def __init__(self, cfg: TrainerConfig, run_name: str, node_id: str, dp: int):
+        # The master copy starts from the run's seed, as every worker's blocks do.
+        blocks, _ = build_blocks(cfg.model, cfg.train.seed)
+        params = {f"blocks.{i}.{n}": p.detach().numpy() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+        self.assignment = assign_shards({n: a.size for n, a in params.items()}, cfg.comm.ps_shards)
+        cls = remote_shard_class()
+        self.timeout_s = cfg.comm.timeout_s
+        self.handles = [
+            cls.options(name=f"{run_name}-ps{i}", namespace=NAMESPACE,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                {n: a for n, a in params.items() if self.assignment[n] == i}, cfg.train.model_dump(mode="json"), dp,
+                shard_index=i, timeout_s=cfg.comm.timeout_s, torch_threads=1)
+            for i in range(cfg.comm.ps_shards)
+        ]
+        self.snaps: dict[int, list] = {}
+
+    def snapshot(self, step: int) -> None:
+        """Take the shards' state after ``step`` (the controller owns the refs)."""
+        self.snaps[step] = [h.export_state.remote(step) for h in self.handles]
+        for old in sorted(self.snaps)[:-_KEEP]:
+            del self.snaps[old]
+
+    def shards(self, step: int) -> list | None:
+        """Refs of the shards' state at ``step`` (layout-free shards covering every block)."""
+        return self.snaps.get(step)
+
+    def restore(self, step: int, dp: int, sources: list | None = None) -> None:
+        """Put every shard at ``step`` for ``dp`` replicas: drop half-pushed steps, and load
+        ``sources`` (else the snapshot of ``step``) where a shard is elsewhere."""
+        versions = ray.get([h.version.remote() for h in self.handles], timeout=self.timeout_s)
+        calls = []
+        for h, v in zip(self.handles, versions):
+            if v != step:
+                state = sources or self.snaps.get(step)
+                if state is None:
+                    raise RuntimeError(f"parameter server is at step {v}, the workers restore step {step}, "
+                                       f"and no snapshot of the shards at step {step} is kept "
+                                       f"(kept: {sorted(self.snaps)})")
+                # Resolved here: Ray passes refs nested in a list through unresolved.
+                calls.append(h.load_state.remote(ray.get(list(state), timeout=self.timeout_s)))
+            calls.append(h.reset_pending.remote(dp))
+        ray.get(calls, timeout=self.timeout_s)
+
+    def abandon_step(self) -> None:
+        """A step failed: drop its pushes so workers waiting on a pull stop waiting."""
+        try:
+            ray.get([h.reset_pending.remote() for h in self.handles], timeout=self.timeout_s)
+        except Exception:  # noqa: BLE001 - restore() tries again, and reports what is wrong
+            pass
+
+    def kill(self) -> None:
+        for h in self.handles:
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
