@@ -389,8 +389,15 @@ class Controller:
             return f.startup_timeout_s
         return max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self._step_times))
 
+    def _is_snapshot_step(self, step: int) -> bool:
+        """Every ``memory_every`` steps; with local SGD / DiLoCo only where the replicas have
+        just met (between meetings they differ, and a snapshot must hold one model)."""
+        comm = self.cfg.comm
+        meets = comm.sync not in ("local_sgd", "diloco") or step % comm.local_steps == 0
+        return meets and step % self.cfg.checkpoint.memory_every == 0
+
     def _run_step(self, step: int) -> StepOutcome:
-        snap = step % self.cfg.checkpoint.memory_every == 0
+        snap = self._is_snapshot_step(step)
         started = time.perf_counter()
         refs, self._shard_refs = {}, {}
         for r, w in self.ranks.items():
@@ -473,7 +480,7 @@ class Controller:
             self._pending_recovery = None
             self.metrics.record_event(ev)
         self.metrics.record_step(record)
-        if step % cfg.checkpoint.memory_every == 0:
+        if self._is_snapshot_step(step):
             self._take_snapshot(step, self._shard_refs, nbytes=sum(o.get("snapshot_bytes", 0) for o in results))
             if self.ps:
                 self.ps.snapshot(step)
@@ -836,10 +843,12 @@ class Controller:
             self._durable_thread.join()
         if not (self.durable and final):
             return None
-        if self.step % self.cfg.checkpoint.memory_every:
+        if not self._is_snapshot_step(self.step):
             # The last step has no snapshot: take one so the end is saved exactly.
             self._take_snapshot(self.step, {w: self.slots[w].actor.export_snapshot.remote(self.step)
                                             for w in self.ranks.values()}, full=True)
+            if self.ps:
+                self.ps.snapshot(self.step)
         return self._write_durable(self.step, self._durable_shards(self.step), list(self.history))
 
     def _emergency_durable(self) -> str | None:

@@ -368,3 +368,18 @@ def test_node_loss_in_parameter_server_mode(fresh_cluster, corpus_dir):
     assert got[:change - 1] == pytest.approx(want[:change - 1], rel=1e-5)
     # Per-replica clipping depends on how the batch is split, so a new dp moves the curve a little.
     assert got[change - 1:] == pytest.approx(want[change - 1:], rel=0.02)
+
+
+def test_node_loss_in_diloco_mode_rolls_back_to_the_last_meeting(fresh_cluster, corpus_dir):
+    """Between meetings the replicas differ: the restore point is a meeting step, where the
+    snapshot holds the one agreed model and DiLoCo's outer state."""
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "dil", parallel={"dp": 2, "pp": 2},
+                 comm={"sync": "diloco", "local_steps": 4, "timeout_s": 20})
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(
+        6, lambda: c.remove_node(node_of_rank("dil", 3, nodes), allow_graceful=False))).fit()
+    assert_contiguous_data(result, cfg)
+    [rec] = result.recoveries
+    assert rec["restored_step"] % 4 == 0 and rec["restored_step"] >= 4
+    losses = [r["loss"] for r in result.history]
+    assert losses[-1] < losses[0]
