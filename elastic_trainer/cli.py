@@ -1,4 +1,4 @@
-"""Command line: ``elastic-trainer run | plan | status | prepare-data``."""
+"""Command line: ``elastic-trainer run | plan | bench-comm | status | prepare-data``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    from .comm.planner import format_candidates, load_constants, predict_candidates, recommend
     from .controller.plan import make_plan
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
@@ -43,7 +44,87 @@ def _cmd_plan(args) -> int:
     out["micro_batches_per_replica"] = cfg.micro_batches
     out["schedule"] = cfg.parallel.schedule
     out["backend"] = cfg.scaling.resolved_backend()
+    workers = cfg.world_size if args.workers is None else args.workers
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1; got {workers}")
+    constants = load_constants(args.constants) if args.constants else None
+    # A constants file may also carry the compute rate of its machine (see planner.predict_candidates).
+    rows = predict_candidates(cfg, workers, constants, (constants or {}).get("compute"))
+    best, reason = recommend(rows)
+    if args.json:
+        # The plan's own keys stay at the top level, as before predictions existed.
+        out["predictions"] = {"workers": workers, "constants": rows[0]["constants_source"] if rows else None,
+                              "candidates": rows, "recommended": best, "reason": reason}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(format_candidates(rows))
+    print()
+    print(f"recommended: {reason}")
+    if constants is None and (cfg.scaling.uses_gpu or out["backend"] == "nccl"):
+        print("caution: the built-in constants, compute rate and codec costs are one CPU thread and gloo over "
+              "loopback; for this GPU job give --constants FILE with your own alpha/beta and a 'compute' entry")
+    print()
+    print("the job as configured:")
     print(json.dumps(out, indent=2))
+    return 0
+
+
+def _cmd_bench_comm(args) -> int:
+    import shlex
+
+    import torch.multiprocessing as mp
+
+    from .comm import bench
+    from .comm.cost_model import format_table, size_range
+
+    try:
+        lo, hi = bench.parse_size(args.min), bench.parse_size(args.max)
+        sizes = size_range(lo, hi)
+    except ValueError as e:
+        raise ElasticTrainerError(f"--min {args.min!r} / --max {args.max!r}: {e}") from None
+    if len(sizes) < 2:
+        raise ElasticTrainerError(f"--min {args.min} and --max {args.max} give one message size; fitting alpha and "
+                                  "beta needs at least two (e.g. --max twice --min)")
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    try:
+        rows = bench.run_sweep(args.procs, sizes, algorithms, args.iters)
+        fits = bench.fit_constants(rows)
+    except ValueError as e:
+        raise ElasticTrainerError(str(e)) from None
+    except (TimeoutError, mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise ElasticTrainerError(f"the {args.procs}-process sweep failed: {e}") from None
+    # A quick sweep gets a quick stream; 64 MiB is already far past TCP's ramp-up on loopback.
+    loopback = None if args.no_loopback else bench.loopback_throughput(min(bench.LOOPBACK_BYTES, max(hi, 64 << 20)))
+    # Every setting that shaped the numbers, so the file says how to measure them again.
+    command = (f"elastic-trainer bench-comm --procs {args.procs} --min {shlex.quote(args.min)} "
+               f"--max {shlex.quote(args.max)} --algorithms {','.join(algorithms)} --iters {args.iters}")
+    doc = bench.constants_document(rows, fits, loopback, procs=args.procs, backend="gloo", command=command)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=2)
+    if args.json:
+        print(json.dumps({**doc, "rows": rows, "loopback": loopback, "peak_busbw_Bps": bench.peak_busbw(rows)},
+                         indent=2))
+        return 0
+    print(format_table(rows))
+    print()
+    if loopback is not None:
+        lb = loopback["bytes_per_s"]
+        print(f"# loopback TCP limit (one stream, {loopback['nbytes'] >> 20} MiB, best of "
+              f"{len(loopback['runs_Bps'])}): {lb / 1e9:.3f} GB/s")
+        for name, bw in bench.peak_busbw(rows).items():
+            print(f"#   peak busbw {name:>8}: {bw / 1e9:.3f} GB/s = {bw / lb:.2f} x loopback")
+        print()
+    print(f"# alpha-beta fit (relative least squares), {args.procs} ranks")
+    print(bench.format_fits(fits, None if loopback is None else loopback["bytes_per_s"]))
+    for name, f in fits.items():
+        bad = [k for k, v in (("alpha", f["alpha_s"]), ("beta", f["beta_s_per_byte"])) if v < 0]
+        if bad and not f.get("derived_from"):
+            print(f"warning: {name}'s fit has {' and '.join(b + ' < 0' for b in bad)}: these sizes do not separate "
+                  "latency from bandwidth; widen --min..--max, raise --iters or measure on a quieter machine "
+                  "(plan refuses negative constants)")
+    if args.out:
+        print(f"\nwrote the fitted constants to {args.out} (elastic-trainer plan JOB.yaml --constants {args.out})")
     return 0
 
 
@@ -117,8 +198,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kill-node-at-step", type=int, metavar="K",
                      help="with --simulate-nodes: kill (SIGKILL) the node of the last rank once step K is done")
     run.set_defaults(fn=_cmd_run)
-    job_command("plan", "Print the plan (topology, stage cut) a job would use, without running it.").set_defaults(
-        fn=_cmd_plan)
+    plan = job_command("plan", "Predict step time of every dp x pp, compression and sync on the workers, recommend "
+                               "one, and print the plan (topology, stage cut) the job as configured would use.")
+    plan.add_argument("--workers", type=int, metavar="N",
+                      help="workers to plan for (candidates use at most N; default: dp * pp of the job)")
+    plan.add_argument("--constants", metavar="FILE",
+                      help="alpha/beta JSON from `elastic-trainer bench-comm --out FILE` (default: the constants "
+                           "built into elastic_trainer.comm.planner)")
+    plan.add_argument("--json", action="store_true",
+                      help="print JSON: the plan's keys as before, plus 'predictions' (candidates, recommendation)")
+    plan.set_defaults(fn=_cmd_plan)
+    bc = sub.add_parser("bench-comm", help="Measure all-reduce algorithms over local processes and fit alpha/beta.",
+                        description="Time ring, tree and chunked all-reduce over --procs local gloo processes "
+                                    "(loopback TCP), print an nccl-tests style table, the loopback TCP limit, "
+                                    "and the fitted alpha-beta constants per algorithm.")
+    bc.add_argument("--procs", type=int, default=4, help="local processes (ranks), default 4")
+    bc.add_argument("--min", default="1KiB", help="smallest message, e.g. 1KiB (default)")
+    bc.add_argument("--max", default="256MiB", help="largest message, e.g. 256MiB (default); sizes double")
+    bc.add_argument("--algorithms", default="ring,tree,chunked", help="comma-separated, default ring,tree,chunked")
+    bc.add_argument("--iters", type=int, default=10, help="timed iterations per size (median), default 10")
+    bc.add_argument("--no-loopback", action="store_true", help="skip the loopback TCP stream measurement")
+    bc.add_argument("--json", action="store_true", help="print rows, fits and loopback limit as JSON")
+    bc.add_argument("--out", metavar="FILE", help="write the fitted constants as JSON for `plan --constants`")
+    bc.set_defaults(fn=_cmd_bench_comm)
     st = sub.add_parser("status", help="Show the live runs on a cluster: plan, step, throughput, failures.",
                         description="Show the live runs on a Ray cluster, read from their controllers.")
     st.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else the local cluster)")

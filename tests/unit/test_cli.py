@@ -5,7 +5,7 @@ import pytest
 from elastic_trainer.cli import build_parser, main
 
 
-@pytest.mark.parametrize("argv", [[], ["run"], ["plan"], ["prepare-data"]])
+@pytest.mark.parametrize("argv", [[], ["run"], ["plan"], ["bench-comm"], ["prepare-data"]])
 def test_help_on_every_command(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([*argv, "--help"])
@@ -14,7 +14,7 @@ def test_help_on_every_command(argv, capsys):
 
 
 def test_plan_prints_the_stage_cut(capsys):
-    assert main(["plan", "jobs/gpt_gpu.yaml"]) == 0
+    assert main(["plan", "jobs/gpt_gpu.yaml", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["dp"], plan["pp"], plan["world_size"], plan["backend"]) == (4, 2, 8, "nccl")
     assert plan["stages"][0]["blocks"][0] == 0 and plan["stages"][-1]["blocks"][1] == 26

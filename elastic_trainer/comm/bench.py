@@ -1,0 +1,257 @@
+"""Measure the all-reduce algorithms on this machine and fit the alpha-beta model to them.
+
+:func:`run_sweep` starts ``procs`` local processes (gloo over TCP on
+127.0.0.1, one torch thread each) that run :func:`cost_model.sweep`;
+:func:`fit_constants` turns its rows into ``alpha``/``beta`` per algorithm;
+:func:`loopback_throughput` measures what one plain TCP stream over loopback
+moves, the ceiling a bus bandwidth on this machine can be held against.
+:func:`constants_document` packs all three into the JSON that
+``elastic-trainer plan --constants`` reads (see ``planner.load_constants``).
+
+The parameter server is not measured: its pushes and pulls go through Ray
+actors, which this sweep does not start. Its constants are the ring's, which
+``cost_model.predict("ps", ...)`` combines with the push/pull byte pattern;
+the document says so (``"derived_from": "ring"``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+
+from . import cost_model
+from .algorithms import ALGORITHMS
+
+# A loopback stream this long runs for well over the connection's slow start.
+LOOPBACK_BYTES = 256 << 20
+_LOOPBACK_CHUNK = 1 << 20
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in ``text``: ``4096``, ``1KiB``, ``64K``, ``256MiB``, ``1G`` (binary units, case-insensitive)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"size {text!r} is not a number of bytes with an optional unit "
+                         f"(e.g. 4096, 1KiB, 64K, 256MiB, 1G)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sweep_worker(rank: int, procs: int, port: int, backend: str, sizes: list[int], algorithms: list[str],
+                  iters: int, warmup: int, timeout_s: float, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # Loopback, so the sweep measures what loopback_throughput does; set here, not in the caller's process.
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs,
+                            timeout=_dt.timedelta(seconds=timeout_s))
+    try:
+        rows = cost_model.sweep(None, sizes, algorithms, iters=iters, warmup=warmup)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(rows, f)
+        # Nobody leaves while a peer may still need it for the last collective.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _join(ctx, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s; give it a longer timeout_s "
+                                   "or fewer/smaller sizes")
+    except Exception:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        raise
+
+
+def run_sweep(procs: int, sizes: Sequence[int] | None = None, algorithms: Sequence[str] = ALGORITHMS,
+              iters: int = 5, backend: str = "gloo", *, warmup: int = 1, timeout_s: float = 900.0) -> list[dict]:
+    """Run :func:`cost_model.sweep` on ``procs`` local processes and return its rows (rank 0's).
+
+    Processes are spawned fresh (``torch.multiprocessing``), meet over TCP on a
+    free 127.0.0.1 port, and use one torch thread each; gloo is pinned to the
+    loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise, so the
+    numbers compare with :func:`loopback_throughput`. ``sizes`` default to
+    ``cost_model.size_range()`` (1 KiB .. 256 MiB). The whole sweep must end
+    within ``timeout_s``, else the processes are killed and ``TimeoutError``
+    is raised.
+    """
+    import torch.multiprocessing as mp
+
+    if procs < 2:
+        raise ValueError(f"run_sweep needs procs >= 2 to have anything to all-reduce; got procs={procs}")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"run_sweep needs iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown or not algorithms:
+        raise ValueError(f"run_sweep algorithms must be a non-empty subset of {', '.join(ALGORITHMS)}; "
+                         f"got {list(algorithms)}")
+    sizes = cost_model.size_range() if sizes is None else [int(s) for s in sizes]
+    bad = [s for s in sizes if s < 4]
+    if not sizes or bad:
+        raise ValueError(f"run_sweep sizes must be >= 4 bytes (one float); got {sizes}")
+    with tempfile.TemporaryDirectory(prefix="et-bench-") as tmp:
+        out_path = os.path.join(tmp, "rows.json")
+        ctx = mp.start_processes(
+            _sweep_worker, nprocs=procs, join=False, start_method="spawn",
+            args=(procs, _free_port(), backend, sizes, list(algorithms), iters, warmup, timeout_s, out_path))
+        _join(ctx, timeout_s, f"the {procs}-process sweep")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def fit_constants(rows: Sequence[dict], relative: bool = True) -> dict[str, dict]:
+    """Fit ``alpha``/``beta`` per algorithm in ``rows`` (from :func:`run_sweep`), plus ``ps`` from ring's.
+
+    Each entry: ``alpha_s``, ``beta_s_per_byte``, ``bandwidth_Bps`` (``1/beta``),
+    ``relative_residual`` (RMS of ``(measured - predicted) / measured`` when
+    ``relative``), ``p`` and ``samples``. The fit weighs every size alike
+    (``relative``) so the latency of small messages counts as much as the
+    bandwidth of big ones. ``ps`` has the ring's numbers and
+    ``"derived_from": "ring"``: it is not measured.
+    """
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(r["algorithm"] for r in rows):
+        block = [r for r in rows if r["algorithm"] == name]
+        ps = {r["p"] for r in block}
+        if len(ps) != 1:
+            raise ValueError(f"rows of {name!r} mix rank counts {sorted(ps)}; fit one sweep at a time")
+        p = ps.pop()
+        f = cost_model.fit([(r["size"], r["time_s"]) for r in block], name, p, relative=relative)
+        out[name] = {"alpha_s": f.alpha, "beta_s_per_byte": f.beta, "bandwidth_Bps": f.bandwidth,
+                     "relative_residual" if relative else "residual_s": f.residual, "p": p, "samples": len(block)}
+    if "ring" in out:
+        out["ps"] = {**out["ring"], "derived_from": "ring"}
+    return out
+
+
+# The sender runs as plain Python (no torch, no package import), so it starts in milliseconds.
+_SENDER = """
+import socket, sys
+port, nbytes, chunk = map(int, sys.argv[1:4])
+buf = memoryview(bytearray(chunk))
+with socket.create_connection(("127.0.0.1", port)) as s:
+    left = nbytes
+    while left > 0:
+        n = min(left, chunk)
+        s.sendall(buf[:n])
+        left -= n
+    s.recv(1)  # the receiver's word that all of it arrived
+"""
+
+
+def loopback_throughput(nbytes: int = LOOPBACK_BYTES, repeats: int = 3, chunk: int = _LOOPBACK_CHUNK,
+                        timeout_s: float = 120.0) -> dict:
+    """Bytes/s of one TCP stream over 127.0.0.1 between two processes: ``{"bytes_per_s", "runs_Bps", ...}``.
+
+    A child process sends ``nbytes`` in ``chunk``-byte writes; this process
+    receives and times from the accepted connection to the last byte.
+    ``bytes_per_s`` is the best of ``repeats`` streams: the limit, not the
+    typical run. A ring all-reduce's busbw is the per-link rate it achieved,
+    so it is held against this number.
+    """
+    import subprocess
+    import sys
+
+    if nbytes < chunk or repeats < 1 or chunk < 1:
+        raise ValueError(f"loopback_throughput needs nbytes >= chunk >= 1 and repeats >= 1; got nbytes={nbytes}, "
+                         f"chunk={chunk}, repeats={repeats}")
+    view = memoryview(bytearray(chunk))
+    runs = []
+    for _ in range(repeats):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            srv.settimeout(timeout_s)
+            proc = subprocess.Popen([sys.executable, "-c", _SENDER, str(srv.getsockname()[1]), str(nbytes),
+                                     str(chunk)])
+            try:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.settimeout(timeout_s)
+                    got, t0 = 0, time.perf_counter()
+                    while got < nbytes:
+                        n = conn.recv_into(view, min(chunk, nbytes - got))
+                        if n == 0:
+                            raise RuntimeError(f"the loopback sender closed after {got} of {nbytes} bytes")
+                        got += n
+                    dt = time.perf_counter() - t0
+                    conn.sendall(b"k")
+            finally:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        runs.append(nbytes / dt)
+    return {"bytes_per_s": max(runs), "runs_Bps": runs, "nbytes": nbytes, "chunk": chunk}
+
+
+def constants_document(rows: Sequence[dict], fits: dict[str, dict], loopback: dict | None, *, procs: int,
+                       backend: str, command: str | None = None) -> dict:
+    """The JSON ``elastic-trainer bench-comm --out`` writes and ``plan --constants`` reads."""
+    return {
+        "kind": "elastic_trainer.comm_constants",
+        "version": 1,
+        "measured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "procs": procs,
+        "backend": backend,
+        "sizes": sorted({r["size"] for r in rows}),
+        "loopback_Bps": None if loopback is None else loopback["bytes_per_s"],
+        "algorithms": fits,
+    }
+
+
+def format_fits(fits: dict[str, dict], loopback_Bps: float | None = None) -> str:
+    """One line per fitted algorithm: alpha (us), bandwidth (GB/s), residual, and bandwidth vs loopback."""
+    out = [f"#{'algorithm':>10} {'alpha(us)':>10} {'beta(ns/B)':>11} {'bw(GB/s)':>9} {'resid':>7}"
+           + (f" {'bw/loopback':>12}" if loopback_Bps else "")]
+    for name, f in fits.items():
+        bw = f["bandwidth_Bps"]
+        resid = f.get("relative_residual", f.get("residual_s", math.nan))
+        line = (f" {name:>10} {f['alpha_s'] * 1e6:>10.2f} {f['beta_s_per_byte'] * 1e9:>11.4f} "
+                f"{bw / 1e9:>9.3f} {resid:>7.3f}")
+        if loopback_Bps:
+            line += f" {bw / loopback_Bps:>12.2f}"
+        if f.get("derived_from"):
+            line += f"   (not measured: {f['derived_from']}'s constants with the parameter-server byte pattern)"
+        out.append(line)
+    return "\n".join(out)
+
+
+def peak_busbw(rows: Sequence[dict]) -> dict[str, float]:
+    """The highest busbw (bytes/s) each algorithm reached in ``rows``."""
+    out: dict[str, float] = {}
+    for r in rows:
+        out[r["algorithm"]] = max(out.get(r["algorithm"], 0.0), r["busbw"])
+    return out
