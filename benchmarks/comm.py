@@ -139,7 +139,7 @@ def steady_stats(history: list[dict], warmup: int, local_steps: int | None) -> d
 
     out = {"steps": len(recs), "median_step_s": med("step_time_s"),
            "mean_step_s": statistics.fmean(r["step_time_s"] for r in recs),
-           "comm_bytes_total": med("comm_bytes"), "comm_s": med("comm_s"), "exposed_comm_s": med("exposed_comm_s")}
+           "comm_bytes_total": med("comm_bytes"), "comm_s": med("comm_time_s"), "exposed_comm_s": med("exposed_comm_s")}
     out["comm_bytes_per_rank"] = None if out["comm_bytes_total"] is None else out["comm_bytes_total"] / DP
     if local_steps:
         # Whole windows only: each holds exactly one model average.
@@ -219,7 +219,7 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.3f}"
 
 
-def print_sweep(sweep: dict) -> None:
+def print_sweep(sweep: dict, runs: list[dict] | None = None) -> None:
     lb = sweep["loopback"]["bytes_per_s"]
     fits = sweep["constants"]["algorithms"]
     print(f"\n### All-reduce on {sweep['constants']['procs']} local processes vs one loopback TCP stream "
@@ -230,7 +230,14 @@ def print_sweep(sweep: dict) -> None:
         f = fits[name]
         print(f"| {name} | {bw / 1e9:.3f} | {bw / lb:.2f} | {f['alpha_s'] * 1e6:.1f} | "
               f"{f['bandwidth_Bps'] / 1e9:.3f} | {f['relative_residual']:.2f} |")
-    print("| ps | (not measured) | | ring's | ring's | |")
+    ps = next((r for r in runs or [] if r.get("sync") == "parameter_server" and r.get("comm_s")), None)
+    if ps:
+        # Measured in training: the bytes one replica pushes and pulls per step over its time in push_pull.
+        bw = ps["comm_bytes_per_rank"] / ps["comm_s"]
+        print(f"| ps (in training, push+pull via Ray) | {bw / 1e9:.3f} | {bw / lb:.2f} "
+              "| ring's | ring's | |")
+    else:
+        print("| ps | (not measured: run the parameter_server training row) | | ring's | ring's | |")
 
 
 def print_runs(runs: list[dict]) -> None:
@@ -284,7 +291,6 @@ def main() -> None:
         sweep = run_sweep_part(args.procs, args.max, args.iters)
         out["sweep"] = sweep
         constants = sweep["constants"]
-        print_sweep(sweep)
     elif args.constants:
         from elastic_trainer.comm.planner import load_constants
 
@@ -297,12 +303,16 @@ def main() -> None:
         add_predictions(records, args.steps, constants, compute)
         out["runs"] = records
         out["constants_used"] = "this sweep" if not args.skip_sweep else (args.constants or "planner built-ins")
+        if "sweep" in out:
+            print_sweep(out["sweep"], records)
         print_runs(records)
         judged = [r for r in records if "rel_error" in r]
         if judged:
             ok = sum(r["within_target"] for r in judged)
             print(f"\n{ok} of {len(judged)} runs predicted within {TARGET:.0%}; "
                   f"median error {statistics.median(r['rel_error'] for r in judged) * 100:.0f}%")
+    if "sweep" in out and args.only_sweep:
+        print_sweep(out["sweep"])
     res = ROOT / "benchmarks" / "results"
     res.mkdir(parents=True, exist_ok=True)
     (res / "comm.json").write_text(json.dumps(out, indent=1, default=str))
