@@ -13,11 +13,13 @@ import logging
 import math
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from .names import COUNTER, GAUGE, HISTOGRAM, METRICS, RECOVERY_PHASES, STATES, MetricSpec, metric
 
 log = logging.getLogger(__name__)
+_REFRESH_S = 5.0
 
 _STATE = metric("controller_state").name
 _FAILURES = metric("failures").name
@@ -81,11 +83,15 @@ class RunMetrics:
         self._states = list(STATES)
         self._recoveries_seen: set = set()
         self._warned: set[str] = set()
+        # Last value of every gauge series: Ray's exporter drops a gauge not set for ~20 s
+        # (measured, Ray 2.60), and a stuck run must keep showing its last step.
+        self._last: dict[tuple, float] = {}
+        self._refresher: threading.Thread | None = None
 
     def __getstate__(self):
         # Ray metric objects belong to the process that made them: a copy makes its own.
         state = self.__dict__.copy()
-        state.update(_metrics=None, _lock=None)
+        state.update(_metrics=None, _lock=None, _refresher=None)
         return state
 
     def __setstate__(self, state):
@@ -180,9 +186,28 @@ class RunMetrics:
                     except Exception as e:
                         log.warning("metric %s not created: %s: %s", spec.name, type(e).__name__, e)
                 self._metrics = made
+                if self._factory is None:
+                    self._refresher = threading.Thread(target=self._refresh_loop, name="metrics-refresh",
+                                                       daemon=True)
+                    self._refresher.start()
         return self._metrics
 
+    def refresh(self) -> None:
+        """Set every gauge series again to its last value."""
+        with self._lock:
+            last = list(self._last.items())
+        for (name, tags), value in last:
+            self._call(name, "set", value, dict(tags))
+
+    def _refresh_loop(self) -> None:
+        while True:
+            time.sleep(_REFRESH_S)
+            self.refresh()
+
     def _call(self, name: str, method: str, value: float, tags: dict) -> None:
+        if method == "set":
+            with self._lock:
+                self._last[(name, tuple(sorted(tags.items())))] = value
         try:
             getattr(self._metrics[name], method)(value, tags={"run": self.run, **tags})
         except Exception as e:

@@ -5,26 +5,23 @@ and its metrics reach the head's Prometheus export port."""
 import os
 import re
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from elastic_trainer.worker.process_group import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_SERIES = re.compile(r'^ray_elastic_trainer_step\{[^}]*run="jobtest"[^}]*\} (\S+)$', re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -34,22 +31,41 @@ def ray_head(tmp_path):
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process")
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    ports = {"gcs": _free_port(), "dashboard": _free_port(), "metrics": _free_port()}
+    ports = {"gcs": free_port("127.0.0.1"), "dashboard": free_port("127.0.0.1"), "metrics": free_port("127.0.0.1")}
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            # Export every second, so the metrics show up while a short job runs.
            "RAY_metrics_report_interval_ms": "1000"}
     env.pop("RAY_ADDRESS", None)
     # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
     temp_dir = tempfile.mkdtemp(prefix="etjob-", dir="/tmp")
-    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
-                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
-                    f"--metrics-export-port={ports['metrics']}", "--num-cpus=4", "--disable-usage-stats",
-                    f"--temp-dir={temp_dir}"],
-                   env=env, check=True, timeout=180, capture_output=True)
+    # --block keeps `ray start` in the foreground; ending its process group stops this head
+    # alone (`ray stop` would stop every Ray on the machine).
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+         f"--metrics-export-port={ports['metrics']}", "--num-cpus=4", "--disable-usage-stats",
+         f"--temp-dir={temp_dir}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{ports['dashboard']}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:
+                break  # it answers (perhaps asking for the token): it is up
+            except OSError:
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the Ray head did not come up (exit code {head.poll()})") from None
+                time.sleep(0.5)
         yield ray_bin, ports, env
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, timeout=120, capture_output=True)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -2,7 +2,6 @@
 ``prometheus_names()`` promises (the names the dashboards and alerts are generated with)."""
 
 import re
-import socket
 import time
 import urllib.request
 
@@ -10,23 +9,18 @@ import pytest
 import ray
 
 from elastic_trainer.metrics import RunMetrics, prometheus_names
+from elastic_trainer.worker.process_group import free_port
 
 pytestmark = pytest.mark.integration
 
 SERIES = re.compile(r"^(ray_elastic_trainer_\w+)\{(.*)\} (\S+)$", re.M)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def metrics_port():
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process")
-    port = _free_port()
+    port = free_port("127.0.0.1")
     # Export every second so the test does not wait out Ray's default ten.
     ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port, _node_ip_address="127.0.0.1",
              _system_config={"metrics_report_interval_ms": 1000})
@@ -43,7 +37,7 @@ class Recorder:
         m = self.metrics
         m.record_event({"kind": "state", "from": "STARTING", "to": "RUNNING", "time": 1.0})
         m.record_step({"step": 3, "loss": 1.5, "dp": 2, "pp": 1, "world_size": 2, "step_time_s": 0.5,
-                       "tokens_per_s": 100.0, "comm_s": 0.1, "comm_bytes": 10, "exposed_comm_s": 0.05,
+                       "tokens_per_s": 100.0, "comm_time_s": 0.1, "comm_bytes": 10, "exposed_comm_s": 0.05,
                        "compression_ratio": 2.0})
         for _ in range(2):
             m.record_event({"kind": "failure", "failure": "death"})
@@ -79,6 +73,8 @@ def test_recorded_metrics_are_exported_under_the_promised_names(metrics_port):
     assert [v for _, v in failures] == [2.0] and 'kind="death"' in failures[0][0]
     running = [v for labels, v in got["ray_elastic_trainer_controller_state"] if 'state="RUNNING"' in labels]
     assert running == [1.0]
-    # Gauges set once stay exported while the recording process lives (the alerts rely on it).
-    time.sleep(5)
-    assert "ray_elastic_trainer_durable_checkpoint_step" in _scrape(metrics_port)
+    # Gauges set once stay exported while the recording process lives (the alerts rely on it):
+    # Ray drops a gauge series not set for ~20 s, so the recorder sets them again.
+    time.sleep(30)
+    later = _scrape(metrics_port)
+    assert "ray_elastic_trainer_durable_checkpoint_step" in later and later["ray_elastic_trainer_step"][0][1] == 3.0

@@ -195,3 +195,20 @@ def test_a_pickled_recorder_leaves_its_metric_objects_behind(recorder):
     rec._factory = None   # a fake factory is a local closure and would not pickle
     clone = pickle.loads(pickle.dumps(rec))
     assert clone.run == "run-a" and clone._metrics is None
+
+
+def test_refresh_sets_every_gauge_series_again_to_its_last_value(recorder):
+    # Ray drops gauge series that are not set for a while; a stuck run must keep its last step.
+    rec, made = recorder
+    rec.record_step(RECORD)
+    rec.record_step({**RECORD, "step": 8})
+    rec.set_state("RUNNING")
+    rec.record_event({"kind": "failure", "failure": "death"})
+    rec.refresh()
+    tags = {"run": "run-a"}
+    assert calls(made, "step")[-1] == ("set", 8.0, tags)
+    assert calls(made, "step").count(("set", 8.0, tags)) == 2
+    running = [c for c in calls(made, "controller_state") if c[2].get("state") == "RUNNING"]
+    assert running[-1][1] == 1.0 and len(running) == 2
+    # Counters are cumulative in Ray: not replayed.
+    assert len(calls(made, "failures")) == 1
