@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -151,8 +152,9 @@ class Trainer:
             try:
                 out = ray.get(done_ref)
             except ray.exceptions.RayTaskError as e:
-                self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED",
-                                                                 "error": str(e.as_instanceof_cause())}])
+                # Ray colours the remote traceback; the report's title wants plain text.
+                error = re.sub(r"\x1b\[[0-9;]*m", "", str(e.as_instanceof_cause()))
+                self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": error}])
                 raise e.as_instanceof_cause() from None
         finally:
             ray.kill(controller, no_restart=True)
