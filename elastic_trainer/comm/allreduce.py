@@ -1,12 +1,10 @@
-"""Bucketed gradient averaging across a data-parallel group, with byte and time counters."""
+"""Byte and time counters of a step's collectives, and gradient bucketing (used by grad_sync)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass
@@ -45,32 +43,3 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[li
     if current:
         buckets.append(current)
     return buckets
-
-
-class GradAverager:
-    """Averages gradients of a stage's parameters over its DP group, one flat buffer per bucket."""
-
-    def __init__(self, params: list[torch.nn.Parameter], group, group_size: int, bucket_mb: float):
-        self.group = group
-        self.group_size = group_size
-        self.buckets = make_buckets(params, int(bucket_mb * (1 << 20)))
-
-    def average(self, stats: CommStats) -> None:
-        if self.group_size == 1:
-            return
-        for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            t0 = time.perf_counter()
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            stats.add("all_reduce", flat.numel() * flat.element_size(), time.perf_counter() - t0)
-            flat.div_(self.group_size)
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                chunk = flat[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += n
