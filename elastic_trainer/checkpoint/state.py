@@ -23,6 +23,8 @@ import warnings
 import numpy as np
 import torch
 
+from .flat import FlatShard, flat_shard
+
 
 def block_of(name: str) -> int:
     """Block index of a global parameter name ``blocks.<index>.<rest>``."""
@@ -73,25 +75,13 @@ def select_blocks(shard: dict, blocks) -> dict:
     want = set(blocks)
     keep = [n for n in shard["params"] if block_of(n) in want]
     comm = shard.get("comm") or {}
-    return {"step": shard["step"], "blocks": sorted(want & set(shard["blocks"])),
-            "params": {n: shard["params"][n] for n in keep},
-            "optim": {n: shard["optim"][n] for n in keep if n in shard["optim"]}, "extra": shard["extra"],
-            "comm": {n: comm[n] for n in keep if n in comm}, "comm_meta": shard.get("comm_meta") or {}}
-
-
-def split_blocks(blocks: list[int], parts: int, sizes: dict[int, int]) -> list[list[int]]:
-    """Deal ``blocks`` into ``parts`` groups of near-equal total ``sizes`` (largest first).
-
-    Used to share one stage's snapshot among its DP replicas; a group may be
-    empty when there are more parts than blocks.
-    """
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for b in sorted(blocks, key=lambda b: (-sizes.get(b, 0), b)):
-        i = min(range(parts), key=lambda i: (load[i], len(groups[i]), i))
-        groups[i].append(b)
-        load[i] += sizes.get(b, 0)
-    return [sorted(g) for g in groups]
+    out = {"step": shard["step"], "blocks": sorted(want & set(shard["blocks"])),
+           "params": {n: shard["params"][n] for n in keep},
+           "optim": {n: shard["optim"][n] for n in keep if n in shard["optim"]}, "extra": shard["extra"],
+           "comm": {n: comm[n] for n in keep if n in comm}, "comm_meta": shard.get("comm_meta") or {}}
+    if isinstance(shard, FlatShard):
+        return flat_shard(out, {b: v for b, v in shard.layout.items() if b in want})
+    return out
 
 
 def merge_shards(shards: list[dict], names: list[str]) -> tuple[int, dict, dict]:

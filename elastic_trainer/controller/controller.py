@@ -19,7 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..checkpoint.durable import CheckpointError, DurableStore
-from ..checkpoint.state import shard_nbytes, split_blocks
+from ..checkpoint.state import shard_nbytes
 from ..config import TrainerConfig
 from ..errors import ElasticTrainerError, WorkerError
 from ..metrics import RunMetrics
@@ -33,7 +33,7 @@ from .plan import Plan, make_plan
 from .policy import choose_plan
 from .ps_group import ParameterServers
 from .restore import choose_restore
-from .snapshots import SnapshotStore
+from .snapshots import SnapshotStore, put_phases
 
 
 class RunState(str, enum.Enum):
@@ -112,7 +112,10 @@ class Controller:
         self.rolled_back = 0
         self._inflight: dict = {}
         self._shard_refs: dict = {}
-        self._put_blocks: dict[int, list[int]] = {}  # rank -> blocks it puts in each snapshot
+        # Who writes which blocks of a snapshot: one {rank: blocks} per phase, taken in turn.
+        self._put_phases: list[dict[int, list[int]]] = [{}]
+        self._snapshots_taken = 0
+        self._put_blocks: dict[int, list[int]] = {}  # this step's phase
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self._setup_timings: dict = {}
         self._setup_refs: list = []   # (worker id, ref) of set-up calls of failed attempts
@@ -335,7 +338,7 @@ class Controller:
             self.slots[w].rank = r
         self.ranks = ranks
         self.plan = plan
-        self._put_blocks = self._snapshot_parts(plan)
+        self._put_phases = self._snapshot_parts(plan)
         restored = steps.pop()
         with self._lock:
             # Steps after the restored one were rolled back: they will be run again.
@@ -400,6 +403,7 @@ class Controller:
         snap = self._is_snapshot_step(step)
         started = time.perf_counter()
         refs, self._shard_refs = {}, {}
+        self._put_blocks = self._put_phases[self._snapshots_taken % len(self._put_phases)]
         for r, w in self.ranks.items():
             metrics, shard = self.slots[w].actor.train_step.remote(step, snap, self._put_blocks[r] if snap else None)
             refs[metrics] = w
@@ -482,6 +486,7 @@ class Controller:
         self.metrics.record_step(record)
         if self._is_snapshot_step(step):
             self._take_snapshot(step, self._shard_refs, nbytes=sum(o.get("snapshot_bytes", 0) for o in results))
+            self._snapshots_taken += 1
             if self.ps:
                 self.ps.snapshot(step)
         self._shard_refs = {}
@@ -501,17 +506,8 @@ class Controller:
         virtual = self.cfg.parallel.virtual_stages if self.cfg.parallel.schedule == "interleaved" else 1
         return [b for v in range(virtual) for b in range(*plan.stage_bounds[pp_rank + v * topo.pp])]
 
-    def _snapshot_parts(self, plan: Plan) -> dict[int, list[int]]:
-        """Blocks each rank puts into the object store: its stage's blocks dealt among
-        the stage's DP replicas, which all hold the same state."""
-        topo = plan.topology
-        sizes = dict(enumerate(self.counts))
-        out = {}
-        for stage in range(topo.pp):
-            parts = split_blocks(self._blocks_of_rank(topo.rank(0, stage), plan), topo.dp, sizes)
-            for replica in range(topo.dp):
-                out[topo.rank(replica, stage)] = parts[replica]
-        return out
+    def _snapshot_parts(self, plan: Plan) -> list[dict[int, list[int]]]:
+        return put_phases(plan.topology, lambda rank: self._blocks_of_rank(rank, plan))
 
     def _take_snapshot(self, step: int, shard_refs: dict, full: bool = False, nbytes: int = 0) -> None:
         """Start replicating the parts of ``step`` (worker id -> shard ref) of the current ranks;

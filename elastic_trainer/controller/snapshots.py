@@ -1,12 +1,12 @@
 """Object-store snapshots owned by the controller, each part with copies on distinct nodes.
 
 After a snapshot step every rank keeps a full local copy of its state. The DP
-replicas of a stage hold bit-identical state, so they share the object-store
-write: each returns only its part of the stage's blocks (``split_blocks``) as
-the step's second result, owned by the controller so it outlives the worker.
-The object store then holds one complete snapshot per step instead of dp of
-them, and every part still has copies on distinct nodes: the producer's object
-plus the other replicas' local copies. Where a stage sits on fewer than
+replicas of a stage hold bit-identical state, so one of them writes the whole
+stage to the object store, in turn (``put_phases``), as the step's second
+result, owned by the controller so it outlives the worker. The object store
+then holds one complete snapshot per step instead of dp of them, in one object
+per stage, and every part still has copies on distinct nodes: the writer's
+object plus the other replicas' local copies. Where a stage sits on fewer than
 ``replicas`` nodes (dp=1, or replicas packed on a node) the controller asks
 workers on other nodes to pin a copy. A snapshot commits when every part has
 all its copies. The last two committed stay; older refs are dropped and holders
@@ -39,6 +39,27 @@ class Snapshot:
     shards: dict[int, ShardEntry]   # rank -> entry
     committed_at: float | None = None
     nbytes: int = 0                 # one copy of every part
+
+
+def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
+    """Blocks each rank writes into the object store, one ``{rank: blocks}`` per phase.
+
+    One replica of each stage writes the stage's blocks (``blocks_of(rank)``)
+    and the others write nothing; the writer changes from phase to phase, and
+    stages start from different replicas so that one snapshot's writers sit on
+    different nodes. One object per stage rather than one part per rank: each
+    object costs the object store a fixed amount of work (create, seal, pin,
+    free) that outweighs copying a few more megabytes.
+    """
+    phases = []
+    for phase in range(topo.dp):
+        out = {}
+        for stage in range(topo.pp):
+            for replica in range(topo.dp):
+                rank = topo.rank(replica, stage)
+                out[rank] = list(blocks_of(rank)) if replica == (phase + stage) % topo.dp else []
+        phases.append(out)
+    return phases
 
 
 class SnapshotStore:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ..checkpoint.state import block_of, export_shard, load_into, merge_shards, pick_comm
+from ..checkpoint.flat import ShardExporter
+from ..checkpoint.state import block_of, load_into, merge_shards, pick_comm
 from ..comm.algorithms import ring_allreduce_bytes
 from ..comm.allreduce import CommStats
 from ..comm.grad_sync import GradSync
@@ -85,6 +86,7 @@ class StageTrainer:
         del blocks
         self.params = [p for m in self.modules.values() for p in m.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.train)
+        self.exporter = ShardExporter()  # snapshot buffers, reused
         named = list(self.named_parameters())
         comm = cfg.comm
         # The pipeline schedules are built not to scale gradients (scale_grads=False):
@@ -150,7 +152,8 @@ class StageTrainer:
             for kind, per_name in self.model_avg.export_state().items():
                 for name, value in per_name.items():
                     comm.setdefault(name, {})[kind] = value
-        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks, comm=comm, comm_meta=meta)
+        return self.exporter.export(step, self.named_parameters(), self.optimizer, self.blocks, block_of,
+                                    comm=comm, comm_meta=meta)
 
     def load(self, shards: list[dict]) -> int:
         """Load this rank's blocks from shards of one step; returns that step.

@@ -1,18 +1,27 @@
 """How a stage's snapshot is shared among its DP replicas, and which parts restore a step."""
 
-from elastic_trainer.checkpoint.state import select_blocks, split_blocks
-from elastic_trainer.controller.snapshots import ShardEntry, Snapshot, SnapshotStore
+from elastic_trainer.checkpoint.state import select_blocks
+from elastic_trainer.controller.snapshots import ShardEntry, Snapshot, SnapshotStore, put_phases
+from elastic_trainer.parallel.topology import Topology
 
 
-def test_blocks_are_dealt_by_size_and_every_block_goes_to_exactly_one_part():
-    sizes = {0: 100, 1: 10, 2: 10, 3: 60, 4: 40}
-    parts = split_blocks([0, 1, 2, 3, 4], 2, sizes)
-    assert sorted(b for p in parts for b in p) == [0, 1, 2, 3, 4]
-    loads = [sum(sizes[b] for b in p) for p in parts]
-    assert max(loads) - min(loads) <= 20
-    assert split_blocks([0, 1, 2, 3, 4], 1, sizes) == [[0, 1, 2, 3, 4]]
-    # More replicas than blocks: some put nothing.
-    assert sorted(map(len, split_blocks([5, 6], 3, {}))) == [0, 1, 1]
+def test_one_replica_of_each_stage_writes_the_stage_in_turn():
+    topo = Topology(dp=3, pp=2)
+    blocks = {0: [0, 1, 2], 1: [3, 4]}
+    phases = put_phases(topo, lambda rank: blocks[topo.coords(rank)[1]])
+    assert len(phases) == 3
+    for phase in phases:
+        assert set(phase) == set(range(topo.world_size))
+        writers = {r for r, b in phase.items() if b}
+        # Every block written exactly once, by one replica per stage.
+        assert sorted(b for bl in phase.values() for b in bl) == [0, 1, 2, 3, 4]
+        assert sorted(topo.coords(r)[1] for r in writers) == [0, 1]
+        # The two stages' writers are different replicas (so, with one rank per node, different nodes).
+        assert len({topo.coords(r)[0] for r in writers}) == 2
+    # Each rank writes in exactly one phase of dp.
+    assert sorted(r for phase in phases for r, b in phase.items() if b) == list(range(topo.world_size))
+    single = put_phases(Topology(dp=1, pp=2), lambda rank: [rank])
+    assert single == [{0: [0], 1: [1]}]
 
 
 def test_select_blocks_keeps_only_the_names_of_those_blocks():
