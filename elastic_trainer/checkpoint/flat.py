@@ -14,6 +14,7 @@ received buffers (read-only when they come from the object store).
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -50,7 +51,7 @@ def _views(layout: dict) -> tuple[dict, dict]:
     for buf, entries in layout.values():
         for name, kind, off, dtype, shape in entries:
             dt = np.dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            n = math.prod(shape) * dt.itemsize
             arr = buf[off:off + n].view(dt).reshape(shape)
             if kind is None:
                 params[name] = arr
