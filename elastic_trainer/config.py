@@ -143,6 +143,9 @@ class CommSection(_Strict):
     compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = Field(
         "none", description="Gradient compression; int8, topk and powersgd keep an error-feedback residual.")
     topk_ratio: float = Field(0.01, gt=0, le=1, description="topk: share of gradient entries sent.")
+    topk_warmup_steps: int = Field(
+        0, ge=0, description="topk: steps over which the share sent falls geometrically from 25% to "
+                             "topk_ratio (sparsity warm-up, as in Deep Gradient Compression); 0: none.")
     powersgd_rank: int = Field(4, ge=1, description="powersgd: rank of the low-rank approximation.")
     powersgd_start_step: int = Field(10, ge=0, description="powersgd: plain all-reduce before this step.")
     sync: Literal["allreduce", "local_sgd", "diloco", "parameter_server"] = Field(

@@ -223,13 +223,18 @@ class TopKCodec(Codec):
     """
 
     name = "topk"
-    options = ("ratio", "value_dtype", "error_feedback")
+    options = ("ratio", "value_dtype", "error_feedback", "warmup_steps")
     state_kinds = ("residual",)
+    # Where a sparsity warm-up starts: a quarter of the entries (DGC's 75% sparsity).
+    WARMUP_START = 0.25
 
     def __init__(self, ratio: float = 0.01, value_dtype: torch.dtype | str = torch.float32,
-                 error_feedback: bool = True):
+                 error_feedback: bool = True, warmup_steps: int = 0):
         if not 0 < ratio <= 1:
             raise ValueError(f"topk ratio must be in (0, 1]; got {ratio}")
+        if warmup_steps < 0:
+            raise ValueError(f"topk warmup_steps must be >= 0; got {warmup_steps}")
+        self.warmup_steps = warmup_steps
         dtypes = {"float32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
         value_dtype = dtypes.get(value_dtype, value_dtype) if isinstance(value_dtype, str) else value_dtype
         if value_dtype not in (torch.float32, torch.float16):
@@ -237,18 +242,27 @@ class TopKCodec(Codec):
         super().__init__()
         self.ratio, self.value_dtype, self.error_feedback = ratio, value_dtype, error_feedback
 
-    def k(self, numel: int) -> int:
-        """How many entries a rank sends for a bucket of ``numel``."""
-        return min(numel, max(1, math.ceil(self.ratio * numel)))
+    def ratio_at(self, step: int | None) -> float:
+        """Share sent in ``step`` (counted from 1): during the warm-up it falls geometrically
+        from ``WARMUP_START`` to ``ratio``; after it (or with no step given) it is ``ratio``."""
+        start = max(self.ratio, self.WARMUP_START)
+        if step is None or not self.warmup_steps or step > self.warmup_steps:
+            return self.ratio
+        frac = (step - 1) / self.warmup_steps
+        return start * (self.ratio / start) ** frac
 
-    def _message_bytes(self, numel: int) -> int:
-        return self.k(numel) * (torch.finfo(self.value_dtype).bits // 8 + 4)
+    def k(self, numel: int, step: int | None = None) -> int:
+        """How many entries a rank sends for a bucket of ``numel`` (in ``step``, for the warm-up)."""
+        return min(numel, max(1, math.ceil(self.ratio_at(step) * numel)))
+
+    def _message_bytes(self, numel: int, step: int | None = None) -> int:
+        return self.k(numel, step) * (torch.finfo(self.value_dtype).bits // 8 + 4)
 
     def _average(self, flat, group, stats, p, bucket, shapes, step):
         x = flat.clone()
         if self.error_feedback and bucket in self._state["residual"]:
             x.add_(self._state["residual"][bucket])
-        k = self.k(x.numel())
+        k = self.k(x.numel(), step)
         idx = x.abs().topk(k, sorted=False).indices
         vals = x[idx]
         if self.value_dtype == torch.float16:
@@ -266,8 +280,9 @@ class TopKCodec(Codec):
             x[idx] -= sent.float()
             self._state["residual"][bucket] = x
 
-    def expected_bytes(self, numel, p, shapes=None):
-        return (p - 1) * self._message_bytes(numel) if p > 1 else 0
+    def expected_bytes(self, numel, p, shapes=None, step=None):
+        """Bytes one rank sends; in ``step`` if given (the warm-up sends more), else steady state."""
+        return (p - 1) * self._message_bytes(numel, step) if p > 1 else 0
 
 
 def _orthogonalize(m: torch.Tensor) -> None:
@@ -407,12 +422,13 @@ def make_codec(name: str, **opts) -> Codec:
 def expected_bytes(name: str, numel: int, p: int, shapes: Shapes | None = None, **opts) -> int:
     """Bytes one rank sends when codec ``name`` averages a bucket of ``numel`` fp32 elements over ``p`` ranks.
 
-    ``opts`` are the codec's options; for ``powersgd`` also ``step``, the
-    bucket's step count at the call (default: a step past ``start_step``).
+    ``opts`` are the codec's options; for ``powersgd`` and ``topk`` also
+    ``step``, the bucket's step count at the call (default: the steady state,
+    past PowerSGD's ``start_step`` and top-k's warm-up).
     """
     if p < 1 or numel < 0:
         raise ValueError(f"expected_bytes needs p >= 1 and numel >= 0; got p={p}, numel={numel}")
-    if name == "powersgd" and "step" in opts:
+    if name in ("powersgd", "topk") and "step" in opts:
         step = opts.pop("step")
         return make_codec(name, **opts).expected_bytes(numel, p, shapes, step=step)
     return make_codec(name, **opts).expected_bytes(numel, p, shapes)

@@ -362,7 +362,7 @@ def test_unknown_codec_and_option_say_what_would_fit():
     with pytest.raises(ValueError) as e:
         make_codec("zstd")
     assert "'zstd'" in str(e.value) and all(name in str(e.value) for name in CODECS)
-    with pytest.raises(ValueError, match=r"'topk' takes options \(ratio, value_dtype, error_feedback\); "
+    with pytest.raises(ValueError, match=r"'topk' takes options \(ratio, value_dtype, error_feedback, warmup_steps\); "
                                          r"got unknown rank"):
         make_codec("topk", rank=4)
     with pytest.raises(ValueError, match="ratio must be in"):
@@ -391,3 +391,17 @@ def test_expected_bytes_closed_forms():
     assert expected_bytes("powersgd", 512 * 1024 + 1024, 2, shapes, rank=4, start_step=5, step=4) == (
         512 * 1024 + 1024) * 4
     assert expected_bytes("int8", n, 1) == 0
+
+
+def test_topk_warmup_sends_a_falling_share_then_the_ratio():
+    codec = make_codec("topk", ratio=0.01, warmup_steps=30)
+    shares = [codec.ratio_at(s) for s in range(1, 32)]
+    assert shares[0] == pytest.approx(0.25)
+    assert all(a > b for a, b in zip(shares[:30], shares[1:30]))
+    assert shares[29] > 0.01 and shares[30] == 0.01
+    assert codec.ratio_at(None) == 0.01 and make_codec("topk", ratio=0.01).ratio_at(1) == 0.01
+    n = 1 << 20
+    assert expected_bytes("topk", n, 2, ratio=0.01, warmup_steps=30, step=1) == math.ceil(0.25 * n) * 8
+    assert expected_bytes("topk", n, 2, ratio=0.01, warmup_steps=30) == math.ceil(0.01 * n) * 8
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0; got -1"):
+        make_codec("topk", warmup_steps=-1)
