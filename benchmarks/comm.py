@@ -19,11 +19,19 @@ Three parts, each usable alone:
    is also taken as the mean over whole windows of local_steps steps: that
    is what a prediction of comm / local_steps per step is held against.
 3. prediction: ``planner.predict_candidates`` for the same config, with the
-   alpha/beta fitted in part 1 (else the planner's built-in ones) and the
-   compute rate measured here first (plain torch, one thread: the demo
-   GPT's forward + backward and AdamW step), scaled by cores / workers
-   because the simulated nodes share this machine's cores. Reported:
-   ``|pred - meas| / meas`` per run; the target is within 25%.
+   alpha/beta fitted in part 1 (else the planner's built-in ones), and two
+   calibrations taken on the cluster of part 2 before its runs:
+   - compute: the demo GPT's forward + backward and AdamW in plain torch,
+     one thread, first alone (before the cluster starts), then in one Ray
+     task per node all at once. Four workers on two cores get less than two
+     cores' worth (shared caches, switching, Ray's own processes), so the
+     planner's ``cpus`` is the cores they effectively get:
+     ``4 * alone / together``;
+   - the parameter server's path: every node sends N bytes (256 KiB to
+     8 MiB) to an actor on the head node and gets N bytes back, all at once;
+     ``cost_model.fit(..., "ps", shards=1)`` gives the ``ps`` alpha/beta
+     (bench-comm, which starts no Ray, can only derive them from the ring's).
+   Reported: ``|pred - meas| / meas`` per run; the target is within 25%.
 
 Prints markdown tables and writes benchmarks/results/comm.json. Run on a
 quiet machine:
@@ -91,11 +99,10 @@ def run_sweep_part(procs: int, max_size: str, iters: int) -> dict:
 
 
 # -- part 2 -----------------------------------------------------------------------------------------
-def measure_compute(steps: int = 8) -> dict:
-    """One thread, plain torch: the demo GPT's forward + backward of one replica's batch at dp=4, and AdamW.
-
-    Returns the planner's ``compute`` dict for the measurement.
-    """
+def _compute_loop(steps: int, start_at: float | None = None) -> tuple[float, float, int, int]:
+    """(median forward+backward s, median AdamW s, params, tokens) of the demo GPT, one torch thread,
+    one replica's batch at dp=4; timed from wall-clock ``start_at`` if given (so that
+    several copies run at the same time)."""
     import torch
     from torch import nn
 
@@ -112,6 +119,8 @@ def measure_compute(steps: int = 8) -> dict:
     m = cfg.micro_batches
     gen = torch.Generator().manual_seed(0)
     fb, os_ = [], []
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
     for _ in range(steps + 2):
         opt.zero_grad()
         t0 = time.perf_counter()
@@ -123,9 +132,96 @@ def measure_compute(steps: int = 8) -> dict:
         fb.append(t1 - t0)
         os_.append(time.perf_counter() - t1)
     # The first two steps allocate and warm caches.
-    seconds, opt_s = statistics.median(fb[2:]), statistics.median(os_[2:])
-    return {"seconds": seconds, "params": params, "tokens": m * mb * seq, "optimizer_s_per_param": opt_s / params,
+    return statistics.median(fb[2:]), statistics.median(os_[2:]), params, m * mb * seq
+
+
+def _ship_this_module() -> None:
+    """Ray workers cannot import this file (benchmarks/ is not a package on their path):
+    when it is imported rather than run, send its functions by value."""
+    if __name__ != "__main__":
+        import ray.cloudpickle
+
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def measure_compute(steps: int = 8) -> dict:
+    """One thread, plain torch, nothing else running: the demo GPT's forward + backward of
+    one replica's batch at dp=4, and AdamW. Returns the planner's ``compute`` dict; its
+    ``cpus`` (the machine's count) is replaced by :func:`measure_colocated`'s figure."""
+    seconds, opt_s, params, tokens = _compute_loop(steps)
+    return {"seconds": seconds, "params": params, "tokens": tokens, "optimizer_s_per_param": opt_s / params,
             "cpus": os.cpu_count()}
+
+
+def measure_colocated(compute: dict, steps: int = 30) -> tuple[dict, dict]:
+    """The same loop as :func:`measure_compute` in one Ray task per simulated node, all at once,
+    as the training runs place their workers (with Ray's own processes running beside them).
+
+    The planner stretches a worker's compute by ``workers / cpus``; four workers
+    sharing two cores run slower than half speed (shared caches, switching,
+    Ray's own processes), so ``cpus`` becomes the cores they effectively get:
+    ``workers * alone / together``. Returns ``compute`` with that ``cpus``, and the
+    raw figures.
+    """
+    import ray
+
+    _ship_this_module()
+    probe = ray.remote(num_cpus=1)(_compute_loop)
+    # Every copy starts at the same moment, once all are placed and imported.
+    start_at = time.time() + 5.0
+    together = ray.get([probe.remote(steps, start_at) for _ in range(NODES)])
+    fb_together = statistics.median(t[0] for t in together)
+    effective = NODES * compute["seconds"] / fb_together
+    return ({**compute, "cpus": round(min(float(os.cpu_count() or 1), effective), 3)},
+            {"workers": NODES, "seconds_alone": compute["seconds"], "seconds_together": fb_together,
+             "machine_cpus": os.cpu_count()})
+
+
+def measure_ps_transport(sizes=(1 << 18, 1 << 20, 1 << 22, 1 << 23), iters: int = 8) -> dict:
+    """Alpha-beta of the parameter server's data path, through Ray: one task per simulated node
+    sends an array of N bytes to an actor on the head node (where the shards live) and gets
+    N bytes back, all nodes at once, as a push and a pull of every replica do.
+
+    The planner prices a parameter-server step as ``2 alpha + 2 * dp * N * beta`` (the head
+    node's link carries every replica's push and pull), so that is what is fitted.
+    """
+    import numpy as np
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from elastic_trainer.comm import cost_model
+
+    _ship_this_module()
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def echo(self, a):
+            return np.array(a)  # a copy, as a shard's pull returns its own arrays
+
+    @ray.remote(num_cpus=1)
+    def client(echo, sizes, iters, start_at):
+        time.sleep(max(0.0, start_at - time.time()))
+        out = {}
+        for n in sizes:
+            a = np.ones(n, dtype=np.uint8)
+            times = []
+            for _ in range(iters + 1):
+                t0 = time.perf_counter()
+                ray.get(echo.echo.remote(a))
+                times.append(time.perf_counter() - t0)
+            out[n] = statistics.median(times[1:])
+        return out
+
+    head = ray.get_runtime_context().get_node_id()
+    echo = Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()
+    # Sizes above Ray's inline limit (100 KiB), which a replica's gradients are; all clients at once.
+    start_at = time.time() + 5.0
+    per_client = ray.get([client.remote(echo, list(sizes), iters, start_at) for _ in range(NODES)])
+    rows = [{"size": n, "time_s": statistics.median(c[n] for c in per_client)} for n in sizes]
+    # The planner's parameter-server row: cost_model "ps" with every replica on one server.
+    f = cost_model.fit([(r["size"], r["time_s"]) for r in rows], "ps", p=NODES, relative=True, shards=1)
+    return {"alpha_s": max(0.0, f.alpha), "beta_s_per_byte": max(0.0, f.beta), "rows": rows,
+            "derived_from": f"Ray echo: {NODES} nodes x N bytes to an actor on the head node and back"}
 
 
 def steady_stats(history: list[dict], warmup: int, local_steps: int | None) -> dict:
@@ -150,11 +246,11 @@ def steady_stats(history: list[dict], warmup: int, local_steps: int | None) -> d
     return out
 
 
-def run_training_part(steps: int, warmup: int, runs, head_cpus: float) -> list[dict]:
+def start_cluster(head_cpus: float):
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic_trainer import Trainer, TrainerConfig
+    from elastic_trainer import TrainerConfig
     from elastic_trainer.data.dataset import ensure_prepared
 
     ensure_prepared(TrainerConfig.model_validate(demo_config(1, "prep", "none", "allreduce")).data)
@@ -163,8 +259,14 @@ def run_training_part(steps: int, warmup: int, runs, head_cpus: float) -> list[d
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
+    return cluster
+
+
+def run_training_part(steps: int, warmup: int, runs) -> list[dict]:
+    from elastic_trainer import Trainer, TrainerConfig
+
     out = []
-    try:
+    if True:
         for i, (compression, sync) in enumerate(runs):
             print(f"run {i + 1}/{len(runs)}: compression={compression} sync={sync} ...", flush=True)
             raw = demo_config(steps, f"comm-{compression}-{sync}-{i}", compression, sync)
@@ -183,9 +285,6 @@ def run_training_part(steps: int, warmup: int, runs, head_cpus: float) -> list[d
                 print(f"  failed: {rec['error']}", flush=True)
                 traceback.print_exc()
             out.append(rec)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     return out
 
 
@@ -219,7 +318,7 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.3f}"
 
 
-def print_sweep(sweep: dict, runs: list[dict] | None = None) -> None:
+def print_sweep(sweep: dict, runs: list[dict] | None = None, ps_fit: dict | None = None) -> None:
     lb = sweep["loopback"]["bytes_per_s"]
     fits = sweep["constants"]["algorithms"]
     print(f"\n### All-reduce on {sweep['constants']['procs']} local processes vs one loopback TCP stream "
@@ -231,13 +330,14 @@ def print_sweep(sweep: dict, runs: list[dict] | None = None) -> None:
         print(f"| {name} | {bw / 1e9:.3f} | {bw / lb:.2f} | {f['alpha_s'] * 1e6:.1f} | "
               f"{f['bandwidth_Bps'] / 1e9:.3f} | {f['relative_residual']:.2f} |")
     ps = next((r for r in runs or [] if r.get("sync") == "parameter_server" and r.get("comm_s")), None)
+    fit = (f"{ps_fit['alpha_s'] * 1e6:.1f} | {1 / ps_fit['beta_s_per_byte'] / 1e9:.3f} | (Ray echo) |"
+           if ps_fit and ps_fit["beta_s_per_byte"] > 0 else "ring's | ring's | |")
     if ps:
         # Measured in training: the bytes one replica pushes and pulls per step over its time in push_pull.
         bw = ps["comm_bytes_per_rank"] / ps["comm_s"]
-        print(f"| ps (in training, push+pull via Ray) | {bw / 1e9:.3f} | {bw / lb:.2f} "
-              "| ring's | ring's | |")
+        print(f"| ps (in training, push+pull via Ray) | {bw / 1e9:.3f} | {bw / lb:.2f} | {fit}")
     else:
-        print("| ps | (not measured: run the parameter_server training row) | | ring's | ring's | |")
+        print(f"| ps | (not measured: run the parameter_server training row) | | {fit}")
 
 
 def print_runs(runs: list[dict]) -> None:
@@ -296,15 +396,30 @@ def main() -> None:
 
         constants = load_constants(args.constants)
     if not args.only_sweep:
+        import ray
+
         print("measuring the compute rate (plain torch, one thread) ...", flush=True)
         compute = measure_compute()
-        out["compute"] = compute
-        records = run_training_part(args.steps, args.warmup, runs, args.head_cpus)
+        cluster = start_cluster(args.head_cpus)
+        try:
+            print(f"measuring it again on {NODES} nodes at once, and the parameter server's path ...", flush=True)
+            compute, colocated = measure_colocated(compute)
+            ps = measure_ps_transport()
+            records = run_training_part(args.steps, args.warmup, runs)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        out["compute"], out["compute_colocated"], out["ps_transport"] = compute, colocated, ps
+        base = constants or {"algorithms": dict(__import__("elastic_trainer.comm.planner", fromlist=["x"])
+                                                .DEFAULT_CONSTANTS["algorithms"])}
+        constants = {**base, "algorithms": {**base["algorithms"],
+                                            "ps": {k: ps[k] for k in ("alpha_s", "beta_s_per_byte", "derived_from")}}}
+        out["constants_ps"] = constants["algorithms"]["ps"]
         add_predictions(records, args.steps, constants, compute)
         out["runs"] = records
         out["constants_used"] = "this sweep" if not args.skip_sweep else (args.constants or "planner built-ins")
         if "sweep" in out:
-            print_sweep(out["sweep"], records)
+            print_sweep(out["sweep"], records, out.get("ps_transport"))
         print_runs(records)
         judged = [r for r in records if "rel_error" in r]
         if judged:

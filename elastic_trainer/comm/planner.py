@@ -29,10 +29,13 @@ that rank's:
   step, not hidden;
 - ``parameter_server``: push gradients, pull parameters; all shards sit on
   the controller's node, whose link carries every replica's gradients:
-  ``cost_model.predict("ps", ..., shards=1)`` at the ring's constants; the
-  shards run AdamW (on ``1 / ps_shards`` of the parameters each) instead of
-  the workers; the Ray object store's own costs are not modelled, which
-  each such row says in its ``notes``;
+  ``cost_model.predict("ps", ..., shards=1)`` at the constants' ``ps``
+  entry: measured through Ray where the constants have one (the built-ins
+  do: ``benchmarks/comm.py`` times every node sending N bytes to an actor
+  on the head node and back, which prices the object store's transfers),
+  else the ring's; the shards run AdamW (on ``1 / ps_shards`` of the
+  parameters each) instead of the workers; each row's ``notes`` say which
+  constants it used;
 - pipeline: each boundary moves one micro-batch's activations forward and
   their gradient back, ``micro_batch * seq_len * d_model * 4`` bytes for the
   GPT (found by a meta-device forward for any model), and each of the
@@ -87,7 +90,11 @@ DEFAULT_CONSTANTS = {
         "ring": {"alpha_s": 858.46e-6, "beta_s_per_byte": 0.80376e-9},
         "tree": {"alpha_s": 1183.71e-6, "beta_s_per_byte": 1.06077e-9},
         "chunked": {"alpha_s": 726.98e-6, "beta_s_per_byte": 0.81796e-9},
-        "ps": {"alpha_s": 858.46e-6, "beta_s_per_byte": 0.80376e-9, "derived_from": "ring"},
+        # Through Ray, not gloo: `python benchmarks/comm.py` (2026-11-29, 15:20 UTC) timed 4 simulated
+        # nodes each sending 256 KiB-8 MiB to an actor on the head node and back; the object store's
+        # transfers cost ~15 ms a message here, 20x the ring's latency.
+        "ps": {"alpha_s": 15.1217e-3, "beta_s_per_byte": 0.80576e-9,
+               "derived_from": "Ray echo: 4 nodes x N bytes to an actor on the head node and back"},
     },
 }
 
@@ -159,7 +166,7 @@ def _alpha_beta(constants: dict, source: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _flops_rate(compute: dict | None) -> tuple[float, float, int | None, str]:
+def _flops_rate(compute: dict | None) -> tuple[float, float, float | None, str]:
     """(FLOP/s of one worker, optimizer s/param, cores shared by all workers or None, source)."""
     if compute is None:
         return DEFAULT_FLOPS_PER_S, DEFAULT_OPTIMIZER_S_PER_PARAM, None, "built-in"
@@ -187,8 +194,11 @@ def _flops_rate(compute: dict | None) -> tuple[float, float, int | None, str]:
         raise ConfigError(f"compute rate must be a finite number > 0 FLOP/s; got {rate}")
     opt = float(compute.get("optimizer_s_per_param", DEFAULT_OPTIMIZER_S_PER_PARAM))
     cpus = compute.get("cpus")
-    if opt < 0 or (cpus is not None and (not isinstance(cpus, int) or cpus < 1)):
-        raise ConfigError(f"compute optimizer_s_per_param must be >= 0 and cpus an int >= 1; got "
+    # cpus may be fractional: the cores workers effectively get when they share them (see
+    # benchmarks/comm.py, measure_colocated).
+    if opt < 0 or (cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, (int, float))
+                                         or not cpus > 0 or not math.isfinite(cpus))):
+        raise ConfigError(f"compute optimizer_s_per_param must be >= 0 and cpus a number > 0; got "
                           f"optimizer_s_per_param={opt}, cpus={cpus!r}")
     return rate, opt, cpus, source
 
@@ -431,13 +441,15 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         # pp == 1. The shards, not the workers, run AdamW, each on its share of the parameters, after
         # the last push. Even one replica pays the round trip: the parameters live on the shards.
         a, b = ab["ps"]
+        ps_entry = (doc.get("algorithms") or {}).get("ps") or {}
+        ps_how = ps_entry.get("derived_from", "measured") if ps_entry else "ring"
         n_rank, n_all = 4 * rank_params, 4 * total_params
         ps_s = 2 * a + 2 * max(n_rank, dp * n_all) * b
         shard_adamw = math.ceil(total_params / c.ps_shards) * opt_cost * slowdown
         rows.append(row("none", "parameter_server", "ps", ps_s, shard_adamw, 0.0, 2 * n_rank,
-                        f"{c.ps_shards} shard(s) on one node; ring's alpha/beta with the push/pull byte pattern; "
-                        "codec_s is the shard's AdamW step, and the worker runs none; bytes are push + pull, as "
-                        "the worker counts them; Ray object-store costs not modelled",
+                        f"{c.ps_shards} shard(s) on one node; alpha/beta from {ps_how}, with the push/pull byte "
+                        "pattern; codec_s is the shard's AdamW step, and the worker runs none; bytes are push + "
+                        "pull, as the worker counts them",
                         compute=fwd_bwd * bubble))
     rows.sort(key=lambda r: (round(r["total_s"], 12), -r["dp"], r["world_size"]))
     return rows

@@ -106,6 +106,17 @@ def test_local_sgd_diloco_and_parameter_server_terms():
     assert ps["codec_s"] == pytest.approx(math.ceil(ps["rank_params"] / 2) * DEFAULT_OPTIMIZER_S_PER_PARAM)
 
 
+def test_a_measured_ps_entry_prices_the_parameter_server():
+    cfg = demo()
+    derived = pick(predict_candidates(cfg, 4, consts()), 4, 1, sync="parameter_server")
+    assert "alpha/beta from ring" in derived["notes"]
+    measured = consts(ps={"alpha_s": 0.015, "beta_s_per_byte": 1e-9, "derived_from": "Ray echo"})
+    ps = pick(predict_candidates(cfg, 4, measured), 4, 1, sync="parameter_server")
+    n = 4 * ps["rank_params"]
+    assert ps["dp_comm_s"] == pytest.approx(cost_model.predict("ps", n, 4, 0.015, 1e-9, shards=1))
+    assert "alpha/beta from Ray echo" in ps["notes"]
+
+
 def test_compute_follows_the_rate_the_bubble_and_shared_cores():
     cfg = demo()
     base = predict_candidates(cfg, 4, consts(), {"flops_per_s": 1e10, "optimizer_s_per_param": 0.0})
@@ -120,6 +131,12 @@ def test_compute_follows_the_rate_the_bubble_and_shared_cores():
     shared = predict_candidates(cfg, 4, consts(), {"flops_per_s": 1e10, "optimizer_s_per_param": 0.0, "cpus": 2})
     assert pick(shared, 4, 1)["compute_s"] == pytest.approx(2 * r["compute_s"])
     assert pick(shared, 2, 1)["compute_s"] == pytest.approx(pick(base, 2, 1)["compute_s"])
+    # Cores as measured with the workers sharing them: fractional, and the same rule.
+    measured = predict_candidates(cfg, 4, consts(), {"flops_per_s": 1e10, "optimizer_s_per_param": 0.0, "cpus": 1.6})
+    assert pick(measured, 4, 1)["compute_s"] == pytest.approx(4 / 1.6 * r["compute_s"])
+    for bad in (0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(ConfigError, match="cpus a number > 0"):
+            predict_candidates(cfg, 4, consts(), {"flops_per_s": 1e10, "cpus": bad})
     # dp=2 x pp=2, 1f1b: two micro-batches, bubble (2 + 1) / 2.
     p = pick(base, 2, 2)
     assert p["bubble"] == pytest.approx(1.5)
