@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .algorithms import ring_allreduce_bytes
 from .allreduce import CommStats
@@ -132,29 +131,32 @@ class AllReduceCodec(Codec):
         return ring_allreduce_bytes(numel * self.dtype.itemsize, p) if p > 1 else 0
 
 
-def _quantize(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of ``x`` to int8 with one absmax scale per ``chunk`` elements: (int8, scales, dequantized)."""
-    rows, n = x.shape
-    nch = -(-n // chunk)
-    padded = F.pad(x, (0, nch * chunk - n)).view(rows, nch, chunk)
-    scales = padded.abs().amax(dim=2) / 127.0
+def _quantize_(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks ``v`` (rows, chunks, chunk) to int8 with one absmax scale per chunk: (int8 values,
+    scales (rows, chunks)). ``v`` is left holding the rounding error, ``v - dequant``: the
+    caller's error feedback, without another pass to compute it."""
+    scales = v.abs().amax(dim=2, keepdim=True).div_(127.0)
     # An all-zero chunk has scale 0; dividing by 1 instead keeps it exactly 0.
-    q = torch.round(padded / torch.where(scales > 0, scales, 1.0).unsqueeze(2)).clamp_(-127, 127).to(torch.int8)
-    deq = q.float() * scales.unsqueeze(2)
-    return q.view(rows, -1)[:, :n], scales, deq.view(rows, -1)[:, :n]
+    q = torch.div(v, torch.where(scales > 0, scales, 1.0)).round_().clamp_(-127, 127)
+    v.addcmul_(q, scales, value=-1.0)
+    return q.to(torch.int8), scales.squeeze(2)
 
 
-def _pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """One uint8 row per part: its int8 values, then its fp32 scales' bytes (one message instead of two)."""
-    return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+def _pack(q: torch.Tensor, scales: torch.Tensor, part: int) -> torch.Tensor:
+    """One uint8 row per part: its first ``part`` int8 values, then its fp32 scales' bytes
+    (one message instead of two)."""
+    return torch.cat([q.view(q.shape[0], -1)[:, :part].view(torch.uint8), scales.contiguous().view(torch.uint8)],
+                     dim=1)
 
 
-def _unpack(packed: torch.Tensor, part: int, chunk: int) -> torch.Tensor:
-    """Dequantized rows of packed int8 parts."""
-    q = packed[:, :part].contiguous().view(torch.int8).float()
+def _dequantize(packed: torch.Tensor, part: int, chunk: int) -> torch.Tensor:
+    """Packed rows back to fp32, each padded to whole chunks (the padding is 0): (rows, chunks * chunk)."""
+    rows = packed.shape[0]
     scales = packed[:, part:].contiguous().view(torch.float32)
-    nch = scales.shape[1]
-    return (F.pad(q, (0, nch * chunk - part)).view(-1, nch, chunk) * scales.unsqueeze(2)).flatten(1)[:, :part]
+    out = torch.zeros(rows, scales.shape[1] * chunk)
+    out[:, :part].copy_(packed[:, :part].view(torch.int8))
+    out.view(rows, -1, chunk).mul_(scales.unsqueeze(2))
+    return out
 
 
 class Int8Codec(Codec):
@@ -189,25 +191,38 @@ class Int8Codec(Codec):
 
     def _average(self, flat, group, stats, p, bucket, shapes, step):
         n = flat.numel()
-        part, _, width = self._layout(n, p)
-        x = flat.clone()
-        if self.error_feedback and bucket in self._state["residual"]:
-            x.add_(self._state["residual"][bucket])
-        q, scales, deq = _quantize(F.pad(x, (0, p * part - n)).view(p, part), self.chunk)
-        residual = x - deq.reshape(-1)[:n]
+        part, nch, width = self._layout(n, p)
+        chunk = self.chunk
+        owed = self._state["residual"].get(bucket) if self.error_feedback else None
+        # Rank r's part is elements [r * part, (r + 1) * part), padded with zeros to whole chunks.
+        v = torch.zeros(p, nch * chunk)
+        rows = [(r, r * part, min(n, (r + 1) * part)) for r in range(p) if r * part < n]
+        for r, lo, hi in rows:
+            if owed is None:
+                v[r, :hi - lo].copy_(flat[lo:hi])
+            else:
+                torch.add(flat[lo:hi], owed[lo:hi], out=v[r, :hi - lo])
+        q, scales = _quantize_(v.view(p, nch, chunk))
+        residual = torch.empty(n)
+        for r, lo, hi in rows:
+            residual[lo:hi].copy_(v[r, :hi - lo])
         recv = torch.empty(p, width, dtype=torch.uint8)
-        _timed(stats, "all_to_all", (p - 1) * width, dist.all_to_all_single, recv, _pack(q, scales), group=group)
+        _timed(stats, "all_to_all", (p - 1) * width, dist.all_to_all_single, recv, _pack(q, scales, part),
+               group=group)
         # This rank now holds every rank's copy of its own part.
-        avg = _unpack(recv, part, self.chunk).sum(dim=0, keepdim=True) / p
-        q2, scales2, deq2 = _quantize(avg, self.chunk)
+        avg = _dequantize(recv, part, chunk).sum(dim=0, keepdim=True).div_(p)
+        q2, scales2 = _quantize_(avg.view(1, nch, chunk))  # avg now holds its rounding error
         me = dist.get_rank(group)
         lo, hi = me * part, min((me + 1) * part, n)
         if hi > lo:
-            residual[lo:hi].add_((avg - deq2)[0, :hi - lo], alpha=p)
-        mine = _pack(q2, scales2).view(-1)
+            # That error lands in the average, 1/p of the residuals' sum: this rank owes p times it.
+            residual[lo:hi].add_(avg[0, :hi - lo], alpha=p)
+        mine = _pack(q2, scales2, part).view(-1)
         gathered = [torch.empty_like(mine) for _ in range(p)]
         _timed(stats, "all_gather", (p - 1) * width, dist.all_gather, gathered, mine, group=group)
-        flat.copy_(_unpack(torch.stack(gathered), part, self.chunk).reshape(-1)[:n])
+        out = _dequantize(torch.stack(gathered), part, chunk)
+        for r, lo, hi in rows:
+            flat[lo:hi].copy_(out[r, :hi - lo])
         if self.error_feedback:
             self._state["residual"][bucket] = residual
 
