@@ -22,11 +22,10 @@ Three parts, each usable alone:
    alpha/beta fitted in part 1 (else the planner's built-in ones), and two
    calibrations taken on the cluster of part 2 before its runs:
    - compute: the demo GPT's forward + backward and AdamW in plain torch,
-     one thread, first alone (before the cluster starts), then in one Ray
-     task per node all at once. Four workers on two cores get less than two
-     cores' worth (shared caches, switching, Ray's own processes), so the
-     planner's ``cpus`` is the cores they effectively get:
-     ``4 * alone / together``;
+     one thread, in one Ray task alone, then in one task per node all at
+     once. Four workers on two cores get less than two cores' worth (shared
+     caches, switching, Ray's own processes), so the planner's ``cpus`` is
+     the cores they effectively get: ``4 * alone / together``;
    - the parameter server's path: every node sends N bytes (256 KiB to
      8 MiB) to an actor on the head node and gets N bytes back, all at once;
      ``cost_model.fit(..., "ps", shards=1)`` gives the ``ps`` alpha/beta
@@ -154,27 +153,31 @@ def measure_compute(steps: int = 8) -> dict:
 
 
 def measure_colocated(compute: dict, steps: int = 30) -> tuple[dict, dict]:
-    """The same loop as :func:`measure_compute` in one Ray task per simulated node, all at once,
-    as the training runs place their workers (with Ray's own processes running beside them).
+    """The loop of :func:`measure_compute` as Ray tasks on the simulated nodes: first one task
+    alone, then one per node all at once, as the training runs place their workers (with
+    Ray's own processes running beside them).
 
     The planner stretches a worker's compute by ``workers / cpus``; four workers
     sharing two cores run slower than half speed (shared caches, switching,
-    Ray's own processes), so ``cpus`` becomes the cores they effectively get:
-    ``workers * alone / together``. Returns ``compute`` with that ``cpus``, and the
-    raw figures.
+    Ray's own processes), so ``cpus`` becomes the cores they effectively get,
+    ``workers * alone / together``, and ``seconds`` the time alone in a Ray
+    worker. Returns ``compute`` so updated, and the raw figures.
     """
     import ray
 
     _ship_this_module()
     probe = ray.remote(num_cpus=1)(_compute_loop)
+    alone = ray.get(probe.remote(steps))
     # Every copy starts at the same moment, once all are placed and imported.
     start_at = time.time() + 5.0
     together = ray.get([probe.remote(steps, start_at) for _ in range(NODES)])
+    fb_alone, opt_alone = alone[0], alone[1]
     fb_together = statistics.median(t[0] for t in together)
-    effective = NODES * compute["seconds"] / fb_together
-    return ({**compute, "cpus": round(min(float(os.cpu_count() or 1), effective), 3)},
-            {"workers": NODES, "seconds_alone": compute["seconds"], "seconds_together": fb_together,
-             "machine_cpus": os.cpu_count()})
+    effective = NODES * fb_alone / fb_together
+    return ({**compute, "seconds": fb_alone, "optimizer_s_per_param": opt_alone / compute["params"],
+             "cpus": round(min(float(os.cpu_count() or 1), effective), 3)},
+            {"workers": NODES, "seconds_alone": fb_alone, "seconds_together": fb_together,
+             "seconds_alone_outside_ray": compute["seconds"], "machine_cpus": os.cpu_count()})
 
 
 def measure_ps_transport(sizes=(1 << 18, 1 << 20, 1 << 22, 1 << 23), iters: int = 8) -> dict:
