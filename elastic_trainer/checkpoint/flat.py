@@ -106,7 +106,7 @@ class ShardExporter:
             rest = {k: np.asarray(v) for k, v in st.items() if not torch.is_tensor(v)}
             if rest:
                 small[name] = rest
-        layout, dst, src = {}, [], []
+        layout, src = {}, []
         for block, named in per_block.items():
             entries, off = [], 0
             for name, items in named:
@@ -116,18 +116,12 @@ class ShardExporter:
                     off += -(-t.numel() * dt.itemsize // _ALIGN) * _ALIGN
                     src.append(t.detach())
             layout[block] = (self._buffer(block, off), entries)
-        params, optim = _views(layout)
-        for name, st in small.items():
-            optim.setdefault(name, {}).update(st)
-        for buf, entries in layout.values():
-            for name, kind, *_ in entries:
-                dst.append(torch.from_numpy(params[name] if kind is None else optim[name][kind]))
+        out = _rebuild({"step": step, "blocks": sorted(blocks), "extra": extra or {}, "comm": comm or {},
+                        "comm_meta": comm_meta or {}}, small, layout)
         with torch.no_grad():
-            for d, t in zip(dst, src):
-                d.copy_(t)
-        del dst
-        return flat_shard({"step": step, "blocks": sorted(blocks), "params": params, "optim": optim,
-                           "extra": extra or {}, "comm": comm or {}, "comm_meta": comm_meta or {}}, layout)
+            for (name, kind, *_), t in zip((e for _, entries in layout.values() for e in entries), src):
+                torch.from_numpy(out["params"][name] if kind is None else out["optim"][name][kind]).copy_(t)
+        return out
 
 
 _DTYPES: dict = {}

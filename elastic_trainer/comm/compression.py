@@ -249,13 +249,13 @@ class TopKCodec(Codec):
             raise ValueError(f"topk ratio must be in (0, 1]; got {ratio}")
         if warmup_steps < 0:
             raise ValueError(f"topk warmup_steps must be >= 0; got {warmup_steps}")
-        self.warmup_steps = warmup_steps
         dtypes = {"float32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
         value_dtype = dtypes.get(value_dtype, value_dtype) if isinstance(value_dtype, str) else value_dtype
         if value_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"topk value_dtype must be float32 or float16; got {value_dtype}")
         super().__init__()
         self.ratio, self.value_dtype, self.error_feedback = ratio, value_dtype, error_feedback
+        self.warmup_steps = warmup_steps
 
     def ratio_at(self, step: int | None) -> float:
         """Share sent in ``step`` (counted from 1): during the warm-up it falls geometrically
