@@ -30,6 +30,10 @@ Three parts, each usable alone:
      8 MiB) to an actor on the head node and gets N bytes back, all at once;
      ``cost_model.fit(..., "ps", shards=1)`` gives the ``ps`` alpha/beta
      (bench-comm, which starts no Ray, can only derive them from the ring's).
+   - the step's own overhead: a run of the demo that never communicates;
+     its median step minus the predicted compute is the planner's
+     ``step_overhead_s`` (the local SGD and DiLoCo rows run nearly the same,
+     so they are not independent of it).
    Reported: ``|pred - meas| / meas`` per run; the target is within 25%.
 
 Prints markdown tables and writes benchmarks/results/comm.json. Run on a
@@ -178,6 +182,25 @@ def measure_colocated(compute: dict, steps: int = 30) -> tuple[dict, dict]:
              "cpus": round(min(float(os.cpu_count() or 1), effective), 3)},
             {"workers": NODES, "seconds_alone": fb_alone, "seconds_together": fb_together,
              "seconds_alone_outside_ray": compute["seconds"], "machine_cpus": os.cpu_count()})
+
+
+def measure_step_overhead(compute: dict, steps: int, warmup: int) -> dict:
+    """What a step costs besides forward, backward, the optimizer and communication (reading
+    the batch, dispatching the step, Python): the demo at dp=4 for ``steps`` steps without
+    any communication (local SGD whose first meeting lies past the end), its median step
+    after ``warmup`` minus the planner's compute for it. The local SGD and DiLoCo rows run
+    nearly this, so their predictions are not independent of it; the others are."""
+    from elastic_trainer import Trainer, TrainerConfig
+    from elastic_trainer.comm.planner import predict_candidates
+
+    raw = demo_config(steps, "calib-overhead", "none", "local_sgd")
+    raw["comm"]["local_steps"] = steps + 1
+    cfg = TrainerConfig.model_validate(raw)
+    measured = statistics.median(r["step_time_s"] for r in Trainer(cfg, verbose=False).fit().history[warmup:])
+    [row] = [r for r in predict_candidates(cfg, DP, None, compute)
+             if (r["dp"], r["pp"], r["sync"]) == (DP, 1, "local_sgd")]
+    return {"measured_step_s": measured, "predicted_compute_s": row["compute_s"],
+            "step_overhead_s": max(0.0, measured - row["compute_s"])}
 
 
 def measure_ps_transport(sizes=(1 << 18, 1 << 20, 1 << 22, 1 << 23), iters: int = 8) -> dict:
@@ -408,11 +431,15 @@ def main() -> None:
             print(f"measuring it again on {NODES} nodes at once, and the parameter server's path ...", flush=True)
             compute, colocated = measure_colocated(compute)
             ps = measure_ps_transport()
+            print("measuring the step's own overhead (a run that does not communicate) ...", flush=True)
+            overhead = measure_step_overhead(compute, args.steps, args.warmup)
+            compute = {**compute, "step_overhead_s": overhead["step_overhead_s"]}
             records = run_training_part(args.steps, args.warmup, runs)
         finally:
             ray.shutdown()
             cluster.shutdown()
         out["compute"], out["compute_colocated"], out["ps_transport"] = compute, colocated, ps
+        out["step_overhead"] = overhead
         base = constants or {"algorithms": dict(__import__("elastic_trainer.comm.planner", fromlist=["x"])
                                                 .DEFAULT_CONSTANTS["algorithms"])}
         constants = {**base, "algorithms": {**base["algorithms"],

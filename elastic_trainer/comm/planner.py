@@ -117,7 +117,7 @@ CODEC_S_PER_ELEMENT = {"none": 0.12e-9, "fp16": 0.87e-9, "bf16": 0.89e-9, "int8"
 # so half; NCCL on its own stream hides nearly all of it.
 OVERLAP_EFFICIENCY = {"gloo": 0.5, "nccl": 0.9}
 
-_COMPUTE_KEYS = ("flops_per_s", "seconds", "params", "tokens", "cpus", "optimizer_s_per_param")
+_COMPUTE_KEYS = ("flops_per_s", "seconds", "params", "tokens", "cpus", "optimizer_s_per_param", "step_overhead_s")
 
 
 # -- inputs --------------------------------------------------------------------------------------
@@ -334,7 +334,10 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
     "params": n, "tokens": t}`` (one worker's forward + backward of ``n``
     parameters over ``t`` tokens took ``s``), optionally with ``"cpus": c``
     when all workers share ``c`` cores (a simulated cluster: each worker then
-    runs at ``c / world_size`` of the rate) and ``"optimizer_s_per_param"``.
+    runs at ``c / world_size`` of the rate), ``"optimizer_s_per_param"`` and
+    ``"step_overhead_s"``: what a step costs besides forward, backward, the
+    optimizer and communication (reading the batch, dispatching the step,
+    Python), measured by a run that does not communicate; default 0.
 
     Rows are sorted fastest first; each has ``dp, pp, world_size,
     micro_batches, compression, sync, algorithm, compute_s, bubble,
@@ -354,6 +357,9 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                                    if constants is None else "passed in")
     ab = _alpha_beta(doc, source)
     rate, opt_cost, cpus, rate_source = _flops_rate(compute)
+    overhead = float((compute or {}).get("step_overhead_s", 0.0))
+    if not (math.isfinite(overhead) and overhead >= 0):
+        raise ConfigError(f"compute step_overhead_s must be a finite number >= 0; got {overhead}")
     backend = cfg.scaling.resolved_backend()
     overlap = OVERLAP_EFFICIENCY.get(backend, 0.5) if cfg.comm.overlap else 0.0
 
@@ -389,7 +395,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         bubble = _bubble(par.schedule, m, pp, virtual)
         slowdown = rate / per_worker
         optimizer = rank_params * opt_cost * slowdown
-        compute_s = fwd_bwd * bubble + optimizer
+        compute_s = fwd_bwd * bubble + optimizer + overhead
         # Pipeline transfers: the heaviest boundary, both directions, once per schedule slot.
         act_s = 0.0
         if pp > 1:
@@ -450,7 +456,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                         f"{c.ps_shards} shard(s) on one node; alpha/beta from {ps_how}, with the push/pull byte "
                         "pattern; codec_s is the shard's AdamW step, and the worker runs none; bytes are push + "
                         "pull, as the worker counts them",
-                        compute=fwd_bwd * bubble))
+                        compute=fwd_bwd * bubble + overhead))
     rows.sort(key=lambda r: (round(r["total_s"], 12), -r["dp"], r["world_size"]))
     return rows
 

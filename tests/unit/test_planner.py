@@ -137,6 +137,15 @@ def test_compute_follows_the_rate_the_bubble_and_shared_cores():
     for bad in (0, -1.0, float("nan"), True, "2"):
         with pytest.raises(ConfigError, match="cpus a number > 0"):
             predict_candidates(cfg, 4, consts(), {"flops_per_s": 1e10, "cpus": bad})
+    # A measured per-step overhead is added to every row's compute, the parameter server's too.
+    over = predict_candidates(cfg, 4, consts(), {"flops_per_s": 1e10, "optimizer_s_per_param": 0.0,
+                                                 "step_overhead_s": 0.02})
+    for key in [(4, 1, "none", "allreduce"), (2, 2, "none", "allreduce"), (4, 1, "none", "parameter_server")]:
+        a, b = pick(base, *key[:2], *key[2:]), pick(over, *key[:2], *key[2:])
+        assert b["compute_s"] == pytest.approx(a["compute_s"] + 0.02)
+        assert b["total_s"] == pytest.approx(a["total_s"] + 0.02)
+    with pytest.raises(ConfigError, match="step_overhead_s must be a finite number >= 0; got -1.0"):
+        predict_candidates(cfg, 4, consts(), {"flops_per_s": 1e10, "step_overhead_s": -1.0})
     # dp=2 x pp=2, 1f1b: two micro-batches, bubble (2 + 1) / 2.
     p = pick(base, 2, 2)
     assert p["bubble"] == pytest.approx(1.5)
