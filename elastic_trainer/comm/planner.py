@@ -356,6 +356,8 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
     source = doc.get("source") or (f"built-in ({DEFAULT_CONSTANTS['command']}, {DEFAULT_CONSTANTS['measured_at']})"
                                    if constants is None else "passed in")
     ab = _alpha_beta(doc, source)
+    ps_entry = (doc.get("algorithms") or {}).get("ps") or {}
+    ps_how = ps_entry.get("derived_from", "measured") if ps_entry else "ring"
     rate, opt_cost, cpus, rate_source = _flops_rate(compute)
     overhead = float((compute or {}).get("step_overhead_s", 0.0))
     if not (math.isfinite(overhead) and overhead >= 0):
@@ -447,8 +449,6 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         # pp == 1. The shards, not the workers, run AdamW, each on its share of the parameters, after
         # the last push. Even one replica pays the round trip: the parameters live on the shards.
         a, b = ab["ps"]
-        ps_entry = (doc.get("algorithms") or {}).get("ps") or {}
-        ps_how = ps_entry.get("derived_from", "measured") if ps_entry else "ring"
         n_rank, n_all = 4 * rank_params, 4 * total_params
         ps_s = 2 * a + 2 * max(n_rank, dp * n_all) * b
         shard_adamw = math.ceil(total_params / c.ps_shards) * opt_cost * slowdown
