@@ -440,8 +440,9 @@ def main() -> None:
             cluster.shutdown()
         out["compute"], out["compute_colocated"], out["ps_transport"] = compute, colocated, ps
         out["step_overhead"] = overhead
-        base = constants or {"algorithms": dict(__import__("elastic_trainer.comm.planner", fromlist=["x"])
-                                                .DEFAULT_CONSTANTS["algorithms"])}
+        from elastic_trainer.comm.planner import DEFAULT_CONSTANTS
+
+        base = constants or DEFAULT_CONSTANTS
         constants = {**base, "algorithms": {**base["algorithms"],
                                             "ps": {k: ps[k] for k in ("alpha_s", "beta_s_per_byte", "derived_from")}}}
         out["constants_ps"] = constants["algorithms"]["ps"]
