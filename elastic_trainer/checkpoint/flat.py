@@ -45,14 +45,20 @@ def flat_shard(shard: dict, layout: dict) -> FlatShard:
     return out
 
 
+def _entry_views(buf: np.ndarray, entries: list) -> list[np.ndarray]:
+    """The arrays ``entries`` place in ``buf``, in order."""
+    out = []
+    for _, _, off, dtype, shape in entries:
+        dt = np.dtype(dtype)
+        out.append(buf[off:off + math.prod(shape) * dt.itemsize].view(dt).reshape(shape))
+    return out
+
+
 def _views(layout: dict) -> tuple[dict, dict]:
     params: dict = {}
     optim: dict = {}
     for buf, entries in layout.values():
-        for name, kind, off, dtype, shape in entries:
-            dt = np.dtype(dtype)
-            n = math.prod(shape) * dt.itemsize
-            arr = buf[off:off + n].view(dt).reshape(shape)
+        for (name, kind, *_), arr in zip(entries, _entry_views(buf, entries)):
             if kind is None:
                 params[name] = arr
             else:
@@ -67,31 +73,52 @@ def _rebuild(rest: dict, small: dict, layout: dict) -> FlatShard:
     return flat_shard(dict(rest, params=params, optim=optim), layout)
 
 
+class _Slot:
+    """One reusable buffer of a block, with the views and the layout entry every
+    shard built on it shares (made once: rebuilding 100 views a step cost as much
+    as the copy itself)."""
+
+    def __init__(self, entries: list, nbytes: int):
+        self.buf = np.empty(nbytes, dtype=np.uint8)
+        self.entries = entries
+        self.layout = (self.buf, entries)
+        self.views = _entry_views(self.buf, entries)
+        self.tensors = [torch.from_numpy(v) for v in self.views]
+        self._baseline = self._refcounts()
+
+    def _refcounts(self) -> list[int]:
+        return [sys.getrefcount(self.buf), sys.getrefcount(self.layout)] + [sys.getrefcount(v) for v in self.views]
+
+    def free(self) -> bool:
+        """Nothing outside this slot holds the buffer, its layout entry or any of its views."""
+        return self._refcounts() == self._baseline
+
+
 class ShardExporter:
     """Copies one rank's state into flat buffers it reuses.
 
-    A buffer is reused only when no array anywhere still views it (its
-    reference count says so), so a local copy kept for recovery, or a part
-    still being written to the object store, is never overwritten.
+    A buffer is reused only when nothing outside the exporter still refers to
+    it or to any array viewing it (reference counts say so), so a local copy
+    kept for recovery, an array taken out of it, or a part still being written
+    to the object store, is never overwritten.
     """
 
     def __init__(self):
-        self._pool: dict[int, list[np.ndarray]] = {}  # block -> buffers
+        self._pool: dict[int, list[_Slot]] = {}  # block -> slots
         self.allocated = 0  # buffers made so far (a test reads it)
 
-    def _buffer(self, block: int, nbytes: int) -> np.ndarray:
+    def _slot(self, block: int, entries: list, nbytes: int) -> _Slot:
         pool = self._pool.setdefault(block, [])
-        # Free: referenced only by the pool list (and getrefcount's argument).
-        free = [i for i in range(len(pool)) if sys.getrefcount(pool[i]) == 2]
-        for i in free:
-            if pool[i].nbytes == nbytes:
-                return pool[i]
-        for i in reversed(free):  # the layout changed: a free buffer of another size is no use
-            del pool[i]
-        buf = np.empty(nbytes, dtype=np.uint8)
-        pool.append(buf)
+        free = [s for s in pool if s.free()]
+        for s in free:
+            if s.entries == entries:
+                return s
+        for s in free:  # the layout changed: a free buffer of another layout is no use
+            pool.remove(s)
+        slot = _Slot(entries, nbytes)
+        pool.append(slot)
         self.allocated += 1
-        return buf
+        return slot
 
     def export(self, step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
                block_of, extra: dict | None = None, comm: dict | None = None,
@@ -101,12 +128,16 @@ class ShardExporter:
         small: dict = {}
         for name, p in named_params:
             st = optimizer.state.get(p) or {}
-            items = [(None, p)] + [(k, v) for k, v in st.items() if torch.is_tensor(v)]
+            items = [(None, p)]
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    items.append((k, v))
+                else:
+                    small.setdefault(name, {})[k] = np.asarray(v)
             per_block.setdefault(block_of(name), []).append((name, items))
-            rest = {k: np.asarray(v) for k, v in st.items() if not torch.is_tensor(v)}
-            if rest:
-                small[name] = rest
-        layout, src = {}, []
+        layout, dst, src = {}, [], []
+        params: dict = {}
+        optim: dict = {name: dict(st) for name, st in small.items()}
         for block, named in per_block.items():
             entries, off = [], 0
             for name, items in named:
@@ -114,14 +145,20 @@ class ShardExporter:
                     dt = _numpy_dtype(t.dtype, name)
                     entries.append((name, kind, off, dt.str, tuple(t.shape)))
                     off += -(-t.numel() * dt.itemsize // _ALIGN) * _ALIGN
-                    src.append(t.detach())
-            layout[block] = (self._buffer(block, off), entries)
-        out = _rebuild({"step": step, "blocks": sorted(blocks), "extra": extra or {}, "comm": comm or {},
-                        "comm_meta": comm_meta or {}}, small, layout)
+                    src.append(t)
+            slot = self._slot(block, entries, off)
+            layout[block] = slot.layout
+            dst.extend(slot.tensors)
+            for (name, kind, *_), view in zip(entries, slot.views):
+                if kind is None:
+                    params[name] = view
+                else:
+                    optim.setdefault(name, {})[kind] = view
         with torch.no_grad():
-            for (name, kind, *_), t in zip((e for _, entries in layout.values() for e in entries), src):
-                torch.from_numpy(out["params"][name] if kind is None else out["optim"][name][kind]).copy_(t)
-        return out
+            for d, t in zip(dst, src):
+                d.copy_(t)
+        return flat_shard({"step": step, "blocks": sorted(blocks), "extra": extra or {}, "comm": comm or {},
+                           "comm_meta": comm_meta or {}, "params": params, "optim": optim}, layout)
 
 
 _DTYPES: dict = {}
