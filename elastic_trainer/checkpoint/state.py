@@ -36,14 +36,17 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
-                 extra: dict | None = None, comm: dict | None = None, comm_meta: dict | None = None) -> dict:
-    """Copy one rank's parameters and optimizer state out of the live tensors."""
+                 extra: dict | None = None, comm: dict | None = None, comm_meta: dict | None = None,
+                 copy: bool = True) -> dict:
+    """One rank's parameters and optimizer state: copied out of the live tensors, or with
+    ``copy=False`` (CPU tensors only) as views of them, valid until they next change."""
+    as_numpy = to_numpy if copy else (lambda t: t.detach().numpy())
     params, optim = {}, {}
     for name, p in named_params:
-        params[name] = to_numpy(p)
+        params[name] = as_numpy(p)
         st = optimizer.state.get(p)
         if st:
-            optim[name] = {k: to_numpy(v) if torch.is_tensor(v) else np.asarray(v) for k, v in st.items()}
+            optim[name] = {k: as_numpy(v) if torch.is_tensor(v) else np.asarray(v) for k, v in st.items()}
     return {"step": step, "blocks": sorted(blocks), "params": params, "optim": optim, "extra": extra or {},
             "comm": comm or {}, "comm_meta": comm_meta or {}}
 

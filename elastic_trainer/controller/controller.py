@@ -685,6 +685,10 @@ class Controller:
                     live[w] = ray.get(ref)
                 except ray.exceptions.RayError:
                     pass
+        # A rank that wrote its whole state into the object store kept no other copy of it.
+        for w, per_step in self.snapshots.written(set(live)).items():
+            for step, (_, blocks) in per_step.items():
+                live[w][step] = sorted(set(live[w].get(step, [])) | set(blocks))
         # A node counts as alive only while one of our live workers is on it: Ray's own
         # view of a node lags its death by seconds, and a shard read from a dead node blocks.
         alive_nodes = {s.node for s in self.slots.values()}
@@ -734,6 +738,8 @@ class Controller:
                 own[w] = ray.get(ref, timeout=_QUERY_TIMEOUT_S).get(step, [])
             except Exception:
                 own[w] = []
+        # Parts written by live workers at this step: their objects are those workers' copies.
+        written = {w: per[step] for w, per in self.snapshots.written(set(self.slots)).items() if step in per}
         out = {}
         for r, w in ranks.items():
             need = set(blocks_of_rank[r])
@@ -742,11 +748,16 @@ class Controller:
             if mine:
                 srcs.append(("local", step))
                 need -= mine
+            if w in written and need & set(written[w][1]):
+                srcs.append(written[w][0])
+                need -= set(written[w][1])
             by_src: dict = collections.defaultdict(set)
             for b in need:
                 by_src[chosen[b]].add(b)
             for src, blocks in by_src.items():
-                if src.tier == "live":
+                if src.tier == "live" and src.holder in written and blocks <= set(written[src.holder][1]):
+                    srcs.append(written[src.holder][0])
+                elif src.tier == "live":
                     srcs.append(self.slots[src.holder].actor.export_blocks.remote(step, sorted(blocks)))
                 elif src.tier == "snapshot":
                     srcs.append(self.snapshots.ref(step, src.holder))

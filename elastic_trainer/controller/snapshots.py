@@ -28,6 +28,7 @@ class ShardEntry:
     ref: object
     blocks: list[int]
     node: str                                   # node of the rank that produced it
+    wid: int | None = None                      # worker that produced it
     pins: dict[int, object] = field(default_factory=dict)  # holder worker id -> ack ref
     pinned: set = field(default_factory=set)                # holder ids whose copy is stored
 
@@ -76,7 +77,7 @@ class SnapshotStore:
         candidate pin holders; ``copy_nodes``: rank -> nodes that already hold a
         copy of that rank's part (its own node and its DP peers' nodes).
         """
-        shards = {rank: ShardEntry(ref, blocks, node) for rank, (_, node, ref, blocks) in parts.items()}
+        shards = {rank: ShardEntry(ref, blocks, node, wid) for rank, (wid, node, ref, blocks) in parts.items()}
         workers = sorted(workers, key=lambda w: w[0])
         for rank, entry in shards.items():
             used = set(copy_nodes.get(rank, ())) | {entry.node}
@@ -137,6 +138,17 @@ class SnapshotStore:
             for rank, e in snap.shards.items():
                 if e.node in alive_nodes or any(h in alive_workers for h in e.pinned):
                     out.setdefault(step, {})[rank] = e.blocks
+        return out
+
+    def written(self, alive_workers: set[int]) -> dict[int, dict[int, tuple]]:
+        """Parts whose writer is alive: worker id -> {step: (ref, blocks)}. A rank that
+        writes all its blocks keeps no other copy of that step; its part, on its own
+        node, is its local copy (the live tier of a restore)."""
+        out: dict[int, dict[int, tuple]] = {}
+        for step, snap in self.snaps.items():
+            for e in snap.shards.values():
+                if e.wid in alive_workers:
+                    out.setdefault(e.wid, {})[step] = (e.ref, e.blocks)
         return out
 
     def ref(self, step: int, rank: int):

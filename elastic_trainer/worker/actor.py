@@ -156,7 +156,8 @@ class TrainWorker:
     def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None) -> tuple[dict, dict | None]:
         """Run ``step``. With ``snapshot``, keep a local copy of this rank's state after it,
         and return the part holding ``put_blocks`` (all of it if None; None if empty) as
-        the second result: returned, not put, so the caller (the controller) owns the object."""
+        the second result: returned, not put, so the caller (the controller) owns the object.
+        A rank that writes all its blocks keeps no other copy: the returned object is it."""
         try:
             if self._faults.pop(("raise", step), None):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
@@ -169,14 +170,20 @@ class TrainWorker:
             raise
         shard = None
         if snapshot:
-            # What a snapshot costs the step: one local copy (and its write into the object store).
-            shard = self.trainer.export(step)
-            with self._lock:
-                self.local[step] = shard
-                for old in sorted(self.local)[:-_LOCAL_COPIES]:
-                    del self.local[old]
-            if put_blocks is not None:
-                shard = select_blocks(shard, put_blocks) if put_blocks else None
+            writes_all = put_blocks is not None and set(put_blocks) >= set(self.trainer.blocks)
+            shard = self.trainer.live_part(step) if writes_all else None
+            # A rank that writes its whole state has the object store copy it straight from
+            # the live tensors as the step returns, and that object, on this node, serves as
+            # this step's local copy (the controller knows it): one copy instead of two.
+            if shard is None:
+                # What a snapshot costs the step: one local copy (and its write into the object store).
+                shard = self.trainer.export(step)
+                with self._lock:
+                    self.local[step] = shard
+                    for old in sorted(self.local)[:-_LOCAL_COPIES]:
+                        del self.local[old]
+                if put_blocks is not None:
+                    shard = select_blocks(shard, put_blocks) if put_blocks else None
         return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                  "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
                  "cursor": r.cursor,

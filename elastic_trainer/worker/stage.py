@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..checkpoint.flat import ShardExporter
-from ..checkpoint.state import block_of, load_into, merge_shards, pick_comm
+from ..checkpoint.state import block_of, export_shard, load_into, merge_shards, pick_comm
 from ..comm.algorithms import ring_allreduce_bytes
 from ..comm.allreduce import CommStats
 from ..comm.grad_sync import GradSync
@@ -138,9 +138,9 @@ class StageTrainer:
     def blocks(self) -> list[int]:
         return [i for a, b in self.stage_bounds.values() for i in range(a, b)]
 
-    def export(self, step: int) -> dict:
-        """A copy of this rank's state after ``step``: parameters, AdamW state, and the comm
-        layer's (error-feedback residuals, PowerSGD's Q, DiLoCo's outer state)."""
+    def _comm_state(self) -> tuple[dict, dict]:
+        """The comm layer's state by parameter name (error-feedback residuals, DiLoCo's
+        outer state) and what it was saved under (codec, replica, dp, PowerSGD's Q)."""
         comm: dict = {}
         meta = {"codec": self.cfg.comm.compression, "replica": self.replica, "dp": self.topo.dp}
         sync_state = self.sync.export_state()
@@ -152,8 +152,24 @@ class StageTrainer:
             for kind, per_name in self.model_avg.export_state().items():
                 for name, value in per_name.items():
                     comm.setdefault(name, {})[kind] = value
+        return comm, meta
+
+    def export(self, step: int) -> dict:
+        """A copy of this rank's state after ``step``: parameters, AdamW state, and the comm
+        layer's (error-feedback residuals, PowerSGD's Q, DiLoCo's outer state)."""
+        comm, meta = self._comm_state()
         return self.exporter.export(step, self.named_parameters(), self.optimizer, self.blocks, block_of,
                                     comm=comm, comm_meta=meta)
+
+    def live_part(self, step: int) -> dict | None:
+        """This rank's whole state after ``step`` as views of the live tensors, or None where
+        they are not in host memory. For the object store to copy as the step returns: the
+        views are valid only until the next step changes the tensors."""
+        if self.device.type != "cpu":
+            return None
+        comm, meta = self._comm_state()
+        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks,
+                            comm=comm, comm_meta=meta, copy=False)
 
     def load(self, shards: list[dict]) -> int:
         """Load this rank's blocks from shards of one step; returns that step.

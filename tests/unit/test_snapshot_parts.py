@@ -46,3 +46,34 @@ def test_covering_needs_every_block_and_only_counts_parts_with_a_surviving_copy(
     # nodeB is gone but worker 5 holds a pinned copy of rank 1's part; nodeC is gone for good.
     assert store.covering(7, 5, alive_nodes={"nodeA"}, alive_workers={5}) is None
     assert store.covering(7, 4, alive_nodes={"nodeA"}, alive_workers={5}) == ["r0", "r1"]
+
+
+def test_a_writers_part_counts_as_its_copy_only_while_the_writer_lives():
+    store = SnapshotStore(replicas=2)
+    store.snaps[6] = Snapshot(6, 0.0, {0: ShardEntry("a6", [0, 1], "nodeA", wid=10),
+                                       1: ShardEntry("b6", [2], "nodeB", wid=11)})
+    store.snaps[7] = Snapshot(7, 0.0, {0: ShardEntry("a7", [0, 1], "nodeA", wid=12),
+                                       1: ShardEntry("b7", [2], "nodeB", wid=11)})
+    assert store.written({10, 11}) == {10: {6: ("a6", [0, 1])}, 11: {6: ("b6", [2]), 7: ("b7", [2])}}
+    assert store.written(set()) == {}
+
+
+def test_a_view_export_follows_the_live_tensors_and_a_copy_does_not():
+    import torch
+
+    from elastic_trainer.checkpoint.state import export_shard
+
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    named = [("blocks.0.weight", lin.weight), ("blocks.0.bias", lin.bias)]
+    view = export_shard(1, named, opt, [0], copy=False)
+    copy = export_shard(1, named, opt, [0])
+    before = lin.weight.detach().clone().numpy()
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    opt.state[lin.weight]["exp_avg"].add_(1.0)
+    assert (view["params"]["blocks.0.weight"] == lin.weight.detach().numpy()).all()
+    assert (view["optim"]["blocks.0.weight"]["exp_avg"] == opt.state[lin.weight]["exp_avg"].numpy()).all()
+    assert (copy["params"]["blocks.0.weight"] == before).all()
