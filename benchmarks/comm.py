@@ -292,25 +292,24 @@ def run_training_part(steps: int, warmup: int, runs) -> list[dict]:
     from elastic_trainer import Trainer, TrainerConfig
 
     out = []
-    if True:
-        for i, (compression, sync) in enumerate(runs):
-            print(f"run {i + 1}/{len(runs)}: compression={compression} sync={sync} ...", flush=True)
-            raw = demo_config(steps, f"comm-{compression}-{sync}-{i}", compression, sync)
-            rec = {"compression": compression, "sync": sync}
-            try:
-                cfg = TrainerConfig.model_validate(raw)
-                local = cfg.comm.local_steps if sync in ("local_sgd", "diloco") else None
-                if compression == "powersgd" and warmup < cfg.comm.powersgd_start_step:
-                    raise ValueError(f"--warmup {warmup} < comm.powersgd_start_step "
-                                     f"({cfg.comm.powersgd_start_step}): the steady state would include plain "
-                                     "all-reduce steps")
-                result = Trainer(cfg, verbose=False).fit()
-                rec.update(steady_stats(result.history, warmup, local))
-            except Exception as e:  # one mode not wired yet must not cost the others their numbers
-                rec["error"] = f"{type(e).__name__}: {e}"
-                print(f"  failed: {rec['error']}", flush=True)
-                traceback.print_exc()
-            out.append(rec)
+    for i, (compression, sync) in enumerate(runs):
+        print(f"run {i + 1}/{len(runs)}: compression={compression} sync={sync} ...", flush=True)
+        raw = demo_config(steps, f"comm-{compression}-{sync}-{i}", compression, sync)
+        rec = {"compression": compression, "sync": sync}
+        try:
+            cfg = TrainerConfig.model_validate(raw)
+            local = cfg.comm.local_steps if sync in ("local_sgd", "diloco") else None
+            if compression == "powersgd" and warmup < cfg.comm.powersgd_start_step:
+                raise ValueError(f"--warmup {warmup} < comm.powersgd_start_step "
+                                 f"({cfg.comm.powersgd_start_step}): the steady state would include plain "
+                                 "all-reduce steps")
+            result = Trainer(cfg, verbose=False).fit()
+            rec.update(steady_stats(result.history, warmup, local))
+        except Exception as e:  # one mode not wired yet must not cost the others their numbers
+            rec["error"] = f"{type(e).__name__}: {e}"
+            print(f"  failed: {rec['error']}", flush=True)
+            traceback.print_exc()
+        out.append(rec)
     return out
 
 
