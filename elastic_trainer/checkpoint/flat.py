@@ -137,7 +137,7 @@ class ShardExporter:
             per_block.setdefault(block_of(name), []).append((name, items))
         layout, dst, src = {}, [], []
         params: dict = {}
-        optim: dict = {name: dict(st) for name, st in small.items()}
+        optim: dict = small  # built above for this shard alone; the tensors' views join it
         for block, named in per_block.items():
             entries, off = [], 0
             for name, items in named:
