@@ -14,6 +14,7 @@ machine:
 
     python benchmarks/recovery.py                    # 60 steps, kill after step 30
     python benchmarks/recovery.py --skip-ray-train
+    python benchmarks/recovery.py --rounds 6 --steady-steps 150 --skip-ray-train  # the snapshot cost, steadier
 
 Targets: recovery within 3 s and at least 5x faster than Ray Train; at most 1
 step redone; snapshots at memory_every: 1 cost at most 5% of step time.
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of steady runs with and without snapshots")
+    ap.add_argument("--steady-steps", type=int, default=None,
+                    help="steps of each steady run (default: --steps); longer runs give a steadier median")
     ap.add_argument("--skip-ray-train", action="store_true")
     args = ap.parse_args()
 
@@ -127,10 +130,11 @@ def main() -> None:
     try:
         # Steady step time with and without snapshots, interleaved.
         on, off = [], []
+        steady_steps = args.steady_steps or args.steps
         for i in range(args.rounds):
             print(f"steady round {i + 1}/{args.rounds} ...", flush=True)
-            off.append(run_elastic_steady(demo_config(args.steps, f"off{i}", checkpoint={"memory_every": 10**9})))
-            on.append(run_elastic_steady(demo_config(args.steps, f"on{i}", checkpoint={"memory_every": 1})))
+            off.append(run_elastic_steady(demo_config(steady_steps, f"off{i}", checkpoint={"memory_every": 10**9})))
+            on.append(run_elastic_steady(demo_config(steady_steps, f"on{i}", checkpoint={"memory_every": 1})))
         out["steady_no_snapshots_s"] = statistics.median(off)
         out["steady_snapshots_s"] = statistics.median(on)
         # Run-to-run spread on a shared 2-core machine is a few percent: keep every round.
