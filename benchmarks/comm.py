@@ -3,7 +3,7 @@
 Three parts, each usable alone:
 
 1. sweep: ring, tree and chunked all-reduce over ``--procs`` local gloo
-   processes (``elastic_trainer.comm.bench.run_sweep``), their peak busbw
+   processes (``elastic_trainer.planning.calibration.run_sweep``), their peak busbw
    against one loopback TCP stream (the most a link on this machine can
    carry), and the fitted alpha/beta per algorithm. Runs before the Ray
    cluster starts so the two never share the cores.
@@ -82,7 +82,7 @@ def demo_config(steps: int, name: str, compression: str, sync: str) -> dict:
 
 # -- part 1 -----------------------------------------------------------------------------------------
 def run_sweep_part(procs: int, max_size: str, iters: int) -> dict:
-    from elastic_trainer.comm import bench, cost_model
+    from elastic_trainer.planning import calibration as bench, cost_model
 
     max_bytes = bench.parse_size(max_size)
     sizes = cost_model.size_range(1 << 10, max_bytes)
@@ -191,7 +191,7 @@ def measure_step_overhead(compute: dict, steps: int, warmup: int) -> dict:
     after ``warmup`` minus the planner's compute for it. The local SGD and DiLoCo rows run
     nearly this, so their predictions are not independent of it; the others are."""
     from elastic_trainer import Trainer, TrainerConfig
-    from elastic_trainer.comm.planner import predict_candidates
+    from elastic_trainer.planning.planner import predict_candidates
 
     raw = demo_config(steps, "calib-overhead", "none", "local_sgd")
     raw["comm"]["local_steps"] = steps + 1
@@ -215,7 +215,7 @@ def measure_ps_transport(sizes=(1 << 18, 1 << 20, 1 << 22, 1 << 23), iters: int 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from elastic_trainer.comm import cost_model
+    from elastic_trainer.planning import cost_model
 
     _ship_this_module()
 
@@ -315,7 +315,7 @@ def run_training_part(steps: int, warmup: int, runs) -> list[dict]:
 
 # -- part 3 -----------------------------------------------------------------------------------------
 def add_predictions(runs: list[dict], steps: int, constants: dict | None, compute: dict | None) -> None:
-    from elastic_trainer.comm.planner import predict_candidates
+    from elastic_trainer.planning.planner import predict_candidates
     from elastic_trainer.config import TrainerConfig
 
     # One prediction covers every codec and sync mode: the rows differ only in which is "configured". The
@@ -417,7 +417,7 @@ def main() -> None:
         out["sweep"] = sweep
         constants = sweep["constants"]
     elif args.constants:
-        from elastic_trainer.comm.planner import load_constants
+        from elastic_trainer.planning.planner import load_constants
 
         constants = load_constants(args.constants)
     if not args.only_sweep:
@@ -439,7 +439,7 @@ def main() -> None:
             cluster.shutdown()
         out["compute"], out["compute_colocated"], out["ps_transport"] = compute, colocated, ps
         out["step_overhead"] = overhead
-        from elastic_trainer.comm.planner import DEFAULT_CONSTANTS
+        from elastic_trainer.planning.planner import DEFAULT_CONSTANTS
 
         base = constants or DEFAULT_CONSTANTS
         constants = {**base, "algorithms": {**base["algorithms"],

@@ -34,8 +34,8 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from .comm.planner import format_candidates, load_constants, predict_candidates, recommend
-    from .controller.plan import make_plan
+    from .planning.planner import format_candidates, load_constants, predict_candidates, recommend
+    from .planning.plan import make_plan
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
     plan = make_plan(cfg)
@@ -74,8 +74,8 @@ def _cmd_bench_comm(args) -> int:
 
     import torch.multiprocessing as mp
 
-    from .comm import bench
-    from .comm.cost_model import format_table, size_range
+    from .planning import calibration as bench
+    from .planning.cost_model import format_table, size_range
 
     try:
         lo, hi = bench.parse_size(args.min), bench.parse_size(args.max)
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="workers to plan for (candidates use at most N; default: dp * pp of the job)")
     plan.add_argument("--constants", metavar="FILE",
                       help="alpha/beta JSON from `elastic-trainer bench-comm --out FILE` (default: the constants "
-                           "built into elastic_trainer.comm.planner)")
+                           "built into elastic_trainer.planning.planner)")
     plan.add_argument("--json", action="store_true",
                       help="print JSON: the plan's keys as before, plus 'predictions' (candidates, recommendation)")
     plan.set_defaults(fn=_cmd_plan)

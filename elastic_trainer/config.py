@@ -98,6 +98,16 @@ class ParallelSection(_Strict):
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(2, ge=1, description="Stages per rank for the interleaved schedule.")
 
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages one PP rank holds: ``virtual_stages`` when interleaved, else one."""
+        return self.virtual_stages if self.schedule == "interleaved" else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model is cut into: ``pp * stages_per_rank``."""
+        return self.pp * self.stages_per_rank
+
 
 class ScalingSection(_Strict):
     """Where workers run."""
@@ -246,7 +256,7 @@ class TrainerConfig(_Strict):
                     "the model has no position for the extra tokens"
                 )
             n_blocks = self.model.n_layer + 2
-            stages = p.pp * (p.virtual_stages if p.schedule == "interleaved" else 1)
+            stages = p.num_stages
             if n_blocks < stages:
                 raise ValueError(
                     f"the GPT has {n_blocks} blocks (n_layer({self.model.n_layer}) + embedding + head), "

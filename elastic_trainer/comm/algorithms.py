@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .allreduce import CommStats
+from .stats import CommStats
 
 ALGORITHMS = ("ring", "tree", "chunked")
 DEFAULT_CHUNK_BYTES = 1 << 20

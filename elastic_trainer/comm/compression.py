@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .algorithms import ring_allreduce_bytes
-from .allreduce import CommStats
+from .stats import CommStats
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 Shapes = Sequence[tuple[int, Sequence[int]]]

@@ -23,7 +23,8 @@ import torch
 
 from ..config import CommSection
 from .algorithms import get_algorithm, ring_allreduce_bytes
-from .allreduce import CommStats, make_buckets
+from .buckets import make_buckets
+from .stats import CommStats
 from .compression import make_codec
 
 # Own algorithms replace the all-reduce inside these codecs; the others are built

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import CommSection
 from .algorithms import ring_allreduce_bytes
-from .allreduce import CommStats
+from .stats import CommStats
 
 
 class ModelAverager:

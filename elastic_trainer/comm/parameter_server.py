@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.state import block_of, export_shard, load_into, merge_shards
-from .allreduce import CommStats
+from .stats import CommStats
 
 
 def assign_shards(named_sizes: dict[str, int], n_shards: int) -> dict[str, int]:

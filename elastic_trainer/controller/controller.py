@@ -29,8 +29,8 @@ from ..parallel.topology import Topology
 from ..worker.actor import TrainWorker
 from .failures import Diagnosis, StepOutcome, diagnose
 from .placement import assign_ranks, find_nodes, free_slots
-from .plan import Plan, make_plan
-from .policy import choose_plan
+from ..planning.plan import Plan, make_plan, plan_for
+from ..planning.policy import choose_plan
 from .ps_group import ParameterServers
 from .restore import choose_restore
 from .snapshots import SnapshotStore, put_phases
@@ -297,7 +297,7 @@ class Controller:
             slot_of_rank = assign_ranks(topo, slot_nodes, self.cfg.scaling.replica_placement)
             ranks = {r: wids[s] for r, s in enumerate(slot_of_rank)}
         plan.rank_nodes = {r: self.slots[w].node for r, w in ranks.items()}
-        blocks_of_rank = {r: self._blocks_of_rank(r, plan) for r in ranks}
+        blocks_of_rank = {r: plan.blocks_of(r) for r in ranks}
         sources = self._sources(restore, ranks, blocks_of_rank) if restore else {r: None for r in ranks}
         spares = [w for w in wids if w not in ranks.values()]
         for w in spares:
@@ -498,16 +498,8 @@ class Controller:
         if cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 and step < cfg.train.steps:
             self._start_durable(step)
 
-    def _blocks_of_rank(self, rank: int, plan: Plan | None = None) -> list[int]:
-        """Blocks ``rank`` holds under ``plan`` (default: the current one)."""
-        plan = plan or self.plan
-        topo = plan.topology
-        _, pp_rank = topo.coords(rank)
-        virtual = self.cfg.parallel.virtual_stages if self.cfg.parallel.schedule == "interleaved" else 1
-        return [b for v in range(virtual) for b in range(*plan.stage_bounds[pp_rank + v * topo.pp])]
-
     def _snapshot_parts(self, plan: Plan) -> list[dict[int, list[int]]]:
-        return put_phases(plan.topology, lambda rank: self._blocks_of_rank(rank, plan))
+        return put_phases(plan.topology, plan.blocks_of)
 
     def _take_snapshot(self, step: int, shard_refs: dict, full: bool = False, nbytes: int = 0) -> None:
         """Start replicating the parts of ``step`` (worker id -> shard ref) of the current ranks;
@@ -515,7 +507,7 @@ class Controller:
         topo = self.plan.topology
         parts, copy_nodes = {}, {}
         for r, w in self.ranks.items():
-            blocks = self._blocks_of_rank(r) if full else self._put_blocks[r]
+            blocks = self.plan.blocks_of(r) if full else self._put_blocks[r]
             if not blocks:
                 continue
             parts[r] = (w, self.slots[w].node, shard_refs[w], blocks)
@@ -594,8 +586,7 @@ class Controller:
             if choice is None:
                 raise RunError(f"no dp x pp fits {len(self.slots)} workers for global_batch_size"
                                f"({self.cfg.train.global_batch_size}) and micro_batch_size({self.cfg.train.micro_batch_size})")
-            plan = Plan(Topology(choice.dp, choice.pp), list(choice.stage_bounds),
-                        [sum(self.counts[a:b]) for a, b in choice.stage_bounds])
+            plan = plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, self.counts)
             t1 = time.perf_counter()
             restore = self._restore_point()
             try:

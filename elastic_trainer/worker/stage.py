@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..checkpoint.flat import ShardExporter
 from ..checkpoint.state import block_of, export_shard, load_into, merge_shards, pick_comm
 from ..comm.algorithms import ring_allreduce_bytes
-from ..comm.allreduce import CommStats
+from ..comm.stats import CommStats
 from ..comm.grad_sync import GradSync
 from ..comm.local_sgd import ModelAverager
 from ..comm.parameter_server import PSClient
@@ -70,7 +70,7 @@ class StageTrainer:
         self.cfg, self.topo, self.rank, self.groups, self.device = cfg, topo, rank, groups, device
         self.replica, self.pp_rank = topo.coords(rank)
         p = cfg.parallel
-        virtual = p.virtual_stages if p.schedule == "interleaved" else 1
+        virtual = p.stages_per_rank
         self.num_stages = topo.pp * virtual
         if len(stage_bounds) != self.num_stages:
             raise ValueError(f"{len(stage_bounds)} stage bounds given for {self.num_stages} pipeline stages")

@@ -12,7 +12,7 @@ import ray
 import torch
 from torch import nn
 
-from elastic_trainer.comm.allreduce import CommStats
+from elastic_trainer.comm.stats import CommStats
 from elastic_trainer.comm.parameter_server import PSClient, assign_shards, remote_shard_class
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

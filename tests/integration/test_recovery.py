@@ -10,7 +10,7 @@ import ray
 
 from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.controller.controller import RunError
-from elastic_trainer.controller.policy import choose_plan
+from elastic_trainer.planning.policy import choose_plan
 from elastic_trainer.models.factory import block_param_counts
 from elastic_trainer.naming import NAMESPACE
 

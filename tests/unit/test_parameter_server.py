@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint.state import export_shard
-from elastic_trainer.comm.allreduce import CommStats
+from elastic_trainer.comm.stats import CommStats
 from elastic_trainer.comm.parameter_server import ParameterServerShard, PSClient, assign_shards
 
 TRAIN = {"lr": 0.05, "weight_decay": 0.1, "betas": (0.8, 0.95), "eps": 1e-6}

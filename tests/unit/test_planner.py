@@ -9,9 +9,9 @@ import pytest
 from torch import nn
 
 from elastic_trainer.cli import main
-from elastic_trainer.comm import cost_model
+from elastic_trainer.planning import cost_model
 from elastic_trainer.comm.compression import CODECS
-from elastic_trainer.comm.planner import (DEFAULT_OPTIMIZER_S_PER_PARAM, dp_sync_cost, load_constants, predict_candidates,
+from elastic_trainer.planning.planner import (DEFAULT_OPTIMIZER_S_PER_PARAM, dp_sync_cost, load_constants, predict_candidates,
                                           recommend)
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.errors import ConfigError

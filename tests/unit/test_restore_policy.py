@@ -1,7 +1,7 @@
 import pytest
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.policy import candidate_plans, choose_plan
+from elastic_trainer.planning.policy import candidate_plans, choose_plan
 from elastic_trainer.controller.restore import choose_restore
 from elastic_trainer.models.factory import block_param_counts
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .algorithms import DEFAULT_CHUNK_BYTES, get_algorithm
-from .allreduce import CommStats
+from ..comm.algorithms import DEFAULT_CHUNK_BYTES, get_algorithm
+from ..comm.stats import CommStats
 
 MODELS = ("ring", "tree", "chunked", "ps")
 

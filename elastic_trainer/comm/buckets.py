@@ -1,26 +1,8 @@
-"""Byte and time counters of a step's collectives, and gradient bucketing (used by grad_sync)."""
+"""Gradient buckets: parameters grouped so that each bucket flattens into one tensor for one collective."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-
-
-@dataclass
-class CommStats:
-    """What the collectives of one step cost."""
-
-    bytes: int = 0
-    seconds: float = 0.0
-    calls: int = 0
-    by_op: dict[str, int] = field(default_factory=dict)
-
-    def add(self, op: str, nbytes: int, seconds: float) -> None:
-        self.bytes += nbytes
-        self.seconds += seconds
-        self.calls += 1
-        self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:

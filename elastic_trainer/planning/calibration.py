@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from . import cost_model
-from .algorithms import ALGORITHMS
+from ..comm.algorithms import ALGORITHMS
 
 # A loopback stream this long runs for well over the connection's slow start.
 LOOPBACK_BYTES = 256 << 20

@@ -41,7 +41,7 @@ def candidate_plans(cfg: TrainerConfig, param_counts: list[int], n_workers: int,
                     worker_memory_bytes: float | None) -> list[PlanChoice]:
     """Every valid dp x pp on at most ``n_workers`` workers, cheapest estimated step first."""
     t, p = cfg.train, cfg.parallel
-    virtual = p.virtual_stages if p.schedule == "interleaved" else 1
+    virtual = p.stages_per_rank
     total = sum(param_counts) or 1
     out = []
     for pp in range(1, n_workers + 1):

@@ -2,7 +2,7 @@
 
 Pure (torch on the meta device, no Ray), so ``elastic-trainer plan`` and
 tests call it directly. One row per feasible ``dp x pp`` on at most
-``workers`` workers (the layouts of :func:`controller.policy.candidate_plans`,
+``workers`` workers (the layouts of :func:`planning.policy.candidate_plans`,
 same stage cut) times each codec under ``sync: allreduce`` plus the
 ``local_sgd``, ``diloco`` and ``parameter_server`` modes (uncompressed, as
 the config requires). The heaviest rank sets the pace, so every term is
@@ -13,7 +13,7 @@ that rank's:
   the pipeline bubble ``(m + pp - 1) / m`` (``(m + (pp - 1) / v) / m``
   interleaved), plus the optimizer step at a measured cost per parameter;
 - DP gradient sync (as ``comm.grad_sync`` runs it): per bucket
-  (``comm.bucket_mb``, packed like ``comm.allreduce.make_buckets``).
+  (``comm.bucket_mb``, packed like ``comm.buckets.make_buckets``).
   ``none``, ``fp16`` and ``bf16`` are an all-reduce of 4 or 2 bytes an
   element with the configured algorithm, :func:`cost_model.predict`; int8,
   topk and powersgd run their own collectives on the backend (all-to-all,
@@ -62,8 +62,8 @@ from ..errors import ConfigError
 from ..models.factory import build_blocks
 from ..parallel.partition import stage_indices_for_rank
 from . import cost_model
-from .algorithms import bytes_sent
-from .compression import CODECS, expected_bytes, make_codec
+from ..comm.algorithms import bytes_sent
+from ..comm.compression import CODECS, expected_bytes, make_codec
 
 # Built-in alpha-beta constants, measured on the development machine (2 vCPUs,
 # so the 4 ranks share 2 cores) on 2026-11-29 at 12:01 UTC with
@@ -230,7 +230,7 @@ def _model_shapes(cfg: TrainerConfig) -> tuple[list[list[tuple[int, ...]]], list
 
 
 def _buckets(shapes: list[tuple[int, ...]], bucket_bytes: int) -> list[list[tuple[int, tuple[int, ...]]]]:
-    """``[(offset, shape)]`` per bucket, packed as ``comm.allreduce.make_buckets`` packs fp32 gradients."""
+    """``[(offset, shape)]`` per bucket, packed as ``comm.buckets.make_buckets`` packs fp32 gradients."""
     buckets: list[list[tuple[int, tuple[int, ...]]]] = []
     current: list[tuple[int, tuple[int, ...]]] = []
     size = 0
@@ -346,7 +346,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
     ``rank_params``, ``configured`` (the job's own layout, codec and sync)
     and ``notes``.
     """
-    from ..controller.policy import candidate_plans
+    from .policy import candidate_plans
 
     if not isinstance(cfg, TrainerConfig):
         raise ConfigError(f"predict_candidates needs a TrainerConfig; got {type(cfg).__name__}")
@@ -375,7 +375,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
             f"by dp * micro_batch_size({cfg.train.micro_batch_size}) for some dp <= {workers}"
             + (", and 'interleaved' needs pp >= 2" if cfg.parallel.schedule == "interleaved" else ""))
     t, par, c = cfg.train, cfg.parallel, cfg.comm
-    virtual = par.virtual_stages if par.schedule == "interleaved" else 1
+    virtual = par.stages_per_rank
     rows = []
     for plan in plans:
         dp, pp = plan.dp, plan.pp
@@ -470,7 +470,7 @@ def recommend(rows: Sequence[dict]) -> tuple[dict, str]:
     """The row with the lowest predicted step time, and why: its time vs the runner-up's and the config's.
 
     ``rows`` are :func:`predict_candidates`'s (any order). Ties go to more
-    replicas, then fewer workers, as :func:`controller.policy.candidate_plans`
+    replicas, then fewer workers, as :func:`planning.policy.candidate_plans`
     breaks them.
     """
     if not rows:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import TrainerConfig
-from ..models.factory import block_param_counts
-from ..parallel.partition import partition_blocks
-from ..parallel.topology import Topology
 from ..errors import ConfigError
+from ..models.factory import block_param_counts
+from ..parallel.partition import partition_blocks, stage_indices_for_rank
+from ..parallel.topology import Topology
 
 
 @dataclass
@@ -16,7 +16,14 @@ class Plan:
     topology: Topology
     stage_bounds: list[tuple[int, int]]  # [start, end) blocks of each pipeline stage
     stage_params: list[int]
+    stages_per_rank: int = 1             # virtual stages of the interleaved schedule
     rank_nodes: dict[int, str] = field(default_factory=dict)  # rank -> node id, once placed
+
+    def blocks_of(self, rank: int) -> list[int]:
+        """Blocks ``rank`` holds: those of every pipeline stage of its PP rank."""
+        _, pp_rank = self.topology.coords(rank)
+        return [b for s in stage_indices_for_rank(pp_rank, self.topology.pp, self.stages_per_rank)
+                for b in range(*self.stage_bounds[s])]
 
     def describe(self) -> dict:
         return {
@@ -31,14 +38,18 @@ class Plan:
         }
 
 
+def plan_for(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, counts: list[int]) -> Plan:
+    """A ``Plan`` of ``dp x pp`` with the given stage cut, for the model whose blocks have ``counts`` parameters."""
+    bounds = [tuple(b) for b in stage_bounds]
+    return Plan(Topology(dp, pp), bounds, [sum(counts[a:b]) for a, b in bounds], cfg.parallel.stages_per_rank)
+
+
 def make_plan(cfg: TrainerConfig) -> Plan:
     """Cut the model into the configured number of pipeline stages, balancing parameters."""
     counts = block_param_counts(cfg.model)
     p = cfg.parallel
-    num_stages = p.pp * (p.virtual_stages if p.schedule == "interleaved" else 1)
-    if len(counts) < num_stages:
+    if len(counts) < p.num_stages:
         raise ConfigError(
-            f"the model has {len(counts)} blocks, fewer than pp({p.pp}) x stages per rank = {num_stages} stages"
+            f"the model has {len(counts)} blocks, fewer than pp({p.pp}) x stages per rank = {p.num_stages} stages"
         )
-    bounds = partition_blocks(counts, num_stages)
-    return Plan(Topology(p.dp, p.pp), bounds, [sum(counts[a:b]) for a, b in bounds])
+    return plan_for(cfg, p.dp, p.pp, partition_blocks(counts, p.num_stages), counts)
