@@ -1,0 +1,28 @@
+from elastic_trainer.controller.restore import choose_restore
+
+
+def test_live_copies_win_and_the_latest_covering_step_is_chosen():
+    live = {0: {9: [0, 1], 10: [0, 1]}, 1: {9: [2, 3], 10: [2, 3]}}
+    snaps = {9: {"a": [0, 1, 2, 3]}}
+    step, chosen = choose_restore(4, live, snaps, {})
+    assert step == 10 and {s.tier for s in chosen.values()} == {"live"}
+
+
+def test_a_lost_stage_comes_from_the_snapshot_of_a_step_every_block_has():
+    # Blocks 2-3 lived only on a lost worker; its step-10 shard never got replicated.
+    live = {0: {9: [0, 1], 10: [0, 1]}}
+    snaps = {9: {"r0": [0, 1], "r1": [2, 3]}, 10: {"r0": [0, 1]}}
+    step, chosen = choose_restore(4, live, snaps, {})
+    assert step == 9
+    assert chosen[0].tier == "live" and chosen[2].tier == "snapshot" and chosen[2].holder == "r1"
+    assert {s.step for s in chosen.values()} == {9}
+
+
+def test_a_step_that_did_not_commit_is_never_restored():
+    live = {0: {9: [0, 1], 10: [0, 1]}, 1: {9: [0, 1], 10: [0, 1]}}
+    assert choose_restore(2, live, {}, {}, max_step=9)[0] == 9
+
+
+def test_durable_is_the_last_resort_and_none_when_nothing_covers():
+    assert choose_restore(2, {}, {}, {4: {0: [0, 1]}})[0] == 4
+    assert choose_restore(2, {0: {5: [0]}}, {}, {}) is None
