@@ -96,7 +96,7 @@ def run_sweep_part(procs: int, max_size: str, iters: int) -> dict:
     doc = bench.constants_document(
         rows, fits, loopback, procs=procs, backend="gloo",
         command=f"python benchmarks/comm.py --procs {procs} --max {max_size} --iters {iters}")
-    print(cost_model.format_table(rows))
+    print(bench.format_table(rows))
     return {"rows": rows, "constants": doc, "loopback": loopback, "peak_busbw_Bps": bench.peak_busbw(rows),
             "seconds": time.perf_counter() - t0}
 

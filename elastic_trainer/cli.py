@@ -75,7 +75,7 @@ def _cmd_bench_comm(args) -> int:
     import torch.multiprocessing as mp
 
     from .planning import calibration as bench
-    from .planning.cost_model import format_table, size_range
+    from .planning.cost_model import size_range
 
     try:
         lo, hi = bench.parse_size(args.min), bench.parse_size(args.max)
@@ -106,7 +106,7 @@ def _cmd_bench_comm(args) -> int:
         print(json.dumps({**doc, "rows": rows, "loopback": loopback, "peak_busbw_Bps": bench.peak_busbw(rows)},
                          indent=2))
         return 0
-    print(format_table(rows))
+    print(bench.format_table(rows))
     print()
     if loopback is not None:
         lb = loopback["bytes_per_s"]

@@ -1,12 +1,16 @@
 """Measure the all-reduce algorithms on this machine and fit the alpha-beta model to them.
 
+:func:`sweep` times every algorithm at every size on a process group, the
+way nccl-tests reports: ``algbw = size / time`` and, for an all-reduce,
+``busbw = algbw * 2(p-1)/p``, the per-link bandwidth a ring would need for
+that time, comparable across ``p`` and against the link's peak.
 :func:`run_sweep` starts ``procs`` local processes (gloo over TCP on
-127.0.0.1, one torch thread each) that run :func:`cost_model.sweep`;
+127.0.0.1, one torch thread each) that run :func:`sweep`;
 :func:`fit_constants` turns its rows into ``alpha``/``beta`` per algorithm;
 :func:`loopback_throughput` measures what one plain TCP stream over loopback
 moves, the ceiling a bus bandwidth on this machine can be held against.
 :func:`constants_document` packs all three into the JSON that
-``elastic-trainer plan --constants`` reads (see ``planner.load_constants``).
+``elastic-trainer plan --constants`` reads (see ``constants.load_constants``).
 
 The parameter server is not measured: its pushes and pulls go through Ray
 actors, which this sweep does not start. Its constants are the ring's, which
@@ -22,12 +26,17 @@ import math
 import os
 import re
 import socket
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
 
+import torch
+import torch.distributed as dist
+
 from . import cost_model
-from ..comm.algorithms import ALGORITHMS
+from ..comm.algorithms import ALGORITHMS, get_algorithm
+from ..comm.stats import CommStats
 
 # A loopback stream this long runs for well over the connection's slow start.
 LOOPBACK_BYTES = 256 << 20
@@ -49,6 +58,55 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def sweep(group=None, sizes: Sequence[int] | None = None, algorithms: Sequence[str] = ("ring", "tree", "chunked"),
+          iters: int = 5, warmup: int = 1) -> list[dict]:
+    """Time each all-reduce algorithm at each size on ``group``; every member must call it.
+
+    Each timed iteration starts after a barrier; a row's time is the median
+    over ``iters`` of this rank's times, then the maximum over ranks (the
+    slowest rank is when the step can go on), so every rank returns the same
+    rows: ``algorithm, size, count, p, time_s, algbw, busbw`` (bandwidths
+    in bytes/s). ``sizes`` default to :func:`size_range` (1 KiB .. 256 MiB).
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"sweep needs iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
+    fns = [(name, get_algorithm(name)) for name in algorithms]
+    p = dist.get_world_size(group)
+    rows = []
+    for name, fn in fns:
+        for size in cost_model.size_range() if sizes is None else sizes:
+            count = max(1, size // 4)
+            buf = torch.ones(count)
+            times = []
+            for i in range(warmup + iters):
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                fn(buf, group, CommStats())
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            t = slowest.item()
+            algbw = count * 4 / t if t > 0 else math.inf
+            rows.append({"algorithm": name, "size": count * 4, "count": count, "p": p, "time_s": t,
+                         "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p})
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The rows of :func:`sweep` as an nccl-tests style table (us, GB/s), one block per algorithm."""
+    out = []
+    for name in dict.fromkeys(r["algorithm"] for r in rows):
+        block = [r for r in rows if r["algorithm"] == name]
+        out.append(f"# all_reduce  algorithm: {name}  ranks: {block[0]['p']}")
+        out.append(f"#{'size':>11} {'count':>13} {'type':>7} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8}")
+        out.append(f"#{'(B)':>11} {'(elements)':>13} {'':>7} {'':>6} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}")
+        for r in block:
+            out.append(f" {r['size']:>11} {r['count']:>13} {'float':>7} {'sum':>6} {r['time_s'] * 1e6:>10.2f} "
+                       f"{r['algbw'] / 1e9:>8.3f} {r['busbw'] / 1e9:>8.3f}")
+    return "\n".join(out)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -57,9 +115,6 @@ def _free_port() -> int:
 
 def _sweep_worker(rank: int, procs: int, port: int, backend: str, sizes: list[int], algorithms: list[str],
                   iters: int, warmup: int, timeout_s: float, out_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     # Loopback, so the sweep measures what loopback_throughput does; set here, not in the caller's process.
     if os.path.exists("/sys/class/net/lo"):
@@ -67,7 +122,7 @@ def _sweep_worker(rank: int, procs: int, port: int, backend: str, sizes: list[in
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs,
                             timeout=_dt.timedelta(seconds=timeout_s))
     try:
-        rows = cost_model.sweep(None, sizes, algorithms, iters=iters, warmup=warmup)
+        rows = sweep(None, sizes, algorithms, iters=iters, warmup=warmup)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(rows, f)
@@ -93,7 +148,7 @@ def _join(ctx, timeout_s: float, what: str) -> None:
 
 def run_sweep(procs: int, sizes: Sequence[int] | None = None, algorithms: Sequence[str] = ALGORITHMS,
               iters: int = 5, backend: str = "gloo", *, warmup: int = 1, timeout_s: float = 900.0) -> list[dict]:
-    """Run :func:`cost_model.sweep` on ``procs`` local processes and return its rows (rank 0's).
+    """Run :func:`sweep` on ``procs`` local processes and return its rows (rank 0's).
 
     Processes are spawned fresh (``torch.multiprocessing``), meet over TCP on a
     free 127.0.0.1 port, and use one torch thread each; gloo is pinned to the

@@ -1,4 +1,4 @@
-"""Alpha-beta cost model of gradient averaging, its fit from measurements, and the sweep that measures.
+"""Alpha-beta cost model of gradient averaging and its fit from measurements.
 
 A message of ``n`` bytes costs ``alpha + n * beta`` (latency plus inverse
 bandwidth); an algorithm's time is its number of sequential messages times
@@ -7,24 +7,17 @@ left out: on the links this targets it hides behind the wire. Every
 prediction is linear in ``(alpha, beta)``, which is what lets :func:`fit`
 recover both from timings of any one algorithm.
 
-``sweep`` reports like nccl-tests: ``algbw = size / time`` and, for an
-all-reduce, ``busbw = algbw * 2(p-1)/p``, the per-link bandwidth a ring would
-need for that time, comparable across ``p`` and against the link's peak.
+Pure arithmetic, no collectives: the sweep that measures lives in
+:mod:`planning.calibration`.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-from ..comm.algorithms import DEFAULT_CHUNK_BYTES, get_algorithm
-from ..comm.stats import CommStats
+from ..comm.algorithms import DEFAULT_CHUNK_BYTES
 
 MODELS = ("ring", "tree", "chunked", "ps")
 
@@ -143,52 +136,3 @@ def size_range(lo: int = 1 << 10, hi: int = 256 << 20, factor: int = 2) -> list[
         out.append(n)
         n *= factor
     return out
-
-
-def sweep(group=None, sizes: Sequence[int] | None = None, algorithms: Sequence[str] = ("ring", "tree", "chunked"),
-          iters: int = 5, warmup: int = 1) -> list[dict]:
-    """Time each all-reduce algorithm at each size on ``group``; every member must call it.
-
-    Each timed iteration starts after a barrier; a row's time is the median
-    over ``iters`` of this rank's times, then the maximum over ranks (the
-    slowest rank is when the step can go on), so every rank returns the same
-    rows: ``algorithm, size, count, p, time_s, algbw, busbw`` (bandwidths
-    in bytes/s). ``sizes`` default to :func:`size_range` (1 KiB .. 256 MiB).
-    """
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"sweep needs iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
-    fns = [(name, get_algorithm(name)) for name in algorithms]
-    p = dist.get_world_size(group)
-    rows = []
-    for name, fn in fns:
-        for size in size_range() if sizes is None else sizes:
-            count = max(1, size // 4)
-            buf = torch.ones(count)
-            times = []
-            for i in range(warmup + iters):
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                fn(buf, group, CommStats())
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            t = slowest.item()
-            algbw = count * 4 / t if t > 0 else math.inf
-            rows.append({"algorithm": name, "size": count * 4, "count": count, "p": p, "time_s": t,
-                         "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p})
-    return rows
-
-
-def format_table(rows: Sequence[dict]) -> str:
-    """The rows of :func:`sweep` as an nccl-tests style table (us, GB/s), one block per algorithm."""
-    out = []
-    for name in dict.fromkeys(r["algorithm"] for r in rows):
-        block = [r for r in rows if r["algorithm"] == name]
-        out.append(f"# all_reduce  algorithm: {name}  ranks: {block[0]['p']}")
-        out.append(f"#{'size':>11} {'count':>13} {'type':>7} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8}")
-        out.append(f"#{'(B)':>11} {'(elements)':>13} {'':>7} {'':>6} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}")
-        for r in block:
-            out.append(f" {r['size']:>11} {r['count']:>13} {'float':>7} {'sum':>6} {r['time_s'] * 1e6:>10.2f} "
-                       f"{r['algbw'] / 1e9:>8.3f} {r['busbw'] / 1e9:>8.3f}")
-    return "\n".join(out)

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from elastic_trainer.comm.algorithms import bytes_sent, chunked_allreduce, get_algorithm, tree_allreduce
 from elastic_trainer.comm.stats import CommStats
 from elastic_trainer.comm.compression import CODECS, expected_bytes, make_codec
-from elastic_trainer.planning.cost_model import sweep
+from elastic_trainer.planning.calibration import sweep
 
 SIZES = (1, 5, 1000, 4099)
 # A bucket with two plain matrices, a conv-like 3-D weight, and vectors between and after them.

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from elastic_trainer.planning.cost_model import MODELS, fit, format_table, predict, size_range
+from elastic_trainer.planning.calibration import format_table
+from elastic_trainer.planning.cost_model import MODELS, fit, predict, size_range
 
 A, B = 25e-6, 1 / 5e9  # 25 us latency, 5 GB/s
 MB = 1 << 20
