@@ -417,7 +417,7 @@ def main() -> None:
         out["sweep"] = sweep
         constants = sweep["constants"]
     elif args.constants:
-        from elastic_trainer.planning.planner import load_constants
+        from elastic_trainer.planning.constants import load_constants
 
         constants = load_constants(args.constants)
     if not args.only_sweep:
@@ -439,7 +439,7 @@ def main() -> None:
             cluster.shutdown()
         out["compute"], out["compute_colocated"], out["ps_transport"] = compute, colocated, ps
         out["step_overhead"] = overhead
-        from elastic_trainer.planning.planner import DEFAULT_CONSTANTS
+        from elastic_trainer.planning.constants import DEFAULT_CONSTANTS
 
         base = constants or DEFAULT_CONSTANTS
         constants = {**base, "algorithms": {**base["algorithms"],

@@ -34,8 +34,9 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from .planning.planner import format_candidates, load_constants, predict_candidates, recommend
+    from .planning.constants import load_constants
     from .planning.plan import make_plan
+    from .planning.planner import format_candidates, predict_candidates, recommend
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
     plan = make_plan(cfg)
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="workers to plan for (candidates use at most N; default: dp * pp of the job)")
     plan.add_argument("--constants", metavar="FILE",
                       help="alpha/beta JSON from `elastic-trainer bench-comm --out FILE` (default: the constants "
-                           "built into elastic_trainer.planning.planner)")
+                           "built into elastic_trainer.planning.constants)")
     plan.add_argument("--json", action="store_true",
                       help="print JSON: the plan's keys as before, plus 'predictions' (candidates, recommendation)")
     plan.set_defaults(fn=_cmd_plan)

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from ..config import TrainerConfig
 from ..errors import ConfigError
-from ..models.factory import block_param_counts
 from ..parallel.partition import partition_blocks, stage_indices_for_rank
 from ..parallel.topology import Topology
+from .model_shape import model_shape
 
 
 @dataclass
@@ -46,7 +46,8 @@ def plan_for(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, counts: list[in
 
 def make_plan(cfg: TrainerConfig) -> Plan:
     """Cut the model into the configured number of pipeline stages, balancing parameters."""
-    counts = block_param_counts(cfg.model)
+    # The planner's cached shape: building the model once here also readies the re-plan after a failure.
+    counts = model_shape(cfg).param_counts
     p = cfg.parallel
     if len(counts) < p.num_stages:
         raise ConfigError(

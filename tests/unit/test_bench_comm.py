@@ -6,7 +6,8 @@ import pytest
 
 from elastic_trainer.cli import main
 from elastic_trainer.planning import calibration as bench, cost_model
-from elastic_trainer.planning.planner import load_constants, predict_candidates
+from elastic_trainer.planning.constants import load_constants
+from elastic_trainer.planning.planner import predict_candidates
 from elastic_trainer.config import TrainerConfig
 
 SIZES = cost_model.size_range(1 << 10, 64 << 10)  # 1 KiB .. 64 KiB

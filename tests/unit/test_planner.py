@@ -11,8 +11,9 @@ from torch import nn
 from elastic_trainer.cli import main
 from elastic_trainer.planning import cost_model
 from elastic_trainer.comm.compression import CODECS
-from elastic_trainer.planning.planner import (DEFAULT_OPTIMIZER_S_PER_PARAM, dp_sync_cost, load_constants, predict_candidates,
-                                          recommend)
+from elastic_trainer.planning.constants import DEFAULT_OPTIMIZER_S_PER_PARAM, load_constants
+from elastic_trainer.planning.planner import predict_candidates, recommend
+from elastic_trainer.planning.sync_cost import dp_sync_cost
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.models.gpt import TokenCrossEntropy

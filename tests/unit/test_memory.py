@@ -1,0 +1,95 @@
+"""Worker memory: activations measured on the meta device, micro-batches in flight per schedule, the bound."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from elastic_trainer.config import TrainerConfig
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.models.factory import build_blocks
+from elastic_trainer.planning.layouts import Layout, NothingFits
+from elastic_trainer.planning.memory import BYTES_PER_PARAM, in_flight, rank_memory
+from elastic_trainer.planning.model_shape import ModelShape, model_shape
+from elastic_trainer.planning.planner import predict_candidates
+
+
+def small() -> TrainerConfig:
+    return TrainerConfig.model_validate({
+        "data": {"path": "x", "seq_len": 16},
+        "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16},
+        "train": {"global_batch_size": 8, "micro_batch_size": 2},
+    })
+
+
+def _real_saved_bytes(cfg: TrainerConfig) -> list[int]:
+    """The same count on real CPU tensors, with storages told apart by their data pointers."""
+    blocks, loss_fn = build_blocks(cfg.model, seed=0)
+    x = ids = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long)
+    out = []
+    for i, b in enumerate(blocks):
+        state = {t.untyped_storage().data_ptr() for t in [*b.parameters(), *b.buffers()]}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in state:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = b(x)
+            if i == len(blocks) - 1:
+                loss_fn(x, ids)
+        out.append(sum(seen.values()))
+    return out
+
+
+def test_activations_measured_on_meta_match_a_real_forward():
+    cfg = small()
+    shape = model_shape(cfg)
+    # On meta, attention runs SDPA's math kernel; with the same kernel a real forward saves the same bytes.
+    with sdpa_kernel(SDPBackend.MATH):
+        assert list(shape.saved_bytes) == _real_saved_bytes(cfg)
+    # A fused kernel saves less (no T x T probabilities): the meta count is an upper bound.
+    assert all(m >= r for m, r in zip(shape.saved_bytes, _real_saved_bytes(cfg)))
+    # What crosses a boundary: (micro_batch, seq_len, d_model) fp32, then the logits.
+    assert shape.out_bytes[1] == 2 * 16 * 32 * 4 and shape.out_bytes[-1] == 2 * 16 * 256 * 4
+    assert model_shape(cfg) is shape  # cached
+
+
+def test_micro_batches_in_flight_follow_the_schedule():
+    assert in_flight("gpipe", 8, 1, 0) == in_flight("1f1b", 8, 1, 0) == 1  # no pipeline: one at a time
+    assert [in_flight("gpipe", 8, 4, s) for s in range(4)] == [8, 8, 8, 8]
+    assert [in_flight("1f1b", 8, 4, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 2, 4, s) for s in range(4)] == [2, 2, 2, 1]
+
+
+def test_rank_memory_is_state_plus_live_activations():
+    # Four blocks of 10 parameters each making 100 bytes of saved tensors and 7 of output.
+    shape = ModelShape((((10,),),) * 4, (7,) * 4, (100,) * 4)
+    lay = Layout(dp=1, pp=2, stage_bounds=((0, 2), (2, 4)), micro_batches=4)
+    stage = 2 * 100 + 7
+    assert rank_memory(lay, shape, "1f1b") == [(20 * BYTES_PER_PARAM, 2 * stage), (20 * BYTES_PER_PARAM, stage)]
+    assert rank_memory(lay, shape, "gpipe") == [(20 * BYTES_PER_PARAM, 4 * stage)] * 2
+    # Interleaved, 2 virtual stages a rank, 4 micro-batches in 2 rounds of 2: rank 0 warms up with
+    # (2-1)*2 + 2*(2-1) = 4 forwards and runs one more before its first backward; rank 1 with 2, then 1.
+    inter = Layout(dp=1, pp=2, stage_bounds=((0, 1), (1, 2), (2, 3), (3, 4)), micro_batches=4, stages_per_rank=2)
+    one = 100 + 7
+    assert rank_memory(inter, shape, "interleaved") == [(20 * BYTES_PER_PARAM, 5 * one),
+                                                        (20 * BYTES_PER_PARAM, 3 * one)]
+
+
+def test_a_memory_bound_drops_layouts_and_names_what_would_fit():
+    cfg = small()
+    rows = predict_candidates(cfg, 4)
+    need = sorted({r["memory_bytes"] for r in rows})
+    bound = need[len(need) // 2]
+    kept = predict_candidates(cfg, 4, worker_memory_bytes=bound)
+    assert kept and all(r["memory_bytes"] <= bound for r in kept)
+    assert {(r["dp"], r["pp"]) for r in kept} < {(r["dp"], r["pp"]) for r in rows}
+    smallest = min(rows, key=lambda r: r["memory_bytes"])
+    with pytest.raises(NothingFits, match=rf"no dp x pp on 4 worker\(s\) fits 0\.0 MiB per worker; the smallest, "
+                                          rf"dp={smallest['dp']} pp={smallest['pp']}, needs"):
+        predict_candidates(cfg, 4, worker_memory_bytes=1)
+    with pytest.raises(ConfigError, match="worker_memory_bytes must be > 0 or None; got 0"):
+        predict_candidates(cfg, 4, worker_memory_bytes=0)
