@@ -37,6 +37,7 @@ def _cmd_plan(args) -> int:
     from .planning.constants import load_constants
     from .planning.plan import make_plan
     from .planning.planner import format_candidates, predict_candidates, recommend
+    from .planning.policy import replan_row
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
     plan = make_plan(cfg)
@@ -48,19 +49,32 @@ def _cmd_plan(args) -> int:
     workers = cfg.world_size if args.workers is None else args.workers
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1; got {workers}")
-    constants = load_constants(args.constants) if args.constants else None
+    gb = cfg.scaling.worker_memory_gb if args.memory_gb is None else args.memory_gb
+    if gb is not None and not gb > 0:
+        raise ConfigError(f"--memory-gb must be > 0; got {gb}")
+    memory = None if gb is None else gb * (1 << 30)
+    path = args.constants or cfg.comm.constants
+    constants = load_constants(path) if path else None
     # A constants file may also carry the compute rate of its machine (see planner.predict_candidates).
-    rows = predict_candidates(cfg, workers, constants, (constants or {}).get("compute"))
+    rows = predict_candidates(cfg, workers, constants, (constants or {}).get("compute"), worker_memory_bytes=memory)
     best, reason = recommend(rows)
+    # What a run of this job would re-plan to on these workers after a failure: same model, same rows,
+    # but the run keeps its codec and sync (planning.policy.choose_plan picks the same).
+    replan = replan_row(rows, cfg)
     if args.json:
         # The plan's own keys stay at the top level, as before predictions existed.
         out["predictions"] = {"workers": workers, "constants": rows[0]["constants_source"] if rows else None,
-                              "candidates": rows, "recommended": best, "reason": reason}
+                              "worker_memory_bytes": memory, "candidates": rows, "recommended": best,
+                              "reason": reason, "replan": replan}
         print(json.dumps(out, indent=2))
         return 0
     print(format_candidates(rows))
     print()
     print(f"recommended: {reason}")
+    if replan is not None:
+        print(f"re-plan after a failure on {workers} worker(s), keeping compression {cfg.comm.compression} and sync "
+              f"{cfg.comm.sync}: dp={replan['dp']} pp={replan['pp']}, predicted {replan['total_s'] * 1e3:.1f} "
+              f"ms/step, {replan['memory_bytes'] / 1e6:.1f} MB/worker")
     if constants is None and (cfg.scaling.uses_gpu or out["backend"] == "nccl"):
         print("caution: the built-in constants, compute rate and codec costs are one CPU thread and gloo over "
               "loopback; for this GPU job give --constants FILE with your own alpha/beta and a 'compute' entry")
@@ -204,10 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--workers", type=int, metavar="N",
                       help="workers to plan for (candidates use at most N; default: dp * pp of the job)")
     plan.add_argument("--constants", metavar="FILE",
-                      help="alpha/beta JSON from `elastic-trainer bench-comm --out FILE` (default: the constants "
-                           "built into elastic_trainer.planning.constants)")
+                      help="alpha/beta JSON from `elastic-trainer bench-comm --out FILE` (default: the job's "
+                           "comm.constants, else the constants built into elastic_trainer.planning.constants)")
+    plan.add_argument("--memory-gb", type=float, metavar="GB",
+                      help="memory one worker may use (GiB); layouts that need more are left out (default: the "
+                           "job's scaling.worker_memory_gb, else no bound)")
     plan.add_argument("--json", action="store_true",
-                      help="print JSON: the plan's keys as before, plus 'predictions' (candidates, recommendation)")
+                      help="print JSON: the plan's keys as before, plus 'predictions' (candidates, recommendation, "
+                           "and 'replan': the layout a run re-plans to on these workers)")
     plan.set_defaults(fn=_cmd_plan)
     bc = sub.add_parser("bench-comm", help="Measure all-reduce algorithms over local processes and fit alpha/beta.",
                         description="Time ring, tree and chunked all-reduce over --procs local gloo processes "

@@ -167,6 +167,9 @@ class CommSection(_Strict):
     # (demo GPT, local_steps 4, 60 steps: 0.9 ends 10% behind all-reduce, 0.5 within 1.1%).
     outer_momentum: float = Field(0.5, ge=0, lt=1, description="diloco: momentum of the outer Nesterov step.")
     ps_shards: int = Field(2, ge=1, description="parameter_server: number of parameter-server actors.")
+    constants: str | None = Field(
+        None, description="A constants JSON from `elastic-trainer bench-comm --out`; the planner and the re-plan "
+                          "after a failure use it. Default: the built-in constants.")
 
     @model_validator(mode="after")
     def _check(self) -> "CommSection":

@@ -1,35 +1,40 @@
-"""Which dp x pp to run on the workers there are: after a loss, and when nodes join.
+"""Which ``dp x pp`` a run takes on the workers there are: after a loss, and when nodes join.
 
 Policies return decisions; they never touch Ray, so tests call them directly.
 
-The estimate is deliberately simple (an analytic model, like nanoGPT's
-``estimate_mfu``): per-step compute of a replica is its share of the global
-batch times the heaviest stage's share of the parameters, stretched by the
-pipeline bubble ``(m + pp - 1) / m``; gradient all-reduce moves
-``2 (dp - 1) / dp`` of the heaviest stage's gradient bytes. Only ratios matter.
+The decision is the planner's: the same calibrated step-time model and the
+same memory model that ``elastic-trainer plan`` prints, restricted to the
+run's own ``comm.compression`` and ``comm.sync`` (a recovery changes the
+layout, never the codec: that would change the loss curve and drop the
+error-feedback state), and to the layouts whose memory fits a worker. So
+``plan --workers N`` shows, as its ``replan`` row, what a run re-plans to on
+``N`` workers.
+
+It runs on the recovery path. The model's shapes and the constants file are
+read once and cached, and only the configured codec's rows are priced, so a
+re-plan after the first costs milliseconds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import TrainerConfig
-from ..parallel.partition import partition_blocks
-
-# Bytes per parameter held by a worker: fp32 weight, grad, two AdamW moments,
-# plus one snapshot copy.
-_BYTES_PER_PARAM = 4 * 5
-# Relative cost of moving one gradient byte vs one parameter-sample of compute;
-# loopback-scale numbers, refined by the communication cost model later.
-_COMM_WEIGHT = 0.02
+from .constants import run_constants
+from .layouts import NothingFits
+from .planner import predict_candidates, rank_key, serves
 
 
 @dataclass(frozen=True)
 class PlanChoice:
+    """A layout to run: ``dp x pp`` with its stage cut, its predicted step time and memory, and why."""
+
     dp: int
     pp: int
     stage_bounds: tuple[tuple[int, int], ...]
-    est_step_cost: float
+    est_step_s: float  # predicted seconds per step
+    memory_bytes: int  # predicted bytes on the worker that needs the most
     reason: str
 
     @property
@@ -37,42 +42,54 @@ class PlanChoice:
         return self.dp * self.pp
 
 
-def candidate_plans(cfg: TrainerConfig, param_counts: list[int], n_workers: int,
-                    worker_memory_bytes: float | None) -> list[PlanChoice]:
-    """Every valid dp x pp on at most ``n_workers`` workers, cheapest estimated step first."""
-    t, p = cfg.train, cfg.parallel
-    virtual = p.stages_per_rank
-    total = sum(param_counts) or 1
-    out = []
-    for pp in range(1, n_workers + 1):
-        n_stages = pp * virtual
-        if n_stages > len(param_counts):
-            break
-        if p.schedule == "interleaved" and pp < 2:
-            continue
-        bounds = tuple(partition_blocks(param_counts, n_stages))
-        stage_params = [sum(param_counts[a:b]) for a, b in bounds]
-        # With interleaving a rank holds `virtual` stages.
-        rank_params = max(sum(stage_params[s::pp]) for s in range(pp))
-        if worker_memory_bytes is not None and rank_params * _BYTES_PER_PARAM > worker_memory_bytes:
-            continue
-        for dp in range(1, n_workers // pp + 1):
-            if t.global_batch_size % (dp * t.micro_batch_size):
-                continue
-            m = t.global_batch_size // (dp * t.micro_batch_size)
-            if p.schedule == "interleaved" and m % max(1, m // pp):
-                continue
-            compute = (t.global_batch_size / dp) * (rank_params / total) * (m + pp - 1) / m
-            comm = _COMM_WEIGHT * 2 * (dp - 1) / dp * rank_params * 4 / total * t.global_batch_size
-            out.append(PlanChoice(dp, pp, bounds, compute + comm,
-                                  f"estimated step cost {compute + comm:.3f} (compute {compute:.3f}, comm {comm:.3f})"))
-    # Cheapest first; on a tie prefer more replicas (a live copy of every stage
-    # survives the next loss), then fewer workers.
-    return sorted(out, key=lambda c: (round(c.est_step_cost, 9), -c.dp, c.world_size))
+def replan_row(rows: Sequence[dict], cfg: TrainerConfig) -> dict | None:
+    """The row a run of ``cfg`` re-plans to among ``rows``: the fastest that keeps its codec and sync.
+
+    ``rows`` are :func:`planner.predict_candidates`'s, all of them or only the
+    configured ones; ties go as :func:`planner.recommend` breaks them
+    (:func:`planner.rank_key`). None when no row keeps the codec and sync.
+    """
+    ok = [r for r in rows if serves(r, cfg.comm.compression, cfg.comm.sync)]
+    return min(ok, key=rank_key) if ok else None
 
 
-def choose_plan(cfg: TrainerConfig, param_counts: list[int], n_workers: int,
-                worker_memory_bytes: float | None = None) -> PlanChoice | None:
-    """The plan with the highest expected throughput that fits, or None if nothing fits."""
-    plans = candidate_plans(cfg, param_counts, n_workers, worker_memory_bytes)
-    return plans[0] if plans else None
+def choose_plan(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float | None = None,
+                constants: dict | None = None) -> PlanChoice | None:
+    """The fastest predicted layout on at most ``n_workers`` workers that fits ``worker_memory_bytes`` each.
+
+    ``constants``: a constants document (:func:`constants.load_constants`);
+    default: the file ``cfg.comm.constants`` names, else the built-ins. Its
+    ``compute`` entry, if any, sets the compute rate, as in ``plan``. The
+    global batch stays ``cfg.train.global_batch_size``; the micro-batches per
+    replica follow from ``dp``. None when no layout is feasible or fits.
+    """
+    if n_workers == 0:
+        return None
+    doc = run_constants(cfg) if constants is None else constants
+    try:
+        # A model whose activations cannot be measured on meta is still re-planned (its pipelines
+        # priced without transfers): stopping the run would be worse than a rougher choice.
+        rows = predict_candidates(cfg, n_workers, doc, (doc or {}).get("compute"),
+                                  worker_memory_bytes=worker_memory_bytes, only_configured=True,
+                                  refuse_unmeasured=False)
+    except NothingFits:
+        return None
+    best = replan_row(rows, cfg)
+    if best is None:
+        return None
+    return PlanChoice(best["dp"], best["pp"], tuple(tuple(b) for b in best["stage_bounds"]), best["total_s"],
+                      best["memory_bytes"], _reason(best, rows, worker_memory_bytes))
+
+
+def _reason(best: dict, rows: Sequence[dict], memory: float | None) -> str:
+    parts = [f"dp={best['dp']} pp={best['pp']} with {best['compression']} {best['sync']}: predicted "
+             f"{best['total_s'] * 1e3:.1f} ms/step (compute {best['compute_s'] * 1e3:.1f} ms, exposed comm "
+             f"{best['exposed_comm_s'] * 1e3:.1f} ms), {best['memory_bytes'] / (1 << 20):.1f} MiB per worker"
+             + (f" of {memory / (1 << 20):.1f} MiB" if memory is not None else "")]
+    others = sorted((r for r in rows if r is not best), key=rank_key)
+    if others:
+        nxt = others[0]
+        parts.append(f"runner-up dp={nxt['dp']} pp={nxt['pp']} {nxt['total_s'] * 1e3:.1f} ms")
+    if best["notes"]:
+        parts.append(best["notes"])
+    return "; ".join(parts)

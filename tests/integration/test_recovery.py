@@ -87,7 +87,7 @@ def test_node_loss_at_2x2_replans_survivors_and_follows_the_loss_curve(fresh_clu
     assert [f["failure"] for f in result.failures] == ["death"]
     assert rec["steps_redone"] <= 1
     assert rec["sources"] == {"live": len(block_param_counts(cfg.model))}
-    expected = choose_plan(cfg, block_param_counts(cfg.model), 3)
+    expected = choose_plan(cfg, 3)
     assert (rec["plan_after"]["dp"], rec["plan_after"]["pp"]) == (expected.dp, expected.pp)
     # Survivors kept their processes.
     after = pids(result)

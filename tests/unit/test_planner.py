@@ -290,3 +290,29 @@ def test_a_model_that_cannot_run_on_meta_is_refused_for_pipelines_only():
     with pytest.raises(ConfigError, match=r"does not run on the meta device \(RuntimeError: .*\); plan with "
                                           r"--workers 1"):
         predict_candidates(cfg, 2, consts())
+
+
+def test_plan_shows_memory_and_the_replan_for_the_configured_codec(tmp_path, capsys):
+    assert main(["plan", str(DEMO), "--workers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "MB/worker" in out
+    assert re.search(r"^re-plan after a failure on 3 worker\(s\), keeping compression none and sync allreduce: "
+                     r"dp=\d pp=\d, predicted [\d.]+ ms/step, [\d.]+ MB/worker$", out, re.M)
+    assert main(["plan", str(DEMO), "--workers", "4", "--json", "--memory-gb", "0.03",
+                 "--set", "comm.compression=int8"]) == 0
+    pred = json.loads(capsys.readouterr().out)["predictions"]
+    assert pred["worker_memory_bytes"] == 0.03 * (1 << 30)
+    assert all(r["memory_bytes"] <= pred["worker_memory_bytes"] for r in pred["candidates"])
+    replan = pred["replan"]
+    assert replan["compression"] == "int8" or replan["dp"] == 1
+    assert replan["total_s"] == min(r["total_s"] for r in pred["candidates"]
+                                    if r["compression"] == "int8" or r["dp"] == 1 and r["sync"] == "allreduce")
+    assert main(["plan", str(DEMO), "--memory-gb", "0"]) == 2
+    assert "--memory-gb must be > 0; got 0.0" in capsys.readouterr().err
+    assert main(["plan", str(DEMO), "--memory-gb", "0.001"]) == 2
+    assert "fits 1.0 MiB per worker; the smallest" in capsys.readouterr().err
+    # Without --constants, plan reads the job's comm.constants.
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(consts()))
+    assert main(["plan", str(DEMO), "--json", "--set", f"comm.constants={path}"]) == 0
+    assert json.loads(capsys.readouterr().out)["predictions"]["constants"] == str(path)

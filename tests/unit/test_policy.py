@@ -1,31 +1,111 @@
-import pytest
+"""The re-plan after a failure: the planner's calibrated step time, its memory model, the run's own codec and sync."""
+
+import json
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.models.factory import block_param_counts
-from elastic_trainer.planning.policy import candidate_plans, choose_plan
+from elastic_trainer.planning import model_shape as model_shape_module
+from elastic_trainer.planning.memory import BYTES_PER_PARAM
+from elastic_trainer.planning.model_shape import model_shape
+from elastic_trainer.planning.planner import predict_candidates, rank_key, serves
+from elastic_trainer.planning.policy import choose_plan
 
 
-@pytest.fixture
-def demo():
-    cfg = TrainerConfig.from_yaml("jobs/demo.yaml")
-    return cfg, block_param_counts(cfg.model)
+def demo(*overrides: str) -> TrainerConfig:
+    return TrainerConfig.from_yaml("jobs/demo.yaml", list(overrides))
 
 
-def test_policy_keeps_the_global_batch_and_prefers_cheap_plans(demo):
-    cfg, counts = demo
-    for n in range(1, 6):
-        for c in candidate_plans(cfg, counts, n, None):
-            assert c.world_size <= n
-            assert cfg.train.global_batch_size % (c.dp * cfg.train.micro_batch_size) == 0
-    assert (choose_plan(cfg, counts, 4).dp, choose_plan(cfg, counts, 4).pp) == (4, 1)
-    three = choose_plan(cfg, counts, 3)
-    assert three.world_size <= 3 and (three.dp, three.pp) != (3, 1)  # 16 is not divisible by 3 * 4
+def test_the_global_batch_is_kept_and_more_workers_never_hurt():
+    cfg = demo()
+    t = cfg.train
+    previous = None
+    for n in range(1, 7):
+        c = choose_plan(cfg, n)
+        assert c.world_size <= n
+        assert t.global_batch_size % (c.dp * t.micro_batch_size) == 0
+        assert previous is None or c.est_step_s <= previous
+        previous = c.est_step_s
+    assert (choose_plan(cfg, 4).dp, choose_plan(cfg, 4).pp) == (4, 1)
+    three = choose_plan(cfg, 3)
+    assert (three.dp, three.pp) != (3, 1)  # 16 is not divisible by 3 * 4
+    assert choose_plan(cfg, 0) is None
+    assert choose_plan(demo("parallel.schedule=interleaved"), 1) is None  # interleaving needs pp >= 2
 
 
-def test_policy_respects_worker_memory(demo):
-    cfg, counts = demo
-    total = sum(counts)
-    # Room for a bit more than half the model per worker: a single worker cannot hold it all.
-    plans = candidate_plans(cfg, counts, 4, worker_memory_bytes=total * 20 * 0.6)
-    assert plans and all(p.pp >= 2 for p in plans)
-    assert choose_plan(cfg, counts, 1, worker_memory_bytes=total * 20 * 0.6) is None
+def test_the_choice_is_the_planners_fastest_row_of_the_configured_codec_and_sync():
+    for overrides in ([], ["comm.compression=int8"], ["comm.compression=topk"], ["comm.sync=diloco"],
+                      ["comm.sync=parameter_server"]):
+        cfg = demo(*overrides)
+        c = choose_plan(cfg, 4)
+        rows = [r for r in predict_candidates(cfg, 4) if serves(r, cfg.comm.compression, cfg.comm.sync)]
+        best = min(rows, key=rank_key)
+        assert (c.dp, c.pp, c.est_step_s, c.memory_bytes) == (best["dp"], best["pp"], best["total_s"],
+                                                                best["memory_bytes"]), overrides
+        if c.dp > 1:
+            assert f"with {cfg.comm.compression} {cfg.comm.sync}:" in c.reason
+
+
+def test_memory_counts_activations_and_a_pipeline_can_fit_where_one_worker_cannot():
+    cfg = demo()
+    shape = model_shape(cfg)
+    state = sum(shape.param_counts) * BYTES_PER_PARAM
+    # Twice the parameter state: that alone would fit one worker; with its activations it does not.
+    bound = 2 * state
+    assert choose_plan(cfg, 1, bound) is None
+    two = choose_plan(cfg, 2, bound)
+    assert two is not None and (two.dp, two.pp) == (1, 2) and two.memory_bytes <= bound
+    # 1f1b: stage s holds min(m, pp - s) of the m = 4 micro-batches, each its blocks' saved tensors and its
+    # output; the loss's saved tensors count to the last block.
+    need = []
+    for s, (a, b) in enumerate(two.stage_bounds):
+        act = sum(shape.saved_bytes[a:b]) + shape.out_bytes[b - 1]
+        need.append(sum(shape.param_counts[a:b]) * BYTES_PER_PARAM + min(4, 2 - s) * act)
+    assert two.memory_bytes == max(need)
+    assert "MiB per worker of" in two.reason
+
+
+def test_gpipe_holds_every_micro_batch_so_its_pipeline_does_not_fit_where_1f1b_does():
+    one_f = demo("parallel.schedule=1f1b")
+    gpipe = demo("parallel.schedule=gpipe")
+    assert (choose_plan(one_f, 2).dp, choose_plan(gpipe, 2).dp) == (2, 2)  # unbounded, both replicate
+    mem = {s: {(r["dp"], r["pp"]): r["memory_bytes"] for r in predict_candidates(c, 2)}
+           for s, c in (("1f1b", one_f), ("gpipe", gpipe))}
+    assert mem["1f1b"][(1, 1)] == mem["gpipe"][(1, 1)]  # no pipeline: one micro-batch at a time either way
+    assert mem["gpipe"][(1, 2)] > mem["gpipe"][(1, 1)] > mem["1f1b"][(1, 2)]
+    bound = mem["1f1b"][(1, 2)]
+    assert (choose_plan(one_f, 2, bound).dp, choose_plan(one_f, 2, bound).pp) == (1, 2)
+    assert choose_plan(gpipe, 2, bound) is None
+
+
+def test_the_run_constants_file_prices_the_choice(tmp_path):
+    slow = {"algorithms": {k: {"alpha_s": 1.0, "beta_s_per_byte": 1e-9} for k in ("ring", "tree", "chunked")}}
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(slow))
+    cfg = demo(f"comm.constants={path}")
+    # A second of latency per message: no gradient averaging, no pipeline.
+    assert (choose_plan(cfg, 4).dp, choose_plan(cfg, 4).pp) == (1, 1)
+    assert (choose_plan(demo(), 4).dp, choose_plan(demo(), 4).pp) == (4, 1)
+    # Passed constants win over the file.
+    fast = {"algorithms": {k: {"alpha_s": 0.0, "beta_s_per_byte": 0.0} for k in ("ring", "tree", "chunked")}}
+    assert choose_plan(cfg, 4, constants=fast).dp == 4
+
+
+def test_a_repeated_choice_does_not_rebuild_the_model(monkeypatch):
+    cfg = demo("model.d_model=64")
+    choose_plan(cfg, 3)
+    calls = []
+    real = model_shape_module.build_blocks
+    monkeypatch.setattr(model_shape_module, "build_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for n in (3, 2, 1):
+        choose_plan(cfg, n)
+    assert calls == []
+
+
+def test_a_model_that_cannot_run_on_meta_is_still_replanned():
+    cfg = TrainerConfig.model_validate({
+        "data": {"path": "x", "seq_len": 8},
+        "model": {"factory": "tests.unit.test_planner:build_meta_hostile"},
+        "train": {"global_batch_size": 4, "micro_batch_size": 1},
+    })
+    c = choose_plan(cfg, 4)
+    assert c is not None and c.world_size <= 4
+    assert "activations unknown" in c.reason
