@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..config import CommSection
-from .algorithms import get_algorithm, ring_allreduce_bytes
+from .algorithms import get_algorithm
 from .buckets import make_buckets
 from .stats import CommStats
 from .compression import make_codec
@@ -166,10 +166,6 @@ class GradSync:
                     p.grad.copy_(avg)
         self._flats = {}
         return exposed
-
-    def dense_bytes(self) -> int:
-        """Bytes an uncompressed fp32 ring all-reduce of every bucket would send (for the ratio)."""
-        return sum(ring_allreduce_bytes(b.numel * 4, self.p) for b in self.buckets) if self.p > 1 else 0
 
     def abort(self) -> None:
         """Stop a step's comm thread (the step failed): it must not hold the groups."""
