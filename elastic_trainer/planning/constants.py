@@ -58,6 +58,15 @@ DEFAULT_CONSTANTS = {
 DEFAULT_FLOPS_PER_S = 62e9
 # AdamW step on the same model: 3.1 ms for 875k parameters.
 DEFAULT_OPTIMIZER_S_PER_PARAM = 3.6e-9
+# What a block's forward + backward costs besides its FLOPs (operator dispatch,
+# autograd bookkeeping), per micro-batch: it sets the pace of small models,
+# where the FLOP count alone is 15x short (the test GPT, d_model 32: 2.1 ms
+# measured per micro-batch of 1 x 16 tokens against 0.14 ms of FLOPs). One
+# torch thread, 2026-12-01, the GPT at d_model 32 with 2, 6, 12 and 24 layers,
+# 1 x 16 tokens, median of 5 x 20 micro-batches (spread under 3%): a
+# least-squares slope of 0.28 ms per block. Used with the built-in rate only:
+# a measured rate (seconds, params, tokens) already includes it.
+DEFAULT_BLOCK_OVERHEAD_S = 0.28e-3
 # Codec arithmetic per fp32 gradient element (encode, decode, error
 # feedback), one thread, the demo GPT's 875k-element bucket at p = 4 with
 # the collectives replaced by copies, median of 12 calls, same day. PowerSGD's
@@ -69,7 +78,8 @@ CODEC_S_PER_ELEMENT = {"none": 0.12e-9, "fp16": 0.87e-9, "bf16": 0.89e-9, "int8"
 # so half; NCCL on its own stream hides nearly all of it.
 OVERLAP_EFFICIENCY = {"gloo": 0.5, "nccl": 0.9}
 
-_COMPUTE_KEYS = ("flops_per_s", "seconds", "params", "tokens", "cpus", "optimizer_s_per_param", "step_overhead_s")
+_COMPUTE_KEYS = ("flops_per_s", "seconds", "params", "tokens", "cpus", "optimizer_s_per_param", "step_overhead_s",
+                 "block_overhead_s")
 
 
 def load_constants(path: str | Path) -> dict:
@@ -118,10 +128,11 @@ def alpha_beta(constants: dict, source: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def flops_rate(compute: dict | None) -> tuple[float, float, float | None, str]:
-    """(FLOP/s of one worker, optimizer s/param, cores shared by all workers or None, source)."""
+def flops_rate(compute: dict | None) -> tuple[float, float, float | None, float, str]:
+    """(FLOP/s of one worker, optimizer s/param, cores shared by all workers or None,
+    s per block per micro-batch besides FLOPs, source)."""
     if compute is None:
-        return DEFAULT_FLOPS_PER_S, DEFAULT_OPTIMIZER_S_PER_PARAM, None, "built-in"
+        return DEFAULT_FLOPS_PER_S, DEFAULT_OPTIMIZER_S_PER_PARAM, None, DEFAULT_BLOCK_OVERHEAD_S, "built-in"
     if not isinstance(compute, dict):
         raise ConfigError(f"compute must be a dict with keys from {', '.join(_COMPUTE_KEYS)}; "
                           f"got {type(compute).__name__}")
@@ -152,7 +163,10 @@ def flops_rate(compute: dict | None) -> tuple[float, float, float | None, str]:
                                          or not cpus > 0 or not math.isfinite(cpus))):
         raise ConfigError(f"compute optimizer_s_per_param must be >= 0 and cpus a number > 0; got "
                           f"optimizer_s_per_param={opt}, cpus={cpus!r}")
-    return rate, opt, cpus, source
+    block = float(compute.get("block_overhead_s", DEFAULT_BLOCK_OVERHEAD_S if source == "built-in" else 0.0))
+    if not (math.isfinite(block) and block >= 0):
+        raise ConfigError(f"compute block_overhead_s must be a finite number >= 0; got {block}")
+    return rate, opt, cpus, block, source
 
 
 def run_constants(cfg: TrainerConfig) -> dict | None:

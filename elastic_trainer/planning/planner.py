@@ -9,7 +9,9 @@ the config requires). The heaviest rank sets the pace, so every term is
 that rank's:
 
 - compute: ``6 * params * tokens_per_replica / flops_per_s`` (forward +
-  backward, the usual 2 + 4 FLOPs per parameter and token), stretched by
+  backward, the usual 2 + 4 FLOPs per parameter and token) plus
+  ``micro_batches * blocks * block_overhead_s`` (what a block costs besides
+  its FLOPs, which sets the pace of small models), stretched by
   the pipeline bubble ``(m + pp - 1) / m`` (``(m + (pp - 1) / v) / m``
   interleaved), plus the optimizer step at a measured cost per parameter;
 - DP gradient sync, per bucket, as :func:`sync_cost.dp_sync_cost` prices
@@ -133,7 +135,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
     ab = alpha_beta(doc, source)
     ps_entry = (doc.get("algorithms") or {}).get("ps") or {}
     ps_how = ps_entry.get("derived_from", "measured") if ps_entry else "ring"
-    rate, opt_cost, cpus, rate_source = flops_rate(compute)
+    rate, opt_cost, cpus, block_cost, rate_source = flops_rate(compute)
     overhead = float((compute or {}).get("step_overhead_s", 0.0))
     if not (math.isfinite(overhead) and overhead >= 0):
         raise ConfigError(f"compute step_overhead_s must be a finite number >= 0; got {overhead}")
@@ -181,9 +183,10 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         rank_params, shapes = max(ranks, key=lambda x: x[0])
         per_worker = rate * (min(1.0, cpus / (dp * pp)) if cpus else 1.0)
         tokens = t.global_batch_size // dp * cfg.data.seq_len
-        fwd_bwd = 6 * rank_params * tokens / per_worker
-        bubble = _bubble(par.schedule, m, pp, virtual)
         slowdown = rate / per_worker
+        rank_blocks = max(len(lay.blocks_of(r)) for r in range(pp))
+        fwd_bwd = 6 * rank_params * tokens / per_worker + m * rank_blocks * block_cost * slowdown
+        bubble = _bubble(par.schedule, m, pp, virtual)
         optimizer = rank_params * opt_cost * slowdown
         compute_s = fwd_bwd * bubble + optimizer + overhead
         # Pipeline transfers: the heaviest boundary, both directions, once per schedule slot.
