@@ -26,7 +26,3 @@ def spare_name(run: str, worker_id: int) -> str:
 
 def is_controller(name: str) -> bool:
     return name.endswith("-controller")
-
-
-def run_of_controller(name: str) -> str:
-    return name[: -len("-controller")]

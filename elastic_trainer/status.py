@@ -51,6 +51,10 @@ def format_status(st: dict) -> str:
         stages = ", ".join(f"stage {s['stage']}: blocks {s['blocks'][0]}..{s['blocks'][1] - 1}"
                            for s in plan["stages"])
         lines.append(f"  plan dp={plan['dp']} x pp={plan['pp']} (world {plan['world_size']}); {stages}")
+    if st.get("setting_up"):
+        up = st["setting_up"]
+        lines.append(f"  setting up dp={up['dp']} x pp={up['pp']} on workers "
+                     f"{', '.join(str(w) for _, w in sorted(up['workers'].items()))}")
     by_rank = sorted((w for w in st.get("workers", []) if w["rank"] is not None), key=lambda w: w["rank"])
     for w in by_rank:
         lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}")

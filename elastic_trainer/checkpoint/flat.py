@@ -73,7 +73,7 @@ def _rebuild(rest: dict, small: dict, layout: dict) -> FlatShard:
     return flat_shard(dict(rest, params=params, optim=optim), layout)
 
 
-class _Slot:
+class _BlockBuffer:
     """One reusable buffer of a block, with the views and the layout entry every
     shard built on it shares (made once: rebuilding 100 views a step cost as much
     as the copy itself)."""
@@ -90,7 +90,7 @@ class _Slot:
         return [sys.getrefcount(self.buf), sys.getrefcount(self.layout)] + [sys.getrefcount(v) for v in self.views]
 
     def free(self) -> bool:
-        """Nothing outside this slot holds the buffer, its layout entry or any of its views."""
+        """Nothing outside this object holds the buffer, its layout entry or any of its views."""
         return self._refcounts() == self._baseline
 
 
@@ -104,10 +104,10 @@ class ShardExporter:
     """
 
     def __init__(self):
-        self._pool: dict[int, list[_Slot]] = {}  # block -> slots
+        self._pool: dict[int, list[_BlockBuffer]] = {}  # block -> its reusable buffers
         self.allocated = 0  # buffers made so far (a test reads it)
 
-    def _slot(self, block: int, entries: list, nbytes: int) -> _Slot:
+    def _buffer(self, block: int, entries: list, nbytes: int) -> _BlockBuffer:
         pool = self._pool.setdefault(block, [])
         free = [s for s in pool if s.free()]
         for s in free:
@@ -115,10 +115,10 @@ class ShardExporter:
                 return s
         for s in free:  # the layout changed: a free buffer of another layout is no use
             pool.remove(s)
-        slot = _Slot(entries, nbytes)
-        pool.append(slot)
+        buf = _BlockBuffer(entries, nbytes)
+        pool.append(buf)
         self.allocated += 1
-        return slot
+        return buf
 
     def export(self, step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
                block_of, extra: dict | None = None, comm: dict | None = None,
@@ -146,10 +146,10 @@ class ShardExporter:
                     entries.append((name, kind, off, dt.str, tuple(t.shape)))
                     off += -(-t.numel() * dt.itemsize // _ALIGN) * _ALIGN
                     src.append(t)
-            slot = self._slot(block, entries, off)
-            layout[block] = slot.layout
-            dst.extend(slot.tensors)
-            for (name, kind, *_), view in zip(entries, slot.views):
+            buf = self._buffer(block, entries, off)
+            layout[block] = buf.layout
+            dst.extend(buf.tensors)
+            for (name, kind, *_), view in zip(entries, buf.views):
                 if kind is None:
                     params[name] = view
                 else:

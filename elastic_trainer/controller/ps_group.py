@@ -17,10 +17,6 @@ from ..config import TrainerConfig
 from ..models.factory import build_blocks
 from ..naming import NAMESPACE
 
-# Snapshots of the shards kept: the workers' snapshot store keeps the last two committed.
-_KEEP = 4
-
-
 class ParameterServers:
     def __init__(self, cfg: TrainerConfig, run_name: str, node_id: str, dp: int):
         # The master copy starts from the run's seed, as every worker's blocks do.
@@ -41,7 +37,11 @@ class ParameterServers:
     def snapshot(self, step: int) -> None:
         """Take the shards' state after ``step`` (the controller owns the refs)."""
         self.snaps[step] = [h.export_state.remote(step) for h in self.handles]
-        for old in sorted(self.snaps)[:-_KEEP]:
+
+    def retain(self, steps) -> None:
+        """Keep the shards' snapshots of ``steps`` only: those the workers' snapshot store keeps."""
+        keep = set(steps)
+        for old in [s for s in self.snaps if s not in keep]:
             del self.snaps[old]
 
     def shards(self, step: int) -> list | None:

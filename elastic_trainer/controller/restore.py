@@ -1,4 +1,4 @@
-"""Where each block's state comes from when a plan is (re)built. Pure: no Ray.
+"""Where each block's state comes from when a plan is (re)built, and what each rank loads. Pure: no Ray.
 
 Sources, best first: a live worker's local copy (no transfer beyond the
 survivors), the object-store snapshot, the durable checkpoint. The restore
@@ -13,10 +13,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Source:
-    tier: str          # "live" | "snapshot" | "durable"
+    """Where blocks of one step are; exactly one of ``worker``, ``part``, ``shard`` is set, by ``tier``."""
+
+    tier: str                  # "live" | "snapshot" | "durable"
     step: int
-    holder: object     # worker id (live), shard key (snapshot), shard index (durable)
     blocks: frozenset
+    worker: int | None = None  # live: the worker whose local copy holds the blocks
+    part: object = None        # snapshot: the key of the part (the rank that produced it)
+    shard: int | None = None   # durable: the shard's index in the checkpoint
 
 
 def choose_restore(
@@ -45,11 +49,11 @@ def choose_restore(
         cands: list[Source] = []
         for wid in sorted(live):
             if step in live[wid]:
-                cands.append(Source("live", step, wid, frozenset(live[wid][step])))
+                cands.append(Source("live", step, frozenset(live[wid][step]), worker=wid))
         for key, blocks in sorted(snapshots.get(step, {}).items(), key=lambda kv: str(kv[0])):
-            cands.append(Source("snapshot", step, key, frozenset(blocks)))
+            cands.append(Source("snapshot", step, frozenset(blocks), part=key))
         for key, blocks in sorted(durable.get(step, {}).items(), key=lambda kv: str(kv[0])):
-            cands.append(Source("durable", step, key, frozenset(blocks)))
+            cands.append(Source("durable", step, frozenset(blocks), shard=key))
         chosen: dict[int, Source] = {}
         for src in cands:  # tier order: the first source of a block wins
             for b in src.blocks:
@@ -57,3 +61,58 @@ def choose_restore(
         if all(b in chosen for b in range(n_blocks)):
             return step, chosen
     return None
+
+
+@dataclass(frozen=True)
+class Load:
+    """One thing a rank loads at a restore: ``kind`` says which, and which field names it.
+
+    - ``local``: the rank's own local copy of the step;
+    - ``written``: the snapshot part ``worker`` wrote at the step (that object is its copy);
+    - ``export``: ``blocks`` exported from live ``worker``'s local copy;
+    - ``snapshot``: the object-store part ``part``;
+    - ``durable``: durable shard ``shard``.
+    """
+
+    kind: str
+    worker: int | None = None
+    blocks: tuple = ()
+    part: object = None
+    shard: int | None = None
+
+
+def plan_loads(chosen: dict[int, Source], ranks: dict[int, int], blocks_of_rank: dict[int, list[int]],
+               own: dict[int, list[int]], written: dict[int, list[int]]) -> dict[int, list[Load]]:
+    """Per rank, what to load so that it holds its blocks at the chosen step.
+
+    ``ranks``: rank -> worker id; ``own``: worker id -> blocks of its own local
+    copy of the step; ``written``: worker id -> blocks of the snapshot part it
+    wrote at the step (a writer of its whole stage keeps no other copy). A
+    rank takes its own copies first, then each remaining block from the source
+    ``chosen`` for it.
+    """
+    out = {}
+    for r, w in ranks.items():
+        need = set(blocks_of_rank[r])
+        loads: list[Load] = []
+        mine = need & set(own.get(w, []))
+        if mine:
+            loads.append(Load("local"))
+            need -= mine
+        if w in written and need & set(written[w]):
+            loads.append(Load("written", worker=w))
+            need -= set(written[w])
+        by_src: dict[Source, set] = {}
+        for b in need:
+            by_src.setdefault(chosen[b], set()).add(b)
+        for src, blocks in sorted(by_src.items(), key=lambda kv: min(kv[1])):
+            if src.tier == "live" and src.worker in written and blocks <= set(written[src.worker]):
+                loads.append(Load("written", worker=src.worker))
+            elif src.tier == "live":
+                loads.append(Load("export", worker=src.worker, blocks=tuple(sorted(blocks))))
+            elif src.tier == "snapshot":
+                loads.append(Load("snapshot", part=src.part))
+            else:
+                loads.append(Load("durable", shard=src.shard))
+        out[r] = loads
+    return out

@@ -9,8 +9,13 @@ per stage, and every part still has copies on distinct nodes: the writer's
 object plus the other replicas' local copies. Where a stage sits on fewer than
 ``replicas`` nodes (dp=1, or replicas packed on a node) the controller asks
 workers on other nodes to pin a copy. A snapshot commits when every part has
-all its copies. The last two committed stay; older refs are dropped and holders
-let their old copies go, so object-store use does not grow with the step count.
+all its copies. The last ``checkpoint.snapshots_kept`` committed stay; older
+refs are dropped, and every pin request tells its holder the oldest step still
+kept, so holders let older copies go and object-store use does not grow with
+the step count. Workers keep that many local copies too.
+
+This module owns all of it: when a snapshot is due, who writes what, where
+copies go, when a snapshot commits and how long it is kept.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-_KEEP_COMMITTED = 2
+from ..config import TrainerConfig
 
 
 @dataclass
@@ -40,6 +45,14 @@ class Snapshot:
     shards: dict[int, ShardEntry]   # rank -> entry
     committed_at: float | None = None
     nbytes: int = 0                 # one copy of every part
+
+
+def is_snapshot_step(cfg: TrainerConfig, step: int) -> bool:
+    """Every ``checkpoint.memory_every`` steps; with local SGD / DiLoCo only where the replicas
+    have just met (between meetings they differ, and a snapshot must hold one model)."""
+    comm = cfg.comm
+    meets = comm.sync not in ("local_sgd", "diloco") or step % comm.local_steps == 0
+    return meets and step % cfg.checkpoint.memory_every == 0
 
 
 def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
@@ -64,9 +77,49 @@ def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
 
 
 class SnapshotStore:
-    def __init__(self, replicas: int):
+    """The run's object-store snapshots: ``snaps`` (step -> Snapshot), taken, replicated, committed, pruned."""
+
+    def __init__(self, replicas: int, keep: int):
         self.replicas = replicas
+        self.keep = keep
         self.snaps: dict[int, Snapshot] = {}
+        self._plan = None
+        self._phases: list[dict[int, list[int]]] = [{}]
+        self._taken = 0   # scheduled snapshots so far: whose turn it is to write
+
+    def set_plan(self, plan) -> None:
+        """Who writes what from now on: the put phases of ``plan`` (a ``planning.plan.Plan``)."""
+        self._plan = plan
+        self._phases = put_phases(plan.topology, plan.blocks_of)
+
+    def writers(self) -> dict[int, list[int]]:
+        """Rank -> blocks it writes into the object store at the next scheduled snapshot."""
+        return self._phases[self._taken % len(self._phases)]
+
+    def take_step(self, step: int, ranks: dict, shard_refs: dict, full: bool = False, nbytes: int = 0) -> None:
+        """Start replicating the parts of ``step`` that the current plan's ranks returned.
+
+        ``ranks``: rank -> ``WorkerHandle``; ``shard_refs``: worker id -> its part's ref;
+        ``full``: each rank returned all its blocks (a snapshot off the schedule, which
+        does not move the writers' turn).
+        """
+        topo = self._plan.topology
+        writers = None if full else self.writers()
+        parts, copy_nodes = {}, {}
+        for r, h in ranks.items():
+            blocks = self._plan.blocks_of(r) if full else writers[r]
+            if not blocks:
+                continue
+            parts[r] = (h.wid, h.node, shard_refs[h.wid], blocks)
+            stage = topo.coords(r)[1]
+            copy_nodes[r] = {ranks[topo.rank(d, stage)].node for d in range(topo.dp)}
+        self.take(step, parts, [(h.wid, h.actor, h.node) for h in ranks.values()], copy_nodes, nbytes)
+        if not full:
+            self._taken += 1
+
+    def oldest_kept(self) -> int:
+        """The oldest step whose snapshot is still kept (committed or not); 0 if none."""
+        return min(self.snaps, default=0)
 
     def take(self, step: int, parts: dict[int, tuple], workers: list[tuple],
              copy_nodes: dict[int, set[str]], nbytes: int = 0) -> None:
@@ -79,6 +132,7 @@ class SnapshotStore:
         """
         shards = {rank: ShardEntry(ref, blocks, node, wid) for rank, (wid, node, ref, blocks) in parts.items()}
         workers = sorted(workers, key=lambda w: w[0])
+        keep_from = min(self.oldest_kept() or step, step)
         for rank, entry in shards.items():
             used = set(copy_nodes.get(rank, ())) | {entry.node}
             wid = parts[rank][0]
@@ -90,7 +144,7 @@ class SnapshotStore:
                 if h_node in used:
                     continue
                 used.add(h_node)
-                entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref])
+                entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref], keep_from)
         self.snaps[step] = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes)
 
     def poll(self) -> list[Snapshot]:
@@ -115,18 +169,22 @@ class SnapshotStore:
                 done.append(snap)
         return done
 
+    def steps(self) -> list[int]:
+        """Every step whose snapshot is kept, committed or not."""
+        return sorted(self.snaps)
+
     def committed_steps(self) -> list[int]:
         return sorted(s for s, snap in self.snaps.items() if snap.committed_at is not None)
 
     def prune(self) -> None:
-        """Keep the last committed snapshots (and newer pending ones); drop the refs of the rest.
+        """Keep the last ``keep`` committed snapshots (and newer pending ones); drop the refs of the rest.
 
-        Holders let their pinned copies of old steps go by themselves (TrainWorker.pin).
+        Holders let their pinned copies of older steps go at the next pin request (TrainWorker.pin).
         """
         committed = self.committed_steps()
-        if len(committed) <= _KEEP_COMMITTED:
+        if len(committed) <= self.keep:
             return
-        cutoff = committed[-_KEEP_COMMITTED]
+        cutoff = committed[-self.keep]
         for step in [s for s in self.snaps if s < cutoff]:
             del self.snaps[step]
 

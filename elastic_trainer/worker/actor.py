@@ -10,6 +10,7 @@ states survive it (they are the "live replica" tier of recovery).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
 import threading
@@ -21,15 +22,13 @@ import torch
 
 from ..checkpoint.state import select_blocks, shard_nbytes
 from ..config import TrainerConfig
+from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
+from .copies import HeldCopies
 from .process_group import destroy_groups, free_port, init_groups
 from .stage import StageTrainer
 
-# Local copies kept: the last committed state and the one being committed.
-_LOCAL_COPIES = 2
-# Snapshot steps a holder keeps pinned copies of: the controller keeps the last
-# two committed snapshots, plus those still replicating.
-_PINNED_STEPS = 4
+log = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
@@ -38,16 +37,15 @@ class InjectedFault(RuntimeError):
 
 class TrainWorker:
     def __init__(self, run_name: str, worker_id: int, torch_threads: int | None):
+        configure_actor_logging()
         self.run_name = run_name
         self.worker_id = worker_id
         self.rank: int | None = None
         if torch_threads is not None and not torch.cuda.is_available():
             torch.set_num_threads(torch_threads)
         self.trainer: StageTrainer | None = None
-        self.local: dict[int, dict] = {}     # step -> this rank's state after that step
-        self.pins: dict[tuple, object] = {}  # (step, rank) -> another rank's snapshot shard, pinned here
+        self.copies = HeldCopies()
         self._faults: dict = {}
-        self._lock = threading.Lock()
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
         self._setup_lock = threading.Lock()
@@ -98,6 +96,8 @@ class TrainWorker:
                 return self._setup(cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
                                    collective_timeout_s, rendezvous_timeout_s, generation, ps)
             except BaseException as e:
+                log.warning("[%s] worker %d: set-up as rank %d of dp=%d x pp=%d failed: %s: %s", self.run_name,
+                            self.worker_id, rank, dp, pp, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
                 traceback.clear_frames(e.__traceback__)
                 self.reset()
                 raise
@@ -110,6 +110,7 @@ class TrainWorker:
         if delay:
             time.sleep(delay)
         cfg = TrainerConfig.model_validate(cfg_json)
+        self.copies.keep = cfg.checkpoint.snapshots_kept
         topo = Topology(dp, pp)
         device = torch.device("cuda", 0) if cfg.scaling.uses_gpu and torch.cuda.is_available() else torch.device("cpu")
         t.append(time.perf_counter())
@@ -126,13 +127,15 @@ class TrainWorker:
             step = trainer.load([s for s in shards if mine & set(s["blocks"])])
         t.append(time.perf_counter())
         self.trainer, self.rank = trainer, rank
+        log.info("[%s] worker %d: rank %d of dp=%d x pp=%d, blocks %s, at step %d (%s)", self.run_name,
+                 self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
         return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
                 "timings": dict(zip(("reset", "groups", "build", "load"), (b - a for a, b in zip(t, t[1:]))))}
 
     def _shard(self, source) -> dict:
         if isinstance(source, tuple) and source[0] == "local":
-            return self.local[source[1]]
+            return self.copies.local_copy(source[1])
         return ray.get(source)
 
     def reset(self) -> None:
@@ -163,6 +166,8 @@ class TrainWorker:
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             r = self.trainer.train_step(step)
         except BaseException as e:
+            log.warning("[%s] worker %d: step %d failed on rank %s: %s: %s", self.run_name, self.worker_id, step,
+                        self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             # Abandon the step: the traceback's frames hold the stage and its
             # groups, so clear them before leaving the groups (see reset()).
             traceback.clear_frames(e.__traceback__)
@@ -178,10 +183,7 @@ class TrainWorker:
             if shard is None:
                 # What a snapshot costs the step: one local copy (and its write into the object store).
                 shard = self.trainer.export(step)
-                with self._lock:
-                    self.local[step] = shard
-                    for old in sorted(self.local)[:-_LOCAL_COPIES]:
-                        del self.local[old]
+                self.copies.add_local(step, shard)
                 if put_blocks is not None:
                     shard = select_blocks(shard, put_blocks) if put_blocks else None
         return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
@@ -193,36 +195,27 @@ class TrainWorker:
     @ray.method(concurrency_group="control")
     def local_steps(self) -> dict[int, list[int]]:
         """Steps this worker holds a local copy of, with the blocks each covers."""
-        with self._lock:
-            return {s: sh["blocks"] for s, sh in self.local.items()}
+        return self.copies.local_blocks()
 
     def export_snapshot(self, step: int) -> dict:
         """A local copy of the current state as ``step`` (for a final snapshot off the schedule)."""
         shard = self.trainer.export(step)
-        with self._lock:
-            self.local[step] = shard
+        self.copies.add_local(step, shard)
         return shard
 
     def export_blocks(self, step: int, blocks: list[int]) -> dict:
         """The part of the local copy at ``step`` that holds ``blocks``."""
-        with self._lock:
-            sh = self.local[step]
-        return select_blocks(sh, blocks)
+        return select_blocks(self.copies.local_copy(step), blocks)
 
-    def pin(self, key: tuple, refs: list) -> int:
-        """Hold a copy of another rank's shard on this node so it outlives that node."""
+    def pin(self, key: tuple, refs: list, keep_from: int) -> int:
+        """Hold a copy of another rank's shard on this node so it outlives that node.
+
+        ``keep_from``: the oldest step the controller still keeps; copies of older
+        steps are let go here, which spares it an unpin call per shard per step."""
         delay = self._faults.get(("pin", key[0]))
         if delay:
             time.sleep(delay)
-        value = ray.get(refs[0])
-        with self._lock:
-            self.pins[key] = value
-            # Older snapshots are no longer needed by the controller: let them go here,
-            # which spares it an unpin call per shard per step.
-            keep = sorted({k[0] for k in self.pins})[-_PINNED_STEPS:]
-            for k in [k for k in self.pins if k[0] not in keep]:
-                del self.pins[k]
-        return len(self.pins)
+        return self.copies.pin(key, ray.get(refs[0]), keep_from)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()
@@ -239,6 +232,3 @@ class TrainWorker:
             self._faults[("pin", step)] = seconds
         else:
             raise ValueError(f"unknown fault kind {kind!r}; use raise, slow_setup or slow_pin")
-
-    def shutdown(self) -> None:
-        self.reset()

@@ -50,7 +50,6 @@ class StepResult:
     compute_s: float
     comm_s: float          # seconds in collectives, hidden or not
     comm_bytes: int        # bytes this rank sent
-    samples: int
     cursor: int  # global index of the step's first sample
     exposed_comm_s: float = 0.0  # seconds the step waited for communication
     dense_bytes: int = 0   # what an uncompressed all-reduce of every gradient would have sent
@@ -187,7 +186,7 @@ class StageTrainer:
                 self.replica, self.topo.dp, self.cfg.comm.compression)
 
         comm, buckets = pick_comm(shards, names, own)
-        self.restored_residuals = self.sync.load_state(
+        self.sync.load_state(
             {"codec": self.cfg.comm.compression, "buckets": buckets,
              "residual": {n: c["residual"] for n, c in comm.items() if "residual" in c}}, set(names))
         if self.model_avg is not None:
@@ -253,7 +252,7 @@ class StageTrainer:
         compute_s = time.perf_counter() - t0 - exposed
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
         gb = self.cfg.train.global_batch_size
-        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, gb // self.topo.dp, (step - 1) * gb,
+        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, (step - 1) * gb,
                           exposed_comm_s=exposed, dense_bytes=self.dense_bytes)
 
     def _clip(self, max_norm: float, stats: CommStats) -> None:

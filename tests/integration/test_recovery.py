@@ -125,20 +125,23 @@ def test_loss_during_a_recovery(fresh_cluster, corpus_dir):
 
     def first_loss():
         st = status("loss3")
-        # Hold the next set-up of two survivors, so the recovery lasts long enough to be hit.
-        for w in st["workers"]:
-            if w["rank"] in (0, 1):
-                actor = ray.get_actor(f"loss3-rank{w['rank']}-r0s{w['rank']}", namespace=NAMESPACE)
-                actor.inject_fault.remote("slow_setup", seconds=2.0)
-        victims["second"] = node_of_rank("loss3", 2, nodes)
+        # Hold the next set-up of every survivor, so the recovery lasts long enough to be hit.
+        for name in ("rank0-r0s0", "rank1-r0s1", "rank2-r1s0"):
+            ray.get_actor(f"loss3-{name}", namespace=NAMESPACE).inject_fault.remote("slow_setup", seconds=2.0)
+        victims["nodes"] = {w["worker_id"]: w["node_id"] for w in st["workers"]}
+        # Stage 0 lives on ranks 0 and 2: either can go and stage 0 still has a live copy
+        # (stage 1's other copy goes with rank 3's node now).
+        victims["stage0"] = [w["worker_id"] for w in st["workers"] if w["rank"] in (0, 2)]
         c.remove_node(node_of_rank("loss3", 3, nodes), allow_graceful=False)
 
         def second_loss():
+            # The second loss hits a worker of the plan being set up (the policy may leave a survivor spare).
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and status("loss3")["state"] != "RECOVERING":
+            while time.monotonic() < deadline and not status("loss3").get("setting_up"):
                 time.sleep(0.02)
-            time.sleep(0.5)
-            c.remove_node(victims["second"], allow_graceful=False)
+            up = status("loss3")["setting_up"] or {"workers": {}}
+            victim = next((w for w in up["workers"].values() if w in victims["stage0"]), victims["stage0"][-1])
+            c.remove_node(next(n for n in nodes if n.node_id == victims["nodes"][victim]), allow_graceful=False)
 
         threading.Thread(target=second_loss, daemon=True).start()
 

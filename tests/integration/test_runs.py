@@ -36,6 +36,39 @@ def test_default_cpu_placement_is_one_worker_per_node(cluster, corpus_dir):
     assert not any(a["name"].startswith("place-") for a in ray.util.list_named_actors(all_namespaces=True))
 
 
+def actor_log_lines(marker: str, wait_s: float = 10.0) -> list[str]:
+    """Lines of the cluster's actor logs (what Ray writes of each actor's stderr) that contain ``marker``."""
+    from pathlib import Path
+
+    logs = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "logs"
+    deadline = time.monotonic() + wait_s
+    while True:
+        lines = [line for f in logs.glob("worker-*.err") for line in f.read_text(errors="replace").splitlines()
+                 if marker in line]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(180)
+def test_controller_and_workers_log_through_logging_with_the_run_name(cluster, corpus_dir):
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, parallel={"dp": 2, "pp": 1}, run={"name": "logged"},
+                                              train={"steps": 3}))
+    Trainer(cfg, verbose=False).fit()
+    lines = actor_log_lines("[logged]")
+    text = "\n".join(lines)
+    for expected in ("elastic_trainer.controller.controller: [logged] PLACING -> STARTING",
+                     "elastic_trainer.controller.controller: [logged] RUNNING -> FINISHED",
+                     "elastic_trainer.controller.workers: [logged] worker 0 joined",
+                     "elastic_trainer.worker.actor: [logged] worker 1: rank 1 of dp=2 x pp=1"):
+        assert expected in text, f"{expected!r} not in the actor logs:\n{text[-2000:]}"
+    # Every record of the package, of this run or another, names its run.
+    import re
+
+    records = [line for line in actor_log_lines("") if re.search(r" (INFO|WARNING|ERROR) elastic_trainer\.", line)]
+    assert records and all(re.search(r" elastic_trainer\.[\w.]+: \[[^\]]+\] ", line) for line in records)
+
+
 @pytest.mark.timeout(180)
 def test_pack_places_a_stage_replicas_together(cluster, corpus_dir):
     cfg = TrainerConfig.from_dict(tiny_config(

@@ -34,7 +34,7 @@ def test_select_blocks_keeps_only_the_names_of_those_blocks():
 
 
 def test_covering_needs_every_block_and_only_counts_parts_with_a_surviving_copy():
-    store = SnapshotStore(replicas=2)
+    store = SnapshotStore(replicas=2, keep=2)
     store.snaps[7] = Snapshot(7, 0.0, {
         0: ShardEntry("r0", [0, 1], "nodeA"),
         1: ShardEntry("r1", [2, 3], "nodeB", pinned={5}),
@@ -49,7 +49,7 @@ def test_covering_needs_every_block_and_only_counts_parts_with_a_surviving_copy(
 
 
 def test_a_writers_part_counts_as_its_copy_only_while_the_writer_lives():
-    store = SnapshotStore(replicas=2)
+    store = SnapshotStore(replicas=2, keep=2)
     store.snaps[6] = Snapshot(6, 0.0, {0: ShardEntry("a6", [0, 1], "nodeA", wid=10),
                                        1: ShardEntry("b6", [2], "nodeB", wid=11)})
     store.snaps[7] = Snapshot(7, 0.0, {0: ShardEntry("a7", [0, 1], "nodeA", wid=12),
@@ -77,3 +77,39 @@ def test_a_view_export_follows_the_live_tensors_and_a_copy_does_not():
     assert (view["params"]["blocks.0.weight"] == lin.weight.detach().numpy()).all()
     assert (view["optim"]["blocks.0.weight"]["exp_avg"] == opt.state[lin.weight]["exp_avg"].numpy()).all()
     assert (copy["params"]["blocks.0.weight"] == before).all()
+
+
+def test_a_worker_keeps_as_many_local_copies_as_the_controller_keeps_snapshots():
+    from elastic_trainer.worker.copies import HeldCopies
+
+    held = HeldCopies()
+    held.keep = 2
+    for step in (1, 2, 3):
+        held.add_local(step, {"blocks": [0], "step": step})
+    assert held.local_blocks() == {2: [0], 3: [0]}
+    # Pins of steps the controller no longer keeps are let go with the next pin request.
+    held.pin((2, 0), "part2", keep_from=2)
+    held.pin((3, 0), "part3", keep_from=2)
+    assert held.pin((4, 0), "part4", keep_from=3) == 2 and set(held.pins) == {(3, 0), (4, 0)}
+
+
+def test_holders_are_told_the_oldest_step_the_controller_still_keeps():
+    class FakeActor:
+        def __init__(self):
+            self.calls = []
+            self.pin = self  # actor.pin.remote(...)
+
+        def remote(self, key, refs, keep_from):
+            self.calls.append((key, keep_from))
+            return f"ack{key}"
+
+    store = SnapshotStore(replicas=2, keep=2)
+    for step in (1, 2, 3):
+        store.snaps[step] = Snapshot(step, 0.0, {0: ShardEntry(f"p{step}", [0], "nodeA")}, committed_at=1.0)
+    store.prune()
+    assert store.steps() == [2, 3] and store.oldest_kept() == 2
+    holder = FakeActor()
+    # dp=1: the part's only other copy goes to a worker on another node.
+    store.take(4, {0: (10, "nodeA", "p4", [0])}, [(10, FakeActor(), "nodeA"), (11, holder, "nodeB")],
+               {0: {"nodeA"}})
+    assert holder.calls == [((4, 0), 2)]

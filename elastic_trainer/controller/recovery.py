@@ -1,0 +1,333 @@
+"""Recovery: detect what failed, re-plan on the workers that are left, restore the last committed step.
+
+Also growth, which is the same re-plan and restore without a loss. Survivors
+keep their processes: they are told a new plan and load each of their blocks
+from the best source there is (``restore``). A failure during any of it counts
+as one more failure and the re-plan starts over, up to ``failure.max_failures``.
+
+``Recovery`` works on its controller's state (workers, plan, snapshots, the
+step); what it owns is the failure count and the recovery event in progress.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import ray
+
+from ..checkpoint.durable import CheckpointError
+from ..errors import ElasticTrainerError, WorkerError
+from ..planning.plan import plan_for
+from ..planning.policy import choose_plan
+from .failures import Diagnosis, diagnose
+from .restore import Load, choose_restore, plan_loads
+from .run_state import RunState
+from .stepping import StepOutcome
+from .workers import failed
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+log = logging.getLogger(__name__)
+
+# Queries to workers that just answered a ping (which steps they hold): a slow
+# answer means a busy worker, not a lost one.
+_QUERY_TIMEOUT_S = 10.0
+
+
+class RunError(ElasticTrainerError):
+    """The run stopped: too many failures, or too few workers for too long."""
+
+
+class Recovery:
+    def __init__(self, ctl: "Controller"):
+        self.ctl = ctl
+        self.cfg = ctl.cfg
+        self.failures = 0
+        self.retries_left = self.cfg.failure.retries
+        self.pending_event: dict | None = None   # the recovery event, completed at the next step
+        self._durable_refs: dict = {}             # shard index -> ref of a loaded durable checkpoint
+        self.durable_manifest: dict = {}
+        self._last_grow_check = time.monotonic()
+
+    # -- detect ----------------------------------------------------------------------------
+    def recover(self, out: StepOutcome) -> None:
+        ctl = self.ctl
+        ctl.transition(RunState.RECOVERING, step=out.step)
+        diag = diagnose(out, {w: h.actor for w, h in ctl.pool.workers.items()}, self.cfg.failure.ping_timeout_s)
+        detected = time.perf_counter()
+        plan_before = ctl.plan.describe() if ctl.plan else None
+        self._record_failure(out.step, diag)
+        # A collective that failed while every worker lived is retried first;
+        # only when the retries are spent does it count as a failure.
+        if diag.kind == "collective" and self.retries_left > 0:
+            self.retries_left -= 1
+        else:
+            self.failures += 1
+        ctl.pool.kill_hung(diag.hung)
+        ctl.pool.drop(diag.dead + diag.hung)
+        if ctl.ps:
+            ctl.ps.abandon_step()
+        self._quiesce(out)
+        self._check_limits(diag)
+        self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
+
+    def step_committed(self) -> None:
+        """A step completed: retries are back, and a recovery in progress is complete."""
+        self.retries_left = self.cfg.failure.retries
+        ev, self.pending_event = self.pending_event, None
+        if ev is not None:
+            ev["first_step_s"] = time.perf_counter() - ev.pop("_resumed")
+            ev["total_s"] = ev["detect_s"] + ev["replan_s"] + ev["restore_s"] + ev["first_step_s"]
+            ev["resumed_at"] = time.time()
+            log.info("[%s] recovered in %.2f s (detect %.2f, re-plan %.2f, restore %.2f, first step %.2f)",
+                     self.ctl.run_name, ev["total_s"], ev["detect_s"], ev["replan_s"], ev["restore_s"],
+                     ev["first_step_s"])
+            self.ctl.metrics.record_event(ev)
+
+    def _record_failure(self, step: int, diag: Diagnosis) -> None:
+        workers = self.ctl.pool.workers
+        for kind, wids in (("death", diag.dead), ("hang", diag.hung), ("exception", diag.raised)):
+            for w in wids:
+                h = workers.get(w)
+                self.ctl.event("failure", failure=kind, worker=w, rank=h.rank if h else None,
+                               node=h.node if h else None, step=step, detail=diag.detail)
+        if diag.kind == "collective":
+            self.ctl.event("failure", failure="collective", worker=None, rank=None, node=None, step=step,
+                           detail=diag.detail)
+        log.warning("[%s] step %d failed (%s): %s", self.ctl.run_name, step, diag.kind, diag.detail)
+
+    def _quiesce(self, out: StepOutcome) -> None:
+        """Let survivors abandon the failed step: with the lost workers killed, their
+        collectives fail at once; any survivor still inside one after a bound is dropped."""
+        pool = self.ctl.pool
+        pending = {ref: w for ref, w in out.inflight.items() if w in pool}
+        if pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.cfg.failure.min_step_timeout_s)
+            stuck = [w for ref, w in pending.items() if ref not in ready]
+            if stuck:
+                self.ctl.event("failure", failure="hang", worker=None, rank=None, node=None, step=out.step,
+                               detail=f"workers {stuck} stayed inside the failed step")
+                pool.drop(stuck)
+
+    def _check_limits(self, diag: Diagnosis) -> None:
+        f = self.cfg.failure
+        if self.failures > f.max_failures:
+            path = self.ctl.emergency_durable()
+            raise RunError(f"stopped after {self.failures} failures (failure.max_failures={f.max_failures}); "
+                           f"last: {diag.kind}: {diag.detail}" + (f"; durable checkpoint at {path}" if path else ""))
+
+    def failure_summary(self) -> str:
+        return "; ".join(f"{e['failure']} of worker {e['worker']} at step {e['step']}"
+                         + (f" ({e['detail'][:160]})" if e.get("detail") else "")
+                         for e in self.ctl.events if e["kind"] == "failure") or "no failures"
+
+    # -- re-plan ---------------------------------------------------------------------------
+    def replan_and_restore(self, out: StepOutcome | None, detected: float, plan_before: dict | None,
+                           reason: str) -> None:
+        """Re-plan on the live workers and restore; a failure during this counts and loops."""
+        ctl, pool = self.ctl, self.ctl.pool
+        attempts, retry_s = 0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            attempts += 1
+            pool.await_joining(0, required=False)
+            self._wait_for_min_workers()
+            plan, ranks, why = self._next_plan(keep=out is not None)
+            t1 = time.perf_counter()
+            restore = self.restore_point()
+            try:
+                desc = ctl.apply_plan(plan, restore, ranks)
+            except WorkerError as e:
+                failed_workers = getattr(e, "failed_workers", [])
+                ctl.event("failure", failure="during_recovery", worker=failed_workers, rank=None, node=None,
+                          step=out.step if out else ctl.step + 1, detail=str(e))
+                log.warning("[%s] set-up of the new plan failed: %s", ctl.run_name, e)
+                self.failures += 1
+                self._check_limits(Diagnosis([], [], [], "during_recovery", str(e)))
+                # Drop whoever died. A live worker that failed is not at fault: it waited at
+                # a rendezvous for a member that died. Abort the set-ups still waiting and let
+                # them end before the next try, which would otherwise queue behind them.
+                pool.drop(pool.dead_among(list(pool.workers)))
+                ctl.abort_setups()
+                retry_s += time.perf_counter() - t0
+                continue
+            t2 = time.perf_counter()
+            failed_step = out.step if out else ctl.step + 1
+            restored = restore[0] if restore else 0
+            self.pending_event = ctl.event(
+                "recovery", reason=reason, failed_step=failed_step, restored_step=restored,
+                steps_redone=failed_step - restored - (0 if out else 1),
+                steps_rolled_back=ctl.rolled_back,
+                plan_before=_plan_summary(plan_before), plan_after=_plan_summary(desc), policy=why,
+                sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
+                replan_s=t1 - detected - retry_s, restore_s=t2 - t1, attempts=attempts, failed_attempts_s=retry_s,
+                _resumed=t2,
+                restore_parts=dict(ctl.setup_timings),
+                first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
+                detected_at=time.time() - (time.perf_counter() - detected))
+            log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",
+                     ctl.run_name, reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size, len(pool),
+                     restored, restore[2] if restore else "the seed")
+            ctl.transition(RunState.RUNNING)
+            return
+
+    def _next_plan(self, keep: bool) -> tuple:
+        """(plan, rank -> worker id or None to place anew, why) for the workers alive now.
+
+        With ``keep`` (after a failure) and every worker of the current plan alive, the
+        plan stays as it is, each rank on its worker: nothing about the cluster changed,
+        and a retry in place loads every block from the rank's own copy. Otherwise the
+        policy chooses, by the planner's calibrated model.
+        """
+        ctl, pool = self.ctl, self.ctl.pool
+        if keep and ctl.plan is not None and all(w in pool for w in ctl.ranks.values()):
+            topo = ctl.plan.topology
+            plan = plan_for(self.cfg, topo.dp, topo.pp, ctl.plan.stage_bounds, ctl.counts)
+            return plan, dict(ctl.ranks), "kept: every worker of the plan is alive"
+        choice = choose_plan(self.cfg, len(pool), ctl.worker_memory())
+        if choice is None:
+            raise RunError(f"no dp x pp fits {len(pool)} workers for global_batch_size"
+                           f"({self.cfg.train.global_batch_size}) and micro_batch_size({self.cfg.train.micro_batch_size})"
+                           + (f" in scaling.worker_memory_gb({self.cfg.scaling.worker_memory_gb:g})"
+                              if self.cfg.scaling.worker_memory_gb else ""))
+        return plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, ctl.counts), None, choice.reason
+
+    def _wait_for_min_workers(self) -> None:
+        pool, need = self.ctl.pool, self.cfg.scaling.min_workers
+        if len(pool) >= need:
+            return
+        self.ctl.event("waiting_for_nodes", have=len(pool), need=need, wait_s=self.cfg.failure.wait_for_nodes_s)
+        deadline = time.monotonic() + self.cfg.failure.wait_for_nodes_s
+        while time.monotonic() < deadline:
+            pool.spawn_on_free_nodes()
+            pool.await_joining(min(5.0, max(0.0, deadline - time.monotonic())), required=False)
+            if len(pool) >= need:
+                return
+            time.sleep(0.5)
+        path = self.ctl.emergency_durable()
+        raise RunError(f"{len(pool)} workers alive, below scaling.min_workers({need}), and no nodes joined "
+                       f"within failure.wait_for_nodes_s({self.cfg.failure.wait_for_nodes_s:g})"
+                       + (f"; durable checkpoint at {path}" if path else ""))
+
+    def maybe_grow(self) -> None:
+        """At a snapshot step, re-plan onto workers that joined if the policy prefers a larger plan."""
+        ctl, pool = self.ctl, self.ctl.pool
+        now = time.monotonic()
+        if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
+            return
+        self._last_grow_check = now
+        pool.spawn_on_free_nodes()
+        pool.await_joining(0, required=False)
+        spares = [w for w, h in pool.workers.items() if h.rank is None]
+        if not spares or ctl.step % self.cfg.checkpoint.memory_every:
+            return
+        choice = choose_plan(self.cfg, len(pool), ctl.worker_memory())
+        topo = ctl.plan.topology
+        if choice is None or (choice.dp, choice.pp) == (topo.dp, topo.pp) or choice.world_size <= topo.world_size:
+            return
+        ctl.transition(RunState.RESIZING, workers=len(pool))
+        self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason="grow")
+
+    # -- restore ---------------------------------------------------------------------------
+    def restore_point(self) -> tuple[int, dict, dict] | None:
+        """(step, block -> Source, where the blocks came from) for the latest step every block has."""
+        ctl, pool = self.ctl, self.ctl.pool
+        answers = pool.ask("local_steps", list(pool.workers), _QUERY_TIMEOUT_S)
+        live = {w: a for w, a in answers.items() if not failed(a)}
+        # A rank that wrote its whole state into the object store kept no other copy of it.
+        for w, per_step in ctl.snapshots.written(set(live)).items():
+            for step, (_, blocks) in per_step.items():
+                live[w][step] = sorted(set(live[w].get(step, [])) | set(blocks))
+        snaps = ctl.snapshots.available(pool.nodes(), set(pool.workers))
+        n_blocks = len(ctl.counts)
+        found = choose_restore(n_blocks, live, snaps, {}, max_step=ctl.step)
+        if found is None or (ctl.durable and self._durable_step_beyond(found[0])):
+            durable = self.load_durable()
+            if durable:
+                found = choose_restore(n_blocks, live, snaps, durable, max_step=ctl.step) or found
+        if found is None:
+            if ctl.step == 0:
+                return None
+            raise RunError(f"no source holds every block at any step: live copies {live}, "
+                           f"snapshots {sorted(snaps)}, durable {'none' if not ctl.durable else 'unusable'}; "
+                           f"after: {self.failure_summary()}")
+        step, chosen = found
+        tiers = collections.Counter(src.tier for src in chosen.values())
+        return step, chosen, dict(tiers)
+
+    def _durable_step_beyond(self, step: int) -> bool:
+        steps = self.ctl.durable.steps() if self.ctl.durable else []
+        return bool(steps) and steps[0] > step
+
+    def load_durable(self) -> dict:
+        """Load the latest durable checkpoint into the object store: ``{step: {shard: blocks}}``, or {}."""
+        ctl = self.ctl
+        try:
+            loaded = ctl.durable.load_latest() if ctl.durable else None
+        except CheckpointError as e:
+            ctl.event("checkpoint_problem", detail=str(e))
+            return {}
+        if not loaded:
+            return {}
+        shards, manifest, problems = loaded
+        for p in problems:
+            ctl.event("checkpoint_problem", detail=p)
+        self._durable_refs = {i: ray.put(s) for i, s in enumerate(shards)}
+        self.durable_manifest = manifest
+        return {manifest["step"]: {i: s["blocks"] for i, s in enumerate(shards)}}
+
+    def durable_refs(self, chosen: dict) -> list:
+        """Refs of the durable shards among the sources ``chosen``."""
+        return [self._durable_refs[src.shard] for src in set(chosen.values()) if src.tier == "durable"]
+
+    def sources(self, restore: tuple, ranks: dict[int, int], plan) -> dict[int, list]:
+        """Per rank, the refs (or ``("local", step)``) to load: see ``restore.plan_loads``."""
+        ctl, pool = self.ctl, self.ctl.pool
+        step, chosen, _ = restore
+        answers = pool.ask("local_steps", list(ranks.values()), _QUERY_TIMEOUT_S)
+        own = {w: ({} if failed(a) else a).get(step, []) for w, a in answers.items()}
+        # Parts written by live workers at this step: their objects are those workers' copies.
+        written = {w: per[step] for w, per in ctl.snapshots.written(set(pool.workers)).items() if step in per}
+        loads = plan_loads(chosen, ranks, {r: plan.blocks_of(r) for r in ranks}, own,
+                           {w: blocks for w, (_, blocks) in written.items()})
+
+        def ref(load: Load):
+            if load.kind == "local":
+                return ("local", step)
+            if load.kind == "written":
+                return written[load.worker][0]
+            if load.kind == "export":
+                return pool[load.worker].actor.export_blocks.remote(step, list(load.blocks))
+            if load.kind == "snapshot":
+                return ctl.snapshots.ref(step, load.part)
+            return self._durable_refs[load.shard]
+
+        return {r: [ref(load) for load in rank_loads] for r, rank_loads in loads.items()}
+
+    def resume_source(self) -> tuple | None:
+        """The restore point of ``--resume``: the latest durable checkpoint, with its history."""
+        ctl, storage = self.ctl, self.cfg.checkpoint.storage
+        if not ctl.durable:
+            raise RunError("resume needs checkpoint.storage")
+        durable = self.load_durable()
+        if not durable:
+            ctl.event("resume", detail=f"no checkpoint in {storage}; starting fresh")
+            return None
+        found = choose_restore(len(ctl.counts), {}, {}, durable)
+        if found is None:
+            raise RunError(f"the checkpoint in {storage} does not cover every block of this model")
+        ctl.extend_history(self.durable_manifest.get("history", []))
+        ctl.event("resume", step=found[0], source=storage)
+        log.info("[%s] resuming from step %d of %s", ctl.run_name, found[0], storage)
+        return found[0], found[1], {"durable": len(found[1])}
+
+
+def _plan_summary(desc: dict | None) -> dict | None:
+    if desc is None:
+        return None
+    return {"dp": desc["dp"], "pp": desc["pp"], "world_size": desc["world_size"],
+            "stages": [s["blocks"] for s in desc["stages"]]}

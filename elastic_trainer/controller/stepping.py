@@ -1,0 +1,141 @@
+"""Driving one step on every rank: start it, wait for it under a timeout, and turn the answers into a record.
+
+A step either completes on every rank (``StepOutcome.ok``) and is recorded,
+or it becomes the input of a recovery: the outcome says who answered, who
+raised, who stayed silent and when the first sign of trouble came.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from ..config import TrainerConfig
+from ..errors import WorkerError
+from ..parallel.topology import Topology
+
+# After the first error of a step the others get this long to report theirs:
+# ranks blocked behind a vanished peer fail within milliseconds on loopback.
+_ERROR_GRACE_S = 0.3
+
+
+@dataclass
+class StepOutcome:
+    step: int
+    started: float
+    results: dict[int, dict] = field(default_factory=dict)    # worker id -> step result
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    pending: list[int] = field(default_factory=list)          # no answer by the deadline
+    answered: set = field(default_factory=set)                # pending ranks that answered a ping
+    first_signal: float | None = None                         # first error, or the deadline
+    shard_refs: dict = field(default_factory=dict)            # worker id -> snapshot part ref (None: no part)
+    inflight: dict = field(default_factory=dict)              # step refs still running: ref -> worker id
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.pending
+
+
+class StepDriver:
+    """Runs steps and keeps the step times that set the step and collective timeouts."""
+
+    def __init__(self, cfg: TrainerConfig):
+        self.cfg = cfg
+        self.step_times: collections.deque = collections.deque(maxlen=20)
+        self.steps_since_setup = 0
+
+    def step_timeout(self) -> float:
+        """The start-up timeout during warm-up, then a multiple of the median step time."""
+        f = self.cfg.failure
+        if self.steps_since_setup < f.warmup_steps or not self.step_times:
+            return f.startup_timeout_s
+        return max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self.step_times))
+
+    def collective_timeout(self) -> float:
+        """Generous until the step time is known, then a multiple of it."""
+        f = self.cfg.failure
+        if len(self.step_times) < f.warmup_steps:
+            return self.cfg.comm.timeout_s
+        tight = max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self.step_times))
+        return min(self.cfg.comm.timeout_s, tight)
+
+    def run(self, step: int, actors: dict[int, object], snapshot: bool,
+            put_blocks: dict[int, list[int]] | None) -> StepOutcome:
+        """Run ``step`` on ``actors`` (worker id -> actor of a rank). With ``snapshot`` each
+        returns its part of the step's snapshot (``put_blocks``: worker id -> blocks it writes)."""
+        started = time.perf_counter()
+        out = StepOutcome(step, started)
+        refs = {}
+        for w, actor in actors.items():
+            metrics, shard = actor.train_step.remote(step, snapshot, put_blocks[w] if snapshot else None)
+            refs[metrics] = w
+            out.shard_refs[w] = shard
+        deadline = started + self.step_timeout()
+        pending = dict(refs)
+        pings: dict = {}
+        while pending:
+            wait = deadline - time.perf_counter()
+            if wait <= 0:
+                break
+            ready, _ = ray.wait(list(pending) + list(pings), num_returns=1, timeout=wait)
+            for ref in ready:
+                if ref in pings:
+                    wid = pings.pop(ref)
+                    try:
+                        ray.get(ref)
+                        out.answered.add(wid)
+                    except Exception:  # noqa: BLE001 - a dead worker's ping; its step ref will say how it died
+                        pass
+                    continue
+                wid = pending.pop(ref)
+                try:
+                    out.results[wid] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - classified by failures.diagnose()
+                    out.errors[wid] = e
+                    if out.first_signal is None:
+                        # Ping everyone still silent now: live ranks answer in milliseconds
+                        # even while blocked in a collective; the lost ones do not.
+                        out.first_signal = time.perf_counter()
+                        deadline = min(deadline, out.first_signal + max(_ERROR_GRACE_S, self.cfg.failure.ping_timeout_s))
+                        pings = {actors[w].ping.remote(): w for w in pending.values()}
+            if out.first_signal is not None and not pings and all(w in out.answered for w in pending.values()):
+                # Every silent rank is alive: their own errors (or a peer's) arrive within
+                # moments, and one of them may be the cause, so wait a little for them.
+                deadline = min(deadline, time.perf_counter() + _ERROR_GRACE_S)
+        out.pending = list(pending.values())
+        if out.pending and out.first_signal is None:
+            out.first_signal = time.perf_counter()
+        out.inflight = pending
+        return out
+
+    def record(self, out: StepOutcome, topo: Topology, plan_index: int) -> dict:
+        """The history record of a step that completed on every rank (and count its time)."""
+        cfg, step = self.cfg, out.step
+        dt = time.perf_counter() - out.started
+        self.step_times.append(dt)
+        self.steps_since_setup += 1
+        results = list(out.results.values())
+        losses = [o["loss"] for o in results if o["loss"] is not None]
+        cursors = {o["cursor"] for o in results}
+        if len(cursors) != 1:
+            raise WorkerError(f"ranks read different data in step {step}: cursors {sorted(cursors)}")
+        sent = sum(o["comm_bytes"] for o in results)
+        return {
+            "step": step, "loss": sum(losses) / len(losses), "cursor": cursors.pop(),
+            "dp": topo.dp, "pp": topo.pp, "world_size": topo.world_size, "plan": plan_index,
+            "step_time_s": dt, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / dt,
+            "comm_time_s": max(o["comm_time_s"] for o in results),
+            "exposed_comm_s": max(o["exposed_comm_s"] for o in results),
+            # The slowest rank's own time; step_time_s minus this is what driving the step costs.
+            # (Queuing the next step on the workers to hide that cost measured slower on
+            # oversubscribed CPU nodes: Ray's task handling then competes with the step.)
+            "worker_s": max(o["compute_s"] + o["exposed_comm_s"] for o in results),
+            "comm_bytes": sent,
+            "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sent)
+                                  if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),
+            "time": time.time(),
+        }

@@ -1,0 +1,197 @@
+"""The run's worker actors as the controller holds them: starting, joining, asking, dropping.
+
+Workers are pinned to nodes the controller picks (``placement``), so the
+same code starts the first workers, replacements after a loss and new
+workers when nodes join. A worker keeps its process across re-plans; only
+its rank changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..config import TrainerConfig
+from ..errors import WorkerError
+from ..naming import NAMESPACE, spare_name
+from ..worker.actor import TrainWorker
+from .placement import free_slots
+
+log = logging.getLogger(__name__)
+
+# Steps queued on a worker at once (see worker.actor: train_step's group).
+_TRAIN_CONCURRENCY = 1
+
+
+@dataclass
+class WorkerHandle:
+    """One worker actor: its id for the run, where it runs, and the rank it holds (None: a spare)."""
+
+    wid: int
+    actor: object
+    node: str
+    pid: int
+    ip: str
+    rank: int | None = None
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _sigkill(pid: int) -> None:
+    import os
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def ask_all(refs: dict, timeout: float) -> dict:
+    """Wait up to ``timeout`` for every ref of ``{key: ref}``; ``{key: value}``, where a
+    failed call's value is its exception and an unanswered one's a ``TimeoutError``."""
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    ready = set(ready)
+    out = {}
+    for key, ref in refs.items():
+        if ref not in ready:
+            out[key] = TimeoutError(f"no answer in {timeout:g}s")
+            continue
+        try:
+            out[key] = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - the caller decides what a failed answer means
+            out[key] = e
+    return out
+
+
+def failed(value) -> bool:
+    """Whether an answer of :func:`ask_all` is a failure."""
+    return isinstance(value, BaseException)
+
+
+class WorkerPool:
+    """The run's live workers (``workers``: id -> handle) and those still starting (``joining``)."""
+
+    def __init__(self, cfg: TrainerConfig, run_name: str):
+        self.cfg = cfg
+        self.run_name = run_name
+        self.workers: dict[int, WorkerHandle] = {}
+        self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
+        self._next_wid = 0
+        # Groups: "train" runs steps one at a time; "control" (ping, queries) never waits
+        # behind the default pool, where a set-up may sit in a rendezvous for a while.
+        self._actor_cls = ray.remote(
+            max_concurrency=16, concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4})(TrainWorker)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __getitem__(self, wid: int) -> WorkerHandle:
+        return self.workers[wid]
+
+    def __contains__(self, wid: int) -> bool:
+        return wid in self.workers
+
+    def nodes(self) -> set[str]:
+        """Nodes with a live worker of ours. Ray's own view of a node lags its death by
+        seconds, and reading an object from a dead node blocks, so this is what counts as alive."""
+        return {w.node for w in self.workers.values()}
+
+    def spawn(self, nodes: list[str], names: list[str] | None = None) -> None:
+        """Start a worker on each node given (without waiting for it)."""
+        res = dict(self.cfg.scaling.resources_per_worker)
+        for i, node in enumerate(nodes):
+            wid = self._next_wid
+            self._next_wid += 1
+            opts = dict(
+                name=names[i] if names else spare_name(self.run_name, wid), namespace=NAMESPACE,
+                num_cpus=res.get("CPU", 0), num_gpus=res.get("GPU", 0),
+                resources={k: v for k, v in res.items() if k not in ("CPU", "GPU", "memory")} or None,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
+            if "memory" in res:
+                opts["memory"] = res["memory"]
+            actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads)
+            self.joining[wid] = (actor, actor.info.remote(), node)
+
+    def spawn_on_free_nodes(self) -> None:
+        """Start workers where the cluster has room, up to the run's ``max_workers``."""
+        want = self.cfg.max_workers - len(self.workers) - len(self.joining)
+        if want <= 0:
+            return
+        occupied = collections.Counter(w.node for w in self.workers.values())
+        occupied.update(node for _, _, node in self.joining.values())
+        free = free_slots(self.cfg.scaling, occupied)
+        nodes = [n for n in sorted(free) for _ in range(free[n])][:want]
+        if nodes:
+            log.info("[%s] starting %d worker(s) on free nodes", self.run_name, len(nodes))
+            self.spawn(nodes)
+
+    def await_joining(self, timeout: float, required: bool) -> None:
+        """Move joined workers into ``workers``; with ``required``, wait for all or fail."""
+        if not self.joining:
+            return
+        refs = {info: wid for wid, (_, info, _) in self.joining.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout if required else 0)
+        for ref in ready:
+            wid = refs[ref]
+            actor, _, node = self.joining.pop(wid)
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                if required:
+                    raise WorkerError(f"worker {wid} failed to start on node {node}: {e}") from None
+                log.warning("[%s] worker %d failed to start on node %s: %s", self.run_name, wid, node, e)
+                continue
+            self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"])
+            log.info("[%s] worker %d joined on node %s (pid %d)", self.run_name, wid, info["node_id"][:12],
+                     info["pid"])
+        if required and self.joining:
+            raise WorkerError(f"{len(self.joining)} workers did not start within {timeout:g}s")
+
+    def table(self) -> list[dict]:
+        return [{"worker_id": w.wid, "rank": w.rank, "node_id": w.node, "pid": w.pid, "ip": w.ip}
+                for w in self.workers.values()]
+
+    def ask(self, method: str, wids, timeout: float, *args) -> dict:
+        """``{wid: answer}`` of ``method(*args)`` on each live worker of ``wids`` (see :func:`ask_all`)."""
+        return ask_all({w: getattr(self.workers[w].actor, method).remote(*args)
+                        for w in wids if w in self.workers}, timeout)
+
+    def dead_among(self, wids) -> list[int]:
+        """Those of ``wids`` that do not answer a ping within ``failure.ping_timeout_s``."""
+        answers = self.ask("ping", wids, self.cfg.failure.ping_timeout_s)
+        return [w for w, a in answers.items() if failed(a)]
+
+    def kill_hung(self, wids) -> None:
+        """SIGKILL hung workers from their own nodes: a hung process does not answer Ray's
+        polite kill for seconds, and its sockets must close so ranks blocked on it fail now."""
+        for wid in wids:
+            w = self.workers.get(wid)
+            if w is not None:
+                _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(w.node, soft=False)).remote(w.pid)
+
+    def drop(self, wids) -> None:
+        for wid in wids:
+            w = self.workers.pop(wid, None)
+            if w is not None:
+                log.info("[%s] dropping worker %d (rank %s, node %s)", self.run_name, wid, w.rank, w.node[:12])
+                _kill(w.actor)
+
+    def teardown(self) -> None:
+        for w in self.workers.values():
+            _kill(w.actor)
+        for actor, _, _ in self.joining.values():
+            _kill(actor)
+        self.workers, self.joining = {}, {}
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

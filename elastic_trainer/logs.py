@@ -1,0 +1,33 @@
+"""Logging of the controller and worker actors.
+
+Both log through the standard ``logging`` module under the ``elastic_trainer``
+logger, every record prefixed with the run's name (``[run] ...``). Ray writes
+an actor's stderr to its log file, which the dashboard shows, and forwards it
+to the driver, so a handler on stderr is all an actor needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_actor_logging() -> None:
+    """Give the ``elastic_trainer`` logger a stderr handler in this process, once.
+
+    ``ELASTIC_TRAINER_LOG_LEVEL`` sets the level (default INFO). A process whose
+    logger already has a handler (a user's own set-up) is left as it is.
+    """
+    logger = logging.getLogger("elastic_trainer")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    logger.addHandler(handler)
+    level = os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO").upper()
+    logger.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+    # The driver's root handlers (if any) must not print every actor record twice.
+    logger.propagate = False

@@ -1,0 +1,45 @@
+"""What a worker holds for snapshots and restores: its own local copies, and pinned copies of other ranks' parts.
+
+The worker's side of the controller's snapshot bookkeeping
+(``controller.snapshots``): local copies are the live tier of a restore, and
+as many are kept as the controller keeps committed snapshots
+(``checkpoint.snapshots_kept``); a pinned copy is let go once the controller
+no longer keeps its step (it says which with each pin request). Thread-safe:
+the training thread adds copies while control calls read them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class HeldCopies:
+    def __init__(self):
+        self.keep = 0                          # local copies kept; set from the plan's config at set-up
+        self.local: dict[int, dict] = {}       # step -> this rank's state after that step
+        self.pins: dict[tuple, object] = {}    # (step, rank) -> another rank's snapshot part
+        self._lock = threading.Lock()
+
+    def add_local(self, step: int, shard: dict) -> None:
+        """Keep ``shard`` as the local copy of ``step``, letting the oldest beyond ``keep`` go."""
+        with self._lock:
+            self.local[step] = shard
+            for old in sorted(self.local)[:-self.keep] if self.keep else ():
+                del self.local[old]
+
+    def local_copy(self, step: int) -> dict:
+        with self._lock:
+            return self.local[step]
+
+    def local_blocks(self) -> dict[int, list[int]]:
+        """Steps held locally, with the blocks each covers."""
+        with self._lock:
+            return {s: sh["blocks"] for s, sh in self.local.items()}
+
+    def pin(self, key: tuple, value, keep_from: int) -> int:
+        """Hold ``value`` under ``key`` = (step, rank); let pins of steps before ``keep_from`` go."""
+        with self._lock:
+            self.pins[key] = value
+            for k in [k for k in self.pins if k[0] < keep_from]:
+                del self.pins[k]
+            return len(self.pins)
