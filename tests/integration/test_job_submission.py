@@ -4,6 +4,7 @@ and its metrics reach the head's Prometheus export port."""
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,11 @@ def ray_head(tmp_path):
     ports = {"gcs": free_port("127.0.0.1"), "dashboard": free_port("127.0.0.1"), "metrics": free_port("127.0.0.1")}
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            # Export every second, so the metrics show up while a short job runs.
-           "RAY_metrics_report_interval_ms": "1000"}
+           "RAY_metrics_report_interval_ms": "1000",
+           # A token of the test's own for the head and every client: `ray start` turns token
+           # authentication on only where ~/.ray/auth_token already exists, which a fresh machine lacks.
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
     env.pop("RAY_ADDRESS", None)
     # Short: Ray's socket paths under it must stay within the 107-byte limit of AF_UNIX.
     temp_dir = tempfile.mkdtemp(prefix="etjob-", dir="/tmp")
@@ -80,8 +85,6 @@ def _scrape_step(port: int) -> float | None:
 
 def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
     ray_bin, ports, env = ray_head
-    # Ray's local heads take job submissions with the token `ray start` left in ~/.ray.
-    env = {**env, "RAY_AUTH_MODE": "token"}
     entrypoint = (f"{sys.executable} -m elastic_trainer run {ROOT / 'jobs' / 'demo.yaml'} "
                   "--set train.steps=80 --set run.log_every=10 --set run.name=jobtest "
                   f"--set scaling.workers_per_node=4 --set run.report_dir={tmp_path}")
