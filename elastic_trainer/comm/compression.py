@@ -20,92 +20,15 @@ decoded averages tracks the running sum of the true ones.
 from __future__ import annotations
 
 import math
-import time
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .algorithms import ring_allreduce_bytes
-from .stats import CommStats
+from .codec import Codec, Shapes, timed
+from .powersgd import PowerSGDCodec
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
-Shapes = Sequence[tuple[int, Sequence[int]]]
-
-
-def _size(group) -> int:
-    return dist.get_world_size(dist.group.WORLD if group is None else group)
-
-
-def _timed(stats: CommStats | None, op: str, nbytes: int, fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    if stats is not None:
-        stats.add(op, nbytes, time.perf_counter() - t0)
-    return out
-
-
-class Codec(ABC):
-    """Base: per-bucket state as ``{"<kind>.<bucket>": tensor}``; subclasses define ``_average``."""
-
-    name = ""
-    options: tuple[str, ...] = ()
-    state_kinds: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        self._state: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in self.state_kinds}
-
-    def average(self, flat: torch.Tensor, group=None, stats: CommStats | None = None, *, bucket: int = 0,
-                shapes: Shapes | None = None, step: int | None = None) -> None:
-        """Replace ``flat`` (a 1-D fp32 bucket of this rank's gradients) with the decoded average over ``group``.
-
-        ``bucket`` keys the per-bucket state; ``shapes`` lists ``(offset, shape)``
-        of the parameters packed in ``flat`` (PowerSGD needs it, the others ignore it).
-        ``step`` is the training step, which every rank agrees on; PowerSGD
-        uses it (else its own per-bucket count) to decide when to compress,
-        and ranks that disagree there would run different collectives.
-        """
-        if flat.dim() != 1 or flat.dtype != torch.float32:
-            raise ValueError(f"{self.name} codec averages a 1-D float32 bucket; got a {flat.dim()}-D "
-                             f"{flat.dtype} tensor of shape {tuple(flat.shape)}")
-        p = _size(group)
-        residual = self._state.get("residual", {}).get(bucket)
-        if residual is not None and residual.numel() != flat.numel():
-            raise ValueError(f"{self.name} codec state for bucket {bucket} holds {residual.numel()} elements but "
-                             f"the bucket has {flat.numel()}: restore state saved with the same bucket layout, "
-                             "or start from a fresh codec")
-        if p == 1:
-            # Alone, the average is exact: pay back anything still owed and stop.
-            if residual is not None:
-                flat.add_(residual)
-                residual.zero_()
-            return
-        self._average(flat, group, stats, p, bucket, shapes, step)
-
-    @abstractmethod
-    def _average(self, flat, group, stats, p, bucket, shapes, step) -> None:
-        """Average over ``p > 1`` ranks in place, counting into ``stats``."""
-
-    @abstractmethod
-    def expected_bytes(self, numel: int, p: int, shapes: Shapes | None = None) -> int:
-        """Bytes one rank sends when this codec averages a bucket of ``numel`` elements over ``p`` ranks."""
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the per-bucket state, keyed ``"<kind>.<bucket>"`` (empty for stateless codecs)."""
-        return {f"{kind}.{b}": t.detach().clone() for kind, per in self._state.items() for b, t in per.items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace all state with ``state`` as returned by :meth:`state_dict` of the same codec."""
-        fresh: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in self.state_kinds}
-        for key, value in state.items():
-            kind, _, bucket = key.rpartition(".")
-            if kind not in fresh or not bucket.isdigit() or not isinstance(value, torch.Tensor):
-                valid = ", ".join(f"'{k}.<bucket>'" for k in self.state_kinds) or "none"
-                raise ValueError(f"{self.name} codec got state key {key!r} ({type(value).__name__}); "
-                                 f"valid keys: {valid}")
-            fresh[kind][int(bucket)] = value.detach().clone()
-        self._state = fresh
 
 
 class AllReduceCodec(Codec):
@@ -121,7 +44,7 @@ class AllReduceCodec(Codec):
 
     def _average(self, flat, group, stats, p, bucket, shapes, step):
         low = flat if self.dtype == torch.float32 else flat.div(p).to(self.dtype)
-        _timed(stats, "all_reduce", self.expected_bytes(flat.numel(), p), dist.all_reduce, low, group=group)
+        timed(stats, "all_reduce", self.expected_bytes(flat.numel(), p), dist.all_reduce, low, group=group)
         if low is flat:
             flat.div_(p)
         else:
@@ -207,7 +130,7 @@ class Int8Codec(Codec):
         for r, lo, hi in rows:
             residual[lo:hi].copy_(v[r, :hi - lo])
         recv = torch.empty(p, width, dtype=torch.uint8)
-        _timed(stats, "all_to_all", (p - 1) * width, dist.all_to_all_single, recv, _pack(q, scales, part),
+        timed(stats, "all_to_all", (p - 1) * width, dist.all_to_all_single, recv, _pack(q, scales, part),
                group=group)
         # This rank now holds every rank's copy of its own part.
         avg = _dequantize(recv, part, chunk).sum(dim=0, keepdim=True).div_(p)
@@ -219,7 +142,7 @@ class Int8Codec(Codec):
             residual[lo:hi].add_(avg[0, :hi - lo], alpha=p)
         mine = _pack(q2, scales2, part).view(-1)
         gathered = [torch.empty_like(mine) for _ in range(p)]
-        _timed(stats, "all_gather", (p - 1) * width, dist.all_gather, gathered, mine, group=group)
+        timed(stats, "all_gather", (p - 1) * width, dist.all_gather, gathered, mine, group=group)
         out = _dequantize(torch.stack(gathered), part, chunk)
         for r, lo, hi in rows:
             flat[lo:hi].copy_(out[r, :hi - lo])
@@ -286,7 +209,7 @@ class TopKCodec(Codec):
         # Indices first: the 4-byte ones stay aligned whatever k and the value width are.
         message = torch.cat([idx.to(torch.int32).view(torch.uint8), sent.view(torch.uint8)])
         gathered = [torch.empty_like(message) for _ in range(p)]
-        _timed(stats, "all_gather", (p - 1) * message.numel(), dist.all_gather, gathered, message, group=group)
+        timed(stats, "all_gather", (p - 1) * message.numel(), dist.all_gather, gathered, message, group=group)
         flat.zero_()
         for m in gathered:
             flat.index_add_(0, m[:4 * k].view(torch.int32).long(), m[4 * k:].view(self.value_dtype).float())
@@ -298,118 +221,6 @@ class TopKCodec(Codec):
     def expected_bytes(self, numel, p, shapes=None, step=None):
         """Bytes one rank sends; in ``step`` if given (the warm-up sends more), else steady state."""
         return (p - 1) * self._message_bytes(numel, step) if p > 1 else 0
-
-
-def _orthogonalize(m: torch.Tensor) -> None:
-    """Orthonormal columns in place (Householder QR: a zero column stays finite, unlike Gram-Schmidt)."""
-    m.copy_(torch.linalg.qr(m).Q)
-
-
-class PowerSGDCodec(Codec):
-    """Rank-``rank`` PowerSGD (Vogels et al. 2019), after torch's ``powerSGD_hook``.
-
-    Each 2-D+ parameter (viewed as ``shape[0] x rest``) worth compressing
-    (``(n + m) * r * min_compression_rate < n * m``) is sent as ``P = M Q``
-    then ``Q = M^T P``; everything else (biases, norms) is all-reduced in fp32
-    in the same message as ``P``, one collective fewer than torch's hook.
-    Steps before ``start_step`` (counted per bucket) are a plain all-reduce.
-    With ``warm_start`` the averaged ``Q`` seeds the next step's power iteration.
-
-    Error feedback keeps ``input - decoded`` on the compressed entries only;
-    torch also keeps ``x_r - mean(x)`` on the uncompressed ones, which
-    averages to zero and only lets each rank's copy drift.
-    """
-
-    name = "powersgd"
-    options = ("rank", "start_step", "min_compression_rate", "warm_start", "error_feedback", "seed")
-    state_kinds = ("residual", "q", "step")
-
-    def __init__(self, rank: int = 4, start_step: int = 0, min_compression_rate: float = 2.0,
-                 warm_start: bool = True, error_feedback: bool = True, seed: int = 0):
-        if rank < 1 or start_step < 0:
-            raise ValueError(f"powersgd needs rank >= 1 and start_step >= 0; got rank={rank}, start_step={start_step}")
-        super().__init__()
-        self.rank, self.start_step, self.min_compression_rate = rank, start_step, min_compression_rate
-        self.warm_start, self.error_feedback, self.seed = warm_start, error_feedback, seed
-
-    def _plan(self, numel: int, shapes: Shapes | None) -> tuple[list[tuple[int, int, int, int]], torch.Tensor]:
-        """([(offset, n, m, r)] of the matrices to compress, indices of every other element)."""
-        if shapes is None:
-            raise ValueError("powersgd needs the bucket's parameter shapes: pass shapes=[(offset, shape), ...]")
-        matrices, end = [], 0
-        keep = torch.ones(numel, dtype=torch.bool)
-        for offset, shape in sorted((int(o), tuple(int(d) for d in s)) for o, s in shapes):
-            size = math.prod(shape)
-            if offset < end or offset + size > numel:
-                raise ValueError(f"parameter at offset {offset} with shape {shape} overlaps another or runs "
-                                 f"past the bucket's {numel} elements")
-            end = offset + size
-            n, m = (shape[0], size // shape[0]) if len(shape) >= 2 else (size, 1)
-            r = min(n, m, self.rank)
-            if len(shape) >= 2 and (n + m) * r * self.min_compression_rate < n * m:
-                matrices.append((offset, n, m, r))
-                keep[offset:end] = False
-        return matrices, keep.nonzero().view(-1)
-
-    def _average(self, flat, group, stats, p, bucket, shapes, step):
-        matrices, rest = self._plan(flat.numel(), shapes)
-        count = int(self._state["step"].get(bucket, torch.tensor(0)))
-        self._state["step"][bucket] = torch.tensor(count + 1)
-        step = count if step is None else step
-        if step < self.start_step:
-            _timed(stats, "all_reduce", ring_allreduce_bytes(flat.numel() * 4, p), dist.all_reduce, flat, group=group)
-            flat.div_(p)
-            return
-        if self.error_feedback and bucket in self._state["residual"]:
-            flat.add_(self._state["residual"][bucket])
-        x = flat.clone() if self.error_feedback else None
-        n_p, n_q = sum(n * r for _, n, _, r in matrices), sum(m * r for _, _, m, r in matrices)
-        q_all = self._state["q"].get(bucket)
-        if not (self.warm_start and q_all is not None and q_all.numel() == n_q):
-            # Every rank draws the same Q: the seed depends only on what all ranks agree on.
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + bucket * 7919 + step)
-            q_all = torch.randn(n_q, generator=gen)
-        # The uncompressed elements ride in the same all-reduce as P.
-        first = torch.empty(rest.numel() + n_p)
-        first[:rest.numel()] = flat[rest]
-        ms, ps, qs, at, qat = [], [], [], rest.numel(), 0
-        for offset, n, m, r in matrices:
-            ms.append(flat[offset:offset + n * m].view(n, m))
-            ps.append(first[at:at + n * r].view(n, r))
-            qs.append(q_all[qat:qat + m * r].view(m, r))
-            at, qat = at + n * r, qat + m * r
-        for mat, pm, qm in zip(ms, ps, qs):
-            _orthogonalize(qm)
-            torch.matmul(mat, qm, out=pm)
-        if first.numel():
-            _timed(stats, "all_reduce", ring_allreduce_bytes(first.numel() * 4, p), dist.all_reduce, first,
-                   group=group)
-        flat[rest] = first[:rest.numel()] / p
-        if matrices:
-            for mat, pm, qm in zip(ms, ps, qs):
-                # P is a sum, not an average: orthogonalizing removes the scale anyway.
-                _orthogonalize(pm)
-                torch.matmul(mat.T, pm, out=qm)
-            _timed(stats, "all_reduce", ring_allreduce_bytes(n_q * 4, p), dist.all_reduce, q_all, group=group)
-            q_all.div_(p)
-            for mat, pm, qm in zip(ms, ps, qs):
-                torch.matmul(pm, qm.T, out=mat)
-        if self.warm_start:
-            self._state["q"][bucket] = q_all
-        if x is not None:
-            residual = x.sub_(flat)
-            residual[rest] = 0
-            self._state["residual"][bucket] = residual
-
-    def expected_bytes(self, numel, p, shapes=None, step=None):
-        """Bytes per rank; ``step`` is the bucket's step at the call (``None``: one past ``start_step``)."""
-        if p == 1:
-            return 0
-        if step is not None and step < self.start_step:
-            return ring_allreduce_bytes(numel * 4, p)
-        matrices, rest = self._plan(numel, shapes)
-        n_p, n_q = sum(n * r for _, n, _, r in matrices), sum(m * r for _, _, m, r in matrices)
-        return ring_allreduce_bytes((rest.numel() + n_p) * 4, p) + ring_allreduce_bytes(n_q * 4, p)
 
 
 _FACTORIES = {
