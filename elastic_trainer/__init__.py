@@ -1,11 +1,11 @@
 """elastic_trainer: hybrid data + pipeline parallel training on Ray that keeps going when nodes die."""
 
 from .config import TrainerConfig
-from .errors import ConfigError, DataError, ElasticTrainerError, ModelError, PlacementError, WorkerError
+from .errors import ConfigError, DataError, ElasticTrainerError, ModelError, PlacementError, RunError, WorkerError
 
 __all__ = [
     "Trainer", "TrainerConfig", "Result",
-    "ElasticTrainerError", "ConfigError", "DataError", "ModelError", "PlacementError", "WorkerError",
+    "ElasticTrainerError", "ConfigError", "DataError", "ModelError", "PlacementError", "RunError", "WorkerError",
 ]
 
 

@@ -23,3 +23,7 @@ class PlacementError(ElasticTrainerError):
 
 class WorkerError(ElasticTrainerError):
     """A worker failed during set-up or a training step."""
+
+
+class RunError(ElasticTrainerError):
+    """The run stopped: too many failures, too few workers for too long, or no copy of the state left."""

@@ -25,7 +25,7 @@ import ray
 
 from ..checkpoint.durable import DurableStore
 from ..config import TrainerConfig
-from ..errors import ElasticTrainerError, WorkerError
+from ..errors import ElasticTrainerError, RunError, WorkerError
 from ..logs import configure_actor_logging
 from ..metrics import RunMetrics
 from ..models.factory import block_param_counts
@@ -34,7 +34,7 @@ from ..planning.plan import Plan, make_plan
 from .durable_writer import DurableWriter
 from .placement import assign_ranks, find_nodes
 from .ps_group import ParameterServers
-from .recovery import Recovery, RunError
+from .recovery import Recovery
 from .run_state import RunState, RunStateMachine
 from .snapshots import SnapshotStore, is_snapshot_step
 from .stepping import StepDriver, StepOutcome

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from ..checkpoint.durable import CheckpointError
-from ..errors import ElasticTrainerError, WorkerError
+from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan
 from .failures import Diagnosis, diagnose
@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 # Queries to workers that just answered a ping (which steps they hold): a slow
 # answer means a busy worker, not a lost one.
 _QUERY_TIMEOUT_S = 10.0
-
-
-class RunError(ElasticTrainerError):
-    """The run stopped: too many failures, or too few workers for too long."""
 
 
 class Recovery:
