@@ -88,6 +88,13 @@ class TrainSection(_Strict):
     eps: float | None = Field(None, gt=0)
     seed: int = 0
     grad_clip: float | None = Field(None, gt=0)
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fp32; bf16: forward (and the loss) under autocast to bfloat16, with fp32 "
+                            "parameters, gradients and AdamW moments.")
+    activation_checkpointing: Literal["none", "blocks"] = Field(
+        "none", description="blocks: keep only each block's input in forward and recompute the block in "
+                            "backward (torch's non-reentrant checkpoint): less activation memory, one more "
+                            "forward per block.")
 
 
 class ParallelSection(_Strict):
@@ -127,7 +134,7 @@ class ScalingSection(_Strict):
     torch_threads: int | None = Field(1, ge=1, description="torch.set_num_threads in CPU workers; None leaves torch's default.")
     min_workers: int = Field(1, ge=1, description="Below this many live workers the run waits for nodes, then stops.")
     max_workers: int | None = Field(None, ge=1, description="Grow up to this many workers when nodes join; default: dp * pp.")
-    worker_memory_gb: float | None = Field(None, gt=0, description="Memory a worker may use; default: measured.")
+    worker_memory_gb: float | None = Field(None, gt=0, description="Memory a worker may use; plans that do not fit are not chosen. Default: no bound.")
     grow_check_s: float = Field(5.0, gt=0, description="How often to look for new nodes at step boundaries.")
 
     @property

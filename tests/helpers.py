@@ -16,8 +16,13 @@ def not_a_pair():
     return [nn.Linear(2, 2)]
 
 
-def reference_run(cfg, steps: int):
-    """Plain single-process torch on the same blocks, data and seed: (per-step losses, final state)."""
+def reference_run(cfg, steps: int, micro_batches: int = 1):
+    """Plain single-process torch on the same blocks, data and seed: (per-step losses, final state).
+
+    ``cfg.train.precision`` bf16 runs forward and loss under autocast, as torch's guide has it.
+    ``micro_batches``: accumulate gradients over that many equal chunks of the global batch
+    (with bf16, the same matrix shapes as the workers' micro-batches round the same way).
+    """
     import torch
     from torch import nn
 
@@ -36,8 +41,13 @@ def reference_run(cfg, steps: int):
     for step in range(steps):
         x, y = data.sample(sampler.rows(step * gb, gb))
         opt.zero_grad()
-        loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
+        total = 0.0
+        for xm, ym in zip(torch.from_numpy(x).chunk(micro_batches), torch.from_numpy(y).chunk(micro_batches)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
+                loss = loss_fn(model(xm), ym)
+            (loss / micro_batches).backward()
+            total += loss.item() / micro_batches
+        loss = torch.tensor(total)
         if cfg.train.grad_clip:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()

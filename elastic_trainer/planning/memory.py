@@ -22,6 +22,13 @@ schedule's doing, read off torch.distributed.pipelining:
   backward (``ScheduleInterleaved1F1B``). :func:`_interleaved_peak` walks
   that order, because the virtual stages differ in size, and takes the
   largest sum of live chunks.
+
+With activation checkpointing (``train.activation_checkpointing: blocks``)
+a block keeps only its input between forward and backward; its own saved
+tensors exist again only while its backward recomputes it, one block at a
+time, so the peak adds the largest block's saved tensors once. Activations
+are sized in fp32 (the meta forward runs without autocast), an upper bound
+for ``precision: bf16``.
 """
 
 from __future__ import annotations
@@ -46,35 +53,44 @@ def in_flight(schedule: str, m: int, pp: int, stage: int) -> int:
     return min(m, pp - stage)
 
 
-def stage_activation_bytes(layout: Layout, shape: ModelShape, stage: int) -> int:
+def stage_activation_bytes(layout: Layout, shape: ModelShape, stage: int, checkpointing: bool = False) -> int:
     """Activation bytes one micro-batch leaves on pipeline stage ``stage`` until its backward (0 when unknown)."""
     if shape.saved_bytes is None:
         return 0
     a, b = layout.stage_bounds[stage]
-    saved = sum(shape.saved_bytes[a:b])
+    if checkpointing:
+        # Each block keeps its input (block 0's, the token ids, is left out: a few bytes a token).
+        saved = sum(shape.out_bytes[i - 1] for i in range(max(a, 1), b))
+    else:
+        saved = sum(shape.saved_bytes[a:b])
     # A pipeline stage also keeps its output for the backward that the next stage's gradient starts.
     return saved + (shape.out_bytes[b - 1] if layout.pp > 1 else 0)
 
 
-def rank_memory(layout: Layout, shape: ModelShape, schedule: str) -> list[tuple[int, int]]:
+def rank_memory(layout: Layout, shape: ModelShape, schedule: str,
+                checkpointing: bool = False) -> list[tuple[int, int]]:
     """``(state bytes, peak activation bytes)`` of each PP rank of ``layout``."""
     counts = shape.param_counts
     out = []
     for r in range(layout.pp):
         stages = layout.stages_of(r)
-        state = sum(counts[b] for b in layout.blocks_of(r)) * BYTES_PER_PARAM
-        acts = [stage_activation_bytes(layout, shape, s) for s in stages]
+        blocks = layout.blocks_of(r)
+        state = sum(counts[b] for b in blocks) * BYTES_PER_PARAM
+        acts = [stage_activation_bytes(layout, shape, s, checkpointing) for s in stages]
         if len(stages) > 1:
             peak = _interleaved_peak(acts, layout.micro_batches, layout.pp, r)
         else:
             peak = acts[0] * in_flight(schedule, layout.micro_batches, layout.pp, r)
+        if checkpointing and shape.saved_bytes is not None:
+            peak += max(shape.saved_bytes[b] for b in blocks)  # the block being recomputed
         out.append((state, peak))
     return out
 
 
-def worker_memory(layout: Layout, shape: ModelShape, schedule: str) -> tuple[int, int]:
+def worker_memory(layout: Layout, shape: ModelShape, schedule: str,
+                  checkpointing: bool = False) -> tuple[int, int]:
     """``(total bytes, activation bytes)`` of the rank of ``layout`` that needs the most memory."""
-    state, act = max(rank_memory(layout, shape, schedule), key=sum)
+    state, act = max(rank_memory(layout, shape, schedule, checkpointing), key=sum)
     return state + act, act
 
 

@@ -11,7 +11,8 @@ that rank's:
 - compute: ``6 * params * tokens_per_replica / flops_per_s`` (forward +
   backward, the usual 2 + 4 FLOPs per parameter and token) plus
   ``micro_batches * blocks * block_overhead_s`` (what a block costs besides
-  its FLOPs, which sets the pace of small models), stretched by
+  its FLOPs, which sets the pace of small models), times 4/3 with
+  activation checkpointing (the recomputed forward), stretched by
   the pipeline bubble ``(m + pp - 1) / m`` (``(m + (pp - 1) / v) / m``
   interleaved), plus the optimizer step at a measured cost per parameter;
 - DP gradient sync, per bucket, as :func:`sync_cost.dp_sync_cost` prices
@@ -148,7 +149,8 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
     layouts = feasible_layouts(cfg, counts, workers)
     if not layouts:
         raise NothingFits(no_layout_message(cfg, workers))
-    sized = [(lay, *worker_memory(lay, shape, cfg.parallel.schedule)) for lay in layouts]
+    checkpointing = cfg.train.activation_checkpointing == "blocks"
+    sized = [(lay, *worker_memory(lay, shape, cfg.parallel.schedule, checkpointing)) for lay in layouts]
     if worker_memory_bytes is not None:
         fitting = [s for s in sized if s[1] <= worker_memory_bytes]
         if not fitting:
@@ -186,6 +188,8 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         slowdown = rate / per_worker
         rank_blocks = max(len(lay.blocks_of(r)) for r in range(pp))
         fwd_bwd = 6 * rank_params * tokens / per_worker + m * rank_blocks * block_cost * slowdown
+        if checkpointing:
+            fwd_bwd *= 4 / 3  # backward recomputes each block's forward: 2 more FLOPs of every 6
         bubble = _bubble(par.schedule, m, pp, virtual)
         optimizer = rank_params * opt_cost * slowdown
         compute_s = fwd_bwd * bubble + optimizer + overhead

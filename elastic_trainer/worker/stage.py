@@ -28,6 +28,7 @@ from ..data.sampler import GlobalSampler
 from ..models.factory import build_blocks
 from ..parallel.partition import stage_indices_for_rank
 from ..parallel.topology import Topology
+from .block_forward import AUTOCAST_DTYPES, autocast_call, wrap_block
 from .process_group import Groups
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -78,7 +79,12 @@ class StageTrainer:
 
         # Every rank builds the whole model from the run's seed and keeps its
         # blocks, so initial weights match a single-process run exactly.
-        blocks, self.loss_fn = build_blocks(cfg.model, cfg.train.seed)
+        blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+        train = cfg.train
+        for a, b in self.stage_bounds.values():
+            for block in blocks[a:b]:
+                wrap_block(block, train.precision, train.activation_checkpointing)
+        self.loss_fn = autocast_call(loss_fn, AUTOCAST_DTYPES[train.precision])
         self.modules = {
             s: nn.Sequential(*blocks[a:b]).to(device) for s, (a, b) in self.stage_bounds.items()
         }

@@ -93,3 +93,20 @@ def test_a_memory_bound_drops_layouts_and_names_what_would_fit():
         predict_candidates(cfg, 4, worker_memory_bytes=1)
     with pytest.raises(ConfigError, match="worker_memory_bytes must be > 0 or None; got 0"):
         predict_candidates(cfg, 4, worker_memory_bytes=0)
+
+
+def test_activation_checkpointing_trades_activation_memory_for_a_recomputed_forward():
+    cfg = small()
+    ckpt = cfg.model_copy(update={"train": cfg.train.model_copy(update={"activation_checkpointing": "blocks"})})
+    plain_rows = {(r["dp"], r["pp"]): r for r in predict_candidates(cfg, 2, only_configured=True)}
+    ckpt_rows = {(r["dp"], r["pp"]): r for r in predict_candidates(ckpt, 2, only_configured=True)}
+    shape = model_shape(cfg)
+    for key, plain in plain_rows.items():
+        got = ckpt_rows[key]
+        assert got["activation_bytes"] < plain["activation_bytes"]
+        assert got["memory_bytes"] < plain["memory_bytes"]
+        assert got["compute_s"] > plain["compute_s"]
+    # One worker, no pipeline: the inputs of blocks 1.. kept, plus the largest block's saved tensors once.
+    one = ckpt_rows[(1, 1)]
+    assert one["activation_bytes"] == sum(shape.out_bytes[:-1]) + max(shape.saved_bytes)
+    assert one["memory_bytes"] - one["activation_bytes"] == plain_rows[(1, 1)]["memory_bytes"] - plain_rows[(1, 1)]["activation_bytes"]
