@@ -197,8 +197,8 @@ class CheckpointSection(_Strict):
     memory_every: int = Field(1, ge=1, description="Snapshot into the object store every N steps.")
     replicas: int = Field(2, ge=1, description="Copies of each snapshot shard, on distinct nodes, pinned.")
     snapshots_kept: int = Field(
-        2, ge=1, description="Committed snapshots kept in memory (object store, pinned copies and each "
-                             "worker's local copies alike); older ones are let go.")
+        2, ge=1, description="Committed snapshots kept in the object store (with their pinned copies); each "
+                             "worker keeps as many local copies, the newest. Older ones are let go.")
     durable_every: int | None = Field(None, ge=1, description="Write a durable checkpoint every N steps (and at the end).")
     storage: str | None = Field(None, description="Directory or pyarrow filesystem URI for durable checkpoints.")
     keep_durable: int = Field(3, ge=1, description="Durable checkpoints kept; older ones are deleted.")

@@ -28,6 +28,6 @@ def configure_actor_logging() -> None:
     handler.setFormatter(logging.Formatter(_FORMAT))
     logger.addHandler(handler)
     level = os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO").upper()
-    logger.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+    logger.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
     # The driver's root handlers (if any) must not print every actor record twice.
     logger.propagate = False

@@ -17,6 +17,7 @@ from .controller.controller import Controller
 from .data.dataset import TokenDataset, ensure_prepared
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
+from .planning.constants import run_constants
 from .progress import ProgressPrinter
 
 
@@ -102,7 +103,12 @@ class Trainer:
             data = data.model_copy(update={"path": os.path.abspath(os.path.expanduser(data.path))})
         ensure_prepared(data)
         TokenDataset.open(data)
-        return cfg.model_copy(update={"data": data})
+        comm = cfg.comm
+        if comm.constants is not None:
+            # Read by the controller (on this node, in another directory) when it re-plans.
+            comm = comm.model_copy(update={"constants": os.path.abspath(os.path.expanduser(comm.constants))})
+            run_constants(cfg.model_copy(update={"comm": comm}))
+        return cfg.model_copy(update={"data": data, "comm": comm})
 
     def _connect(self, cfg: TrainerConfig) -> bool:
         if ray.is_initialized():

@@ -30,6 +30,7 @@ from ..logs import configure_actor_logging
 from ..metrics import RunMetrics
 from ..models.factory import block_param_counts
 from ..naming import worker_name
+from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
 from .durable_writer import DurableWriter
 from .placement import assign_ranks, find_nodes
@@ -102,8 +103,7 @@ class Controller:
                     "step_time_s": statistics.median(r["step_time_s"] for r in recent) if recent else None,
                     "plan": self.plan.describe() if self.plan else None,
                     "setting_up": self.setting_up,
-                    "workers": [{"worker_id": w.wid, "rank": w.rank, "node_id": w.node, "pid": w.pid}
-                                for w in self.pool.workers.values()],
+                    "workers": self.pool.table(),
                     "failures": [e for e in self.events if e["kind"] == "failure"][-5:],
                     "recoveries": sum(1 for e in self.events if e["kind"] == "recovery")}
 
@@ -142,6 +142,9 @@ class Controller:
                  self.cfg.parallel.pp, self.cfg.train.steps)
         try:
             self.transition(RunState.PLACING)
+            # The re-plan reads comm.constants: a missing or bad file must stop the run now,
+            # not at its first node loss.
+            run_constants(self.cfg)
             self.counts = block_param_counts(self.cfg.model)
             if self.durable:
                 self.writer = DurableWriter(self.durable, self.cfg, self.cfg_json, self.snapshots, len(self.counts),
@@ -171,7 +174,8 @@ class Controller:
                     "plans": self.plans, "workers": self.pool.table(), "model_state": state}
         except BaseException as e:
             log.error("[%s] failed: %s: %s", self.run_name, type(e).__name__, e)
-            self.transition(RunState.FAILED, error=f"{type(e).__name__}: {e}")
+            if not self.machine.ended:  # else the error came after the end; keep it visible
+                self.transition(RunState.FAILED, error=f"{type(e).__name__}: {e}")
             raise
         finally:
             if self.ps:

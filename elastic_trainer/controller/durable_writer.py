@@ -32,7 +32,6 @@ class DurableWriter:
         self.store, self.cfg, self.cfg_json = store, cfg, cfg_json
         self.snapshots, self.n_blocks, self._event, self.run_name = snapshots, n_blocks, event, run_name
         self.ps = None  # the run's ParameterServers, in that mode: they hold the optimizer state
-        self.error: str | None = None
         self._thread: threading.Thread | None = None
 
     def shards(self, step: int, alive_nodes: set[str] | None = None, alive_workers: set[int] | None = None) -> list:
@@ -65,9 +64,9 @@ class DurableWriter:
             path = self.store.save(step, shards, {"history": history, "config": self.cfg_json, "plan": plan})
             self.store.prune(self.cfg.checkpoint.keep_durable)
         except Exception as e:  # noqa: BLE001 - reported as an event; the run goes on from memory
-            self.error = f"{type(e).__name__}: {e}"
-            log.error("[%s] durable checkpoint of step %d failed: %s", self.run_name, step, self.error)
-            self._event("checkpoint_problem", detail=f"durable checkpoint of step {step} failed: {self.error}")
+            error = f"{type(e).__name__}: {e}"
+            log.error("[%s] durable checkpoint of step %d failed: %s", self.run_name, step, error)
+            self._event("checkpoint_problem", detail=f"durable checkpoint of step {step} failed: {error}")
             return None
         seconds = time.perf_counter() - t0
         log.info("[%s] durable checkpoint of step %d at %s (%.2f s)", self.run_name, step, path, seconds)

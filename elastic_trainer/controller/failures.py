@@ -63,9 +63,10 @@ def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: fl
             if isinstance(answer, TimeoutError):
                 hung.append(wid)
                 details.append(f"worker {wid}: no answer to a ping in {ping_timeout_s:g}s")
-            elif isinstance(answer, ray.exceptions.RayActorError):
+            elif isinstance(answer, BaseException):
                 dead.append(wid)
-                details.append(f"worker {wid}: died")
+                details.append(f"worker {wid}: died" if isinstance(answer, ray.exceptions.RayActorError)
+                               else f"worker {wid}: its ping failed: {type(answer).__name__}")
     kind = "death" if dead else "hang" if hung else "exception" if raised else "collective"
     if kind == "collective":
         details.append("a collective failed while every worker was alive")

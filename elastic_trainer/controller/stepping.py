@@ -48,20 +48,21 @@ class StepDriver:
         self.step_times: collections.deque = collections.deque(maxlen=20)
         self.steps_since_setup = 0
 
+    def _tight(self) -> float:
+        f = self.cfg.failure
+        return max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self.step_times))
+
     def step_timeout(self) -> float:
         """The start-up timeout during warm-up, then a multiple of the median step time."""
-        f = self.cfg.failure
-        if self.steps_since_setup < f.warmup_steps or not self.step_times:
-            return f.startup_timeout_s
-        return max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self.step_times))
+        if self.steps_since_setup < self.cfg.failure.warmup_steps or not self.step_times:
+            return self.cfg.failure.startup_timeout_s
+        return self._tight()
 
     def collective_timeout(self) -> float:
         """Generous until the step time is known, then a multiple of it."""
-        f = self.cfg.failure
-        if len(self.step_times) < f.warmup_steps:
+        if len(self.step_times) < self.cfg.failure.warmup_steps:
             return self.cfg.comm.timeout_s
-        tight = max(f.min_step_timeout_s, f.step_timeout_factor * statistics.median(self.step_times))
-        return min(self.cfg.comm.timeout_s, tight)
+        return min(self.cfg.comm.timeout_s, self._tight())
 
     def run(self, step: int, actors: dict[int, object], snapshot: bool,
             put_blocks: dict[int, list[int]] | None) -> StepOutcome:

@@ -184,7 +184,7 @@ class RunMetrics:
                     try:
                         made[spec.name] = factory(spec)
                     except Exception as e:
-                        log.warning("metric %s not created: %s: %s", spec.name, type(e).__name__, e)
+                        log.warning("[%s] metric %s not created: %s: %s", self.run, spec.name, type(e).__name__, e)
                 self._metrics = made
                 if self._factory is None:
                     self._refresher = threading.Thread(target=self._refresh_loop, name="metrics-refresh",
@@ -213,4 +213,4 @@ class RunMetrics:
         except Exception as e:
             if name not in self._warned:
                 self._warned.add(name)
-                log.warning("metric %s not recorded: %s: %s", name, type(e).__name__, e)
+                log.warning("[%s] metric %s not recorded: %s: %s", self.run, name, type(e).__name__, e)

@@ -2,10 +2,13 @@
 
 The worker's side of the controller's snapshot bookkeeping
 (``controller.snapshots``): local copies are the live tier of a restore, and
-as many are kept as the controller keeps committed snapshots
-(``checkpoint.snapshots_kept``); a pinned copy is let go once the controller
-no longer keeps its step (it says which with each pin request). Thread-safe:
-the training thread adds copies while control calls read them.
+the newest ``checkpoint.snapshots_kept`` are kept (the step being committed
+counts, so the controller's oldest committed snapshot may have no local copy
+left: a restore then takes it from the object store). A pinned copy is let
+go once a pin request says the controller no longer keeps its step, which
+the controller tells before pruning, so holders keep up to one snapshot more
+than it does. Thread-safe: the training thread adds copies while control
+calls read them.
 """
 
 from __future__ import annotations

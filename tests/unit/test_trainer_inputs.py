@@ -33,3 +33,15 @@ def test_factory_that_does_not_import_fails_before_ray_starts(corpus_dir):
     cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, model={"kind": "factory", "factory": "nope.mod:build"}))
     with pytest.raises(ModelError, match="cannot import 'nope.mod'"):
         Trainer(cfg, verbose=False).fit()
+
+
+def test_a_missing_or_bad_constants_file_fails_before_ray_starts(corpus_dir, tmp_path):
+    from elastic_trainer import ConfigError
+
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, comm={"constants": str(tmp_path / "none.json")}))
+    with pytest.raises(ConfigError, match="none.json' does not exist; write one with `elastic-trainer bench-comm"):
+        Trainer(cfg, verbose=False).fit()
+    (tmp_path / "bad.json").write_text('{"algorithms": {"tree": {"alpha_s": 1, "beta_s_per_byte": 1}}}')
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, comm={"constants": str(tmp_path / "bad.json")}))
+    with pytest.raises(ConfigError, match="no 'ring' entry"):
+        Trainer(cfg, verbose=False).fit()
