@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import torch
 
+from .dtypes import bits_dtype
+
 _ALIGN = 64  # bytes: every array starts aligned, whatever the dtypes before it
 
 
@@ -142,6 +144,9 @@ class ShardExporter:
             entries, off = [], 0
             for name, items in named:
                 for kind, t in items:
+                    bits = bits_dtype(t.dtype)
+                    if bits is not t.dtype:  # bfloat16 travels as its bits (see dtypes.py)
+                        t = t.detach().view(bits)
                     dt = _numpy_dtype(t.dtype, name)
                     entries.append((name, kind, off, dt.str, tuple(t.shape)))
                     off += -(-t.numel() * dt.itemsize // _ALIGN) * _ALIGN
@@ -171,4 +176,4 @@ def _numpy_dtype(dtype: torch.dtype, name: str) -> np.dtype:
         return _DTYPES.setdefault(dtype, torch.empty((), dtype=dtype).numpy().dtype)
     except TypeError as e:
         raise TypeError(f"{name}: {dtype} has no numpy equivalent; snapshots hold numpy arrays "
-                        f"(float32, float16, float64 work)") from e
+                        f"(float32, float16, float64, bfloat16 work)") from e

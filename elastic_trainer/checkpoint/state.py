@@ -23,6 +23,7 @@ import warnings
 import numpy as np
 import torch
 
+from .dtypes import as_tensor, to_numpy
 from .flat import FlatShard, flat_shard
 
 
@@ -31,16 +32,14 @@ def block_of(name: str) -> int:
     return int(name.split(".", 2)[1])
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", copy=True).numpy()
-
-
 def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
                  extra: dict | None = None, comm: dict | None = None, comm_meta: dict | None = None,
                  copy: bool = True) -> dict:
     """One rank's parameters and optimizer state: copied out of the live tensors, or with
     ``copy=False`` (CPU tensors only) as views of them, valid until they next change."""
-    as_numpy = to_numpy if copy else (lambda t: t.detach().numpy())
+    def as_numpy(t):
+        return to_numpy(t, copy)
+
     params, optim = {}, {}
     for name, p in named_params:
         params[name] = as_numpy(p)
@@ -115,11 +114,11 @@ def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, opti
             with warnings.catch_warnings():
                 # Object-store arrays are read-only; they are only read here.
                 warnings.simplefilter("ignore", UserWarning)
-                p.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+                p.copy_(as_tensor(src, p.dtype))
             if name in optim:
                 optimizer.state[p] = {
                     k: torch.tensor(v, device=p.device) if k == "step" else
-                    torch.from_numpy(np.array(v)).to(p.device)
+                    as_tensor(np.array(v), p.dtype).to(p.device)
                     for k, v in optim[name].items()
                 }
             else:
