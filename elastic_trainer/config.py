@@ -88,9 +88,13 @@ class TrainSection(_Strict):
     eps: float | None = Field(None, gt=0)
     seed: int = 0
     grad_clip: float | None = Field(None, gt=0)
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="fp32; bf16: forward (and the loss) under autocast to bfloat16, with fp32 "
-                            "parameters, gradients and AdamW moments.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32; bf16 / fp16: forward (and the loss) under autocast to bfloat16 / float16, "
+                            "with fp32 parameters, gradients and AdamW moments; fp16 with dynamic loss scaling.")
+    loss_scale_init: float = Field(65536.0, gt=0, description="fp16: the loss scale to start from.")
+    loss_scale_growth_interval: int = Field(
+        2000, ge=1, description="fp16: good steps in a row after which the loss scale doubles (a step with "
+                                "an inf or NaN gradient is skipped on every rank and halves it).")
     activation_checkpointing: Literal["none", "blocks"] = Field(
         "none", description="blocks: keep only each block's input in forward and recompute the block in "
                             "backward (torch's non-reentrant checkpoint): less activation memory, one more "
@@ -248,6 +252,12 @@ class TrainerConfig(_Strict):
             raise ValueError(f"scaling.max_workers({s.max_workers}) < dp({p.dp}) * pp({p.pp}) = {world}")
         if s.min_workers > world:
             raise ValueError(f"scaling.min_workers({s.min_workers}) > dp({p.dp}) * pp({p.pp}) = {world}")
+        if t.precision == "fp16" and (self.comm.sync != "allreduce" or self.comm.compression not in ("none", "fp16", "bf16")):
+            raise ValueError(
+                f"train.precision 'fp16' skips steps whose gradients overflow, which comm.sync({self.comm.sync!r}) "
+                f"with comm.compression({self.comm.compression!r}) cannot undo (error feedback, local steps or "
+                "parameter-server updates would keep the overflow): use sync 'allreduce' with compression none, "
+                "fp16 or bf16, or precision 'bf16'")
         c = self.checkpoint
         if c.durable_every is not None and c.storage is None:
             raise ValueError(f"checkpoint.durable_every({c.durable_every}) needs checkpoint.storage")

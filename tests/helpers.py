@@ -19,7 +19,8 @@ def not_a_pair():
 def reference_run(cfg, steps: int, micro_batches: int = 1):
     """Plain single-process torch on the same blocks, data and seed: (per-step losses, final state).
 
-    ``cfg.train.precision`` bf16 runs forward and loss under autocast, as torch's guide has it.
+    ``cfg.train.precision`` bf16 / fp16 runs forward and loss under autocast, as torch's guide has it;
+    fp16 with torch's ``GradScaler`` at the config's initial scale and growth interval.
     ``micro_batches``: accumulate gradients over that many equal chunks of the global batch
     (with bf16, the same matrix shapes as the workers' micro-batches round the same way).
     """
@@ -37,20 +38,31 @@ def reference_run(cfg, steps: int, micro_batches: int = 1):
     data = TokenDataset.open(cfg.data)
     sampler = GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle)
     gb = cfg.train.global_batch_size
+    t = cfg.train
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=t.loss_scale_init, growth_interval=t.loss_scale_growth_interval)
+              if t.precision == "fp16" else None)
     out = []
     for step in range(steps):
         x, y = data.sample(sampler.rows(step * gb, gb))
         opt.zero_grad()
         total = 0.0
         for xm, ym in zip(torch.from_numpy(x).chunk(micro_batches), torch.from_numpy(y).chunk(micro_batches)):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = loss_fn(model(xm), ym)
-            (loss / micro_batches).backward()
+            part = loss / micro_batches
+            (scaler.scale(part) if scaler else part).backward()
             total += loss.item() / micro_batches
         loss = torch.tensor(total)
+        if scaler:
+            scaler.unscale_(opt)
         if cfg.train.grad_clip:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
+        if scaler:
+            scaler.step(opt)  # skipped where unscale_ found an inf or NaN
+            scaler.update()
+        else:
+            opt.step()
         out.append(loss.item())
     state = {f"blocks.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     return out, state

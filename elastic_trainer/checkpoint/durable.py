@@ -60,12 +60,13 @@ def _to_torch(shard: dict) -> dict:
         "optim": _tensors(shard["optim"]),
         "comm": _tensors(shard.get("comm") or {}),
         "comm_meta": _tensors(shard.get("comm_meta") or {}),
+        "extra": _tensors(shard.get("extra") or {}),
     }
 
 
 def _to_numpy(obj: dict, step: int, blocks: list[int]) -> dict:
     return {
-        "step": step, "blocks": blocks, "extra": {},
+        "step": step, "blocks": blocks, "extra": _arrays(obj.get("extra", {})),
         "params": {n: t.numpy() for n, t in obj["params"].items()},
         "optim": _arrays(obj["optim"]),
         "comm": _arrays(obj.get("comm", {})),

@@ -125,6 +125,11 @@ class StepDriver:
         if len(cursors) != 1:
             raise WorkerError(f"ranks read different data in step {step}: cursors {sorted(cursors)}")
         sent = sum(o["comm_bytes"] for o in results)
+        skipped = {o["skipped"] for o in results}
+        if len(skipped) != 1:
+            # fp16: every rank must drop an overflowed step alike, or the replicas part ways.
+            raise WorkerError(f"ranks disagree whether step {step} overflowed: skipped on "
+                              f"{sorted(w for w, o in out.results.items() if o['skipped'])} only")
         return {
             "step": step, "loss": sum(losses) / len(losses), "cursor": cursors.pop(),
             "dp": topo.dp, "pp": topo.pp, "world_size": topo.world_size, "plan": plan_index,
@@ -138,5 +143,6 @@ class StepDriver:
             "comm_bytes": sent,
             "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sent)
                                   if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),
+            "loss_scale": results[0]["loss_scale"], "skipped": skipped.pop(),
             "time": time.time(),
         }

@@ -188,7 +188,7 @@ class TrainWorker:
                     shard = select_blocks(shard, put_blocks) if put_blocks else None
         return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                  "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
-                 "cursor": r.cursor,
+                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
                  "snapshot_bytes": shard_nbytes(shard) if shard else 0}, shard)
 
     # -- snapshots and restore sources --------------------------------------------

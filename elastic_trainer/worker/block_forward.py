@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _device_type(args) -> str:

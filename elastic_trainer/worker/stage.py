@@ -29,6 +29,7 @@ from ..models.factory import build_blocks
 from ..parallel.partition import stage_indices_for_rank
 from ..parallel.topology import Topology
 from .block_forward import AUTOCAST_DTYPES, autocast_call, wrap_block
+from .loss_scale import LossScaler
 from .process_group import Groups
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -53,6 +54,8 @@ class StepResult:
     comm_bytes: int        # bytes this rank sent
     cursor: int  # global index of the step's first sample
     exposed_comm_s: float = 0.0  # seconds the step waited for communication
+    loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
+    skipped: bool = False            # fp16: a gradient overflowed on some rank, so no rank applied the step
     dense_bytes: int = 0   # what an uncompressed all-reduce of every gradient would have sent
 
 
@@ -84,7 +87,14 @@ class StageTrainer:
         for a, b in self.stage_bounds.values():
             for block in blocks[a:b]:
                 wrap_block(block, train.precision, train.activation_checkpointing)
-        self.loss_fn = autocast_call(loss_fn, AUTOCAST_DTYPES[train.precision])
+        loss_fn = autocast_call(loss_fn, AUTOCAST_DTYPES[train.precision])
+        self.scaler = (LossScaler(train.loss_scale_init, train.loss_scale_growth_interval)
+                       if train.precision == "fp16" else None)
+        # The schedules call the loss and run its backward: the scale goes into the loss itself.
+        # A pipeline also divides by the micro-batches there (not after, as in fp32), so fp16's
+        # gradients stay as small as a single process's and overflow where its would.
+        self._loss_mult = 1.0
+        self.loss_fn = loss_fn if self.scaler is None else (lambda out, tgt: loss_fn(out, tgt) * self._loss_mult)
         self.modules = {
             s: nn.Sequential(*blocks[a:b]).to(device) for s, (a, b) in self.stage_bounds.items()
         }
@@ -95,9 +105,11 @@ class StageTrainer:
         named = list(self.named_parameters())
         comm = cfg.comm
         # The pipeline schedules are built not to scale gradients (scale_grads=False):
-        # GradSync scales once, after averaging, whatever backward produced.
+        # GradSync scales once, after averaging, whatever backward produced (with fp16 the loss
+        # already did, see loss_fn above).
         self.sync = GradSync(named, groups.dp, topo.dp if comm.sync == "allreduce" else 1, comm,
-                             accumulations=cfg.micro_batches, grad_scale=1.0 if topo.pp == 1 else 1.0 / cfg.micro_batches,
+                             accumulations=cfg.micro_batches,
+                             grad_scale=1.0 if topo.pp == 1 or self.scaler is not None else 1.0 / cfg.micro_batches,
                              seed=cfg.train.seed)
         self.model_avg = (ModelAverager(named, groups.dp, topo.dp, comm)
                           if comm.sync in ("local_sgd", "diloco") else None)
@@ -164,7 +176,7 @@ class StageTrainer:
         layer's (error-feedback residuals, PowerSGD's Q, DiLoCo's outer state)."""
         comm, meta = self._comm_state()
         return self.exporter.export(step, self.named_parameters(), self.optimizer, self.blocks, block_of,
-                                    comm=comm, comm_meta=meta)
+                                    extra=self._extra(), comm=comm, comm_meta=meta)
 
     def live_part(self, step: int) -> dict | None:
         """This rank's whole state after ``step`` as views of the live tensors, or None where
@@ -173,8 +185,12 @@ class StageTrainer:
         if self.device.type != "cpu":
             return None
         comm, meta = self._comm_state()
-        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks,
+        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks, extra=self._extra(),
                             comm=comm, comm_meta=meta, copy=False)
+
+    def _extra(self) -> dict:
+        """Training state beside parameters and optimizer: fp16's loss scale (the same on every rank)."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
 
     def load(self, shards: list[dict]) -> int:
         """Load this rank's blocks from shards of one step; returns that step.
@@ -186,6 +202,8 @@ class StageTrainer:
         names = [n for n, _ in self.named_parameters()]
         step, params, optim = merge_shards(shards, names)
         load_into(self.named_parameters(), self.optimizer, params, optim)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(shards[0].get("extra") or {})
 
         def own(meta: dict) -> bool:
             return (meta.get("replica"), meta.get("dp"), meta.get("codec")) == (
@@ -221,6 +239,9 @@ class StageTrainer:
         """
         x, y = self._batch(step)
         stats = CommStats()
+        scale = self.scaler.scale if self.scaler is not None else None
+        if scale is not None:
+            self._loss_mult = scale / self.cfg.micro_batches if self.topo.pp > 1 else scale
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
@@ -243,23 +264,38 @@ class StageTrainer:
         except BaseException:
             self.sync.abort()
             raise
-        if self.cfg.train.grad_clip is not None:
-            t_clip = time.perf_counter()
-            self._clip(self.cfg.train.grad_clip, stats)
-            exposed += (time.perf_counter() - t_clip) if self.topo.pp > 1 else 0.0
-        if self.ps is not None:
-            t_ps = time.perf_counter()
-            self.ps.push_pull(step, stats)
-            exposed += time.perf_counter() - t_ps
-        else:
-            self.optimizer.step()
+        skipped = False
+        if self.scaler is not None:
+            t_inf = time.perf_counter()
+            grads = [p.grad for p in self.params if p.grad is not None]
+            skipped = self.scaler.found_inf(grads, self.device)
+            dt = time.perf_counter() - t_inf
+            exposed += dt
+            stats.add("all_reduce", ring_allreduce_bytes(4, self.topo.world_size), dt)
+            if not skipped:
+                self.scaler.unscale_(grads)  # by this step's scale, before update() may change it
+            self.scaler.update(skipped)
+        # On an overflow every rank found it alike (found_inf agrees over the world): none clips or steps.
+        if not skipped:
+            if self.cfg.train.grad_clip is not None:
+                t_clip = time.perf_counter()
+                self._clip(self.cfg.train.grad_clip, stats)
+                exposed += (time.perf_counter() - t_clip) if self.topo.pp > 1 else 0.0
+            if self.ps is not None:
+                t_ps = time.perf_counter()
+                self.ps.push_pull(step, stats)
+                exposed += time.perf_counter() - t_ps
+            else:
+                self.optimizer.step()
         if self.model_avg is not None:
             exposed += self.model_avg.maybe_sync(step, stats)
         compute_s = time.perf_counter() - t0 - exposed
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
+        if loss is not None and scale is not None:
+            loss /= self._loss_mult
         gb = self.cfg.train.global_batch_size
         return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, (step - 1) * gb,
-                          exposed_comm_s=exposed, dense_bytes=self.dense_bytes)
+                          exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped)
 
     def _clip(self, max_norm: float, stats: CommStats) -> None:
         """Clip by the norm over the whole model: after DP averaging every replica holds

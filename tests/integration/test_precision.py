@@ -55,3 +55,61 @@ def test_activation_checkpointing_trains_exactly_like_without(cluster, corpus_di
     assert [r["loss"] for r in ckpt.history] == pytest.approx([r["loss"] for r in plain.history], rel=1e-6, abs=0)
     for name, ref in plain.model_state.items():
         torch.testing.assert_close(ckpt.model_state[name], ref, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dp, pp, init", [(2, 2, 2.0 ** 16), (1, 4, 2.0 ** 16), (2, 2, 2.0 ** 40)],
+                         ids=["2x2", "1x4", "2x2-overflowing"])
+def test_fp16_runs_match_single_process_autocast_with_torch_grad_scaler(cluster, corpus_dir, dp, pp, init):
+    cfg = _cfg(corpus_dir, dp, pp, precision="fp16", loss_scale_init=init, loss_scale_growth_interval=2)
+    ref_losses, ref_state = reference_run(_cfg(corpus_dir, 1, 1, precision="fp16", loss_scale_init=init,
+                                               loss_scale_growth_interval=2), STEPS,
+                                          micro_batches=cfg.train.global_batch_size // cfg.train.micro_batch_size)
+    result = Trainer(cfg, verbose=False).fit(return_model_state=True)
+    hist = result.history
+    # The same bound as bf16 (same argument: fp16 rounds the same matrix products the same way).
+    assert [r["loss"] for r in hist] == pytest.approx(ref_losses, rel=1e-5)
+    scales = [r["loss_scale"] for r in hist]
+    assert scales[0] == init
+    for before, after, rec in zip(scales, scales[1:], hist):
+        # Halved after an overflow (the step skipped on every rank), doubled after 2 good steps.
+        assert after == (before / 2 if rec["skipped"] else before) or (after == 2 * before and not rec["skipped"])
+    if init > 2.0 ** 30:
+        assert hist[0]["skipped"], "a scale of 2^40 must overflow fp16 in the first backward"
+    # Which steps were skipped is torch's GradScaler's call too: the losses above match only if they agree.
+    # fp16's rounding noise (2^-11) in gradients that nearly cancel (the token embedding's rows, the
+    # key bias) is far above AdamW's eps, so AdamW turns it into steps of up to lr, in either direction,
+    # wherever the sums run in another order: weights agree to lr per step, no closer. The losses
+    # above are the tight check.
+    lr = cfg.train.lr
+    for name, ref in ref_state.items():
+        assert (result.model_state[name] - ref).abs().max() <= lr * STEPS, name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_recovery_continues_the_loss_curve_and_the_loss_scale(fresh_cluster, corpus_dir, precision):
+    from .test_recovery import Chaos, assert_contiguous_data, config, node_of_rank
+
+    c, nodes = fresh_cluster(4)
+    name = f"prec-{precision}"
+    # fp16: from a low scale, doubling every 3 good steps, it moves before and after the loss, far
+    # from fp16's overflow (near it, a skip turns on the last bits of the weights, which the change
+    # of plan moves: the comparison with one process would then be about luck).
+    train = [f"train.precision={precision}", "train.loss_scale_init=256", "train.loss_scale_growth_interval=3"]
+    cfg = config(corpus_dir, name, steps=16, parallel={"dp": 2, "pp": 2}).with_overrides(train)
+    kill = Chaos().at(6, lambda: c.remove_node(node_of_rank(name, 3, nodes), allow_graceful=False))
+    result = Trainer(cfg, verbose=False, on_step=kill).fit()
+    assert_contiguous_data(result, cfg)
+    [rec] = result.recoveries
+    ref_cfg = config(corpus_dir, name, steps=16).with_overrides(train)
+    ref = reference_run(ref_cfg, cfg.train.steps, micro_batches=cfg.train.global_batch_size // cfg.train.micro_batch_size)[0]
+    # As the fp32 recovery tests: the same curve, within 1e-3 once the plan has changed.
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+    if precision == "fp16":
+        scales = [r["loss_scale"] for r in result.history]
+        assert len(set(scales)) > 2, scales  # the scale moved, before and after the loss
+        for before, after, r in zip(scales, scales[1:], result.history):
+            # Across the restore too: the restored step's scale came back with its state.
+            assert after in ((before / 2,) if r["skipped"] else (before, 2 * before)), (r["step"], scales)
+    else:
+        assert all(r["loss_scale"] is None for r in result.history)
+    assert rec["restored_step"] >= 1

@@ -82,3 +82,36 @@ def test_unknown_settings_are_refused_naming_the_valid_ones():
         wrap_block(nn.Linear(2, 2), "fp8", "none")
     with pytest.raises(ValueError, match="'none' or 'blocks'"):
         wrap_block(nn.Linear(2, 2), "fp32", "layers")
+
+
+def test_fp16_refuses_comm_modes_that_cannot_drop_an_overflowed_step():
+    from elastic_trainer import ConfigError, TrainerConfig
+
+    base = {"data": {"path": "x"}, "train": {"precision": "fp16"}}
+    TrainerConfig.from_dict({**base, "comm": {"compression": "bf16"}})
+    for comm in ({"compression": "topk"}, {"sync": "diloco"}, {"sync": "parameter_server"}):
+        with pytest.raises(ConfigError, match="train.precision 'fp16' skips steps whose gradients overflow"):
+            TrainerConfig.from_dict({**base, "comm": comm})
+
+
+def test_the_loss_scale_backs_off_on_an_overflow_grows_after_good_steps_and_round_trips():
+    from elastic_trainer.worker.loss_scale import LossScaler
+
+    s = LossScaler(1024.0, growth_interval=2)
+    grads = [torch.ones(3), torch.tensor([1.0, float("inf")])]
+    assert s.found_inf(grads, torch.device("cpu"))  # no process group: this rank alone
+    assert not s.found_inf([torch.ones(3)], torch.device("cpu"))
+    s.update(True)
+    assert s.scale == 512.0
+    s.update(False)
+    s.update(False)
+    assert (s.scale, s.growth_tracker) == (1024.0, 0)
+    s.update(False)
+    g = [torch.full((2,), 1024.0)]
+    s.unscale_(g)
+    assert torch.equal(g[0], torch.ones(2))
+    fresh = LossScaler(65536.0, 2)
+    fresh.load_state_dict(s.state_dict())
+    assert (fresh.scale, fresh.growth_tracker) == (1024.0, 1)
+    fresh.load_state_dict({})  # a snapshot of a run without scaling leaves it
+    assert fresh.scale == 1024.0
