@@ -22,7 +22,7 @@ MIN_REDUCTION = {"fp16": 2.0, "bf16": 2.0, "int8": 3.5, "topk": 30.0, "powersgd"
 # Allowed gap of the tail loss to the uncompressed run. The target is 5% for every codec;
 # top-k at 1% with AdamW misses it. Measured at step 60: 18% behind without a warm-up, 8.7%
 # with a 30-step sparsity warm-up (which this test runs; 8.3-11% at step 150), so its bound
-# only guards against it getting worse. See the README's communication section.
+# only guards against it getting worse. See docs/communication.md.
 MAX_GAP = {"topk": 0.12}
 EXTRA = {"powersgd": ["comm.powersgd_start_step=5"], "topk": ["comm.topk_warmup_steps=30"]}
 
