@@ -40,3 +40,8 @@ def partition_blocks(param_counts: list[int], num_stages: int) -> list[tuple[int
 def stage_indices_for_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     """Pipeline stage indices a PP rank holds: one, or ``virtual_stages`` interleaved ones."""
     return [pp_rank + v * pp for v in range(virtual_stages)]
+
+
+def blocks_for_rank(stage_bounds, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Blocks a PP rank holds: those of each of its stages (``stage_bounds``: ``[start, end)`` per stage)."""
+    return [b for s in stage_indices_for_rank(pp_rank, pp, virtual_stages) for b in range(*stage_bounds[s])]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..config import TrainerConfig
 from ..errors import ConfigError
-from ..parallel.partition import partition_blocks, stage_indices_for_rank
+from ..parallel.partition import blocks_for_rank, partition_blocks, stage_indices_for_rank
 
 
 class NothingFits(ConfigError):
@@ -41,7 +41,7 @@ class Layout:
 
     def blocks_of(self, pp_rank: int) -> list[int]:
         """Blocks PP rank ``pp_rank`` holds, over all its stages."""
-        return [b for s in self.stages_of(pp_rank) for b in range(*self.stage_bounds[s])]
+        return blocks_for_rank(self.stage_bounds, pp_rank, self.pp, self.stages_per_rank)
 
 
 def feasible_layouts(cfg: TrainerConfig, param_counts: list[int], n_workers: int) -> list[Layout]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..config import TrainerConfig
 from ..errors import ConfigError
-from ..parallel.partition import partition_blocks, stage_indices_for_rank
+from ..parallel.partition import blocks_for_rank, partition_blocks
 from ..parallel.topology import Topology
 from .model_shape import model_shape
 
@@ -22,8 +22,7 @@ class Plan:
     def blocks_of(self, rank: int) -> list[int]:
         """Blocks ``rank`` holds: those of every pipeline stage of its PP rank."""
         _, pp_rank = self.topology.coords(rank)
-        return [b for s in stage_indices_for_rank(pp_rank, self.topology.pp, self.stages_per_rank)
-                for b in range(*self.stage_bounds[s])]
+        return blocks_for_rank(self.stage_bounds, pp_rank, self.topology.pp, self.stages_per_rank)
 
     def describe(self) -> dict:
         return {
