@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -136,6 +136,9 @@ class ScalingSection(_Strict):
     )
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the cluster to fit the workers.")
     torch_threads: int | None = Field(1, ge=1, description="torch.set_num_threads in CPU workers; None leaves torch's default.")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of the worker processes (NCCL_*, CUDA_*, ...), "
+                                          "set through Ray's runtime_env.")
     min_workers: int = Field(1, ge=1, description="Below this many live workers the run waits for nodes, then stops.")
     max_workers: int | None = Field(None, ge=1, description="Grow up to this many workers when nodes join; default: dp * pp.")
     worker_memory_gb: float | None = Field(None, gt=0, description="Memory a worker may use; plans that do not fit are not chosen. Default: no bound.")
@@ -198,7 +201,15 @@ class CommSection(_Strict):
 class CheckpointSection(_Strict):
     """Snapshots in the Ray object store and durable checkpoints on a filesystem."""
 
-    memory_every: int = Field(1, ge=1, description="Snapshot into the object store every N steps.")
+    memory_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Snapshot into the object store every N steps; 'auto' measures what a snapshot "
+                            "costs and picks the interval that keeps it under max_overhead of step time "
+                            "(measured again after every re-plan).")
+    max_overhead: float = Field(
+        0.05, gt=0.0, le=1.0, description="With memory_every 'auto': the share of step time snapshots may cost.")
+    overlap: bool = Field(
+        True, description="Take snapshots off the critical path: the copy overlaps the next step, whose "
+                          "optimizer update waits for it. false: the step waits for its own snapshot.")
     replicas: int = Field(2, ge=1, description="Copies of each snapshot shard, on distinct nodes, pinned.")
     snapshots_kept: int = Field(
         2, ge=1, description="Committed snapshots kept in the object store (with their pinned copies); each "

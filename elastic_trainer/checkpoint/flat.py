@@ -80,8 +80,11 @@ class _BlockBuffer:
     shard built on it shares (made once: rebuilding 100 views a step cost as much
     as the copy itself)."""
 
-    def __init__(self, entries: list, nbytes: int):
-        self.buf = np.empty(nbytes, dtype=np.uint8)
+    def __init__(self, entries: list, nbytes: int, pinned: bool = False):
+        # Pinned (page-locked) host memory lets a device-to-host copy run asynchronously;
+        # the numpy array keeps the pinned tensor alive.
+        self.buf = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy() if pinned
+                    else np.empty(nbytes, dtype=np.uint8))
         self.entries = entries
         self.layout = (self.buf, entries)
         self.views = _entry_views(self.buf, entries)
@@ -105,9 +108,15 @@ class ShardExporter:
     to the object store, is never overwritten.
     """
 
-    def __init__(self):
+    def __init__(self, pinned: bool = False):
         self._pool: dict[int, list[_BlockBuffer]] = {}  # block -> its reusable buffers
+        self.pinned = pinned  # page-locked buffers, for copies from a GPU
         self.allocated = 0  # buffers made so far (a test reads it)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held in buffers, in use or free."""
+        return sum(b.buf.nbytes for pool in self._pool.values() for b in pool)
 
     def _buffer(self, block: int, entries: list, nbytes: int) -> _BlockBuffer:
         pool = self._pool.setdefault(block, [])
@@ -117,15 +126,18 @@ class ShardExporter:
                 return s
         for s in free:  # the layout changed: a free buffer of another layout is no use
             pool.remove(s)
-        buf = _BlockBuffer(entries, nbytes)
+        buf = _BlockBuffer(entries, nbytes, self.pinned)
         pool.append(buf)
         self.allocated += 1
         return buf
 
     def export(self, step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
                block_of, extra: dict | None = None, comm: dict | None = None,
-               comm_meta: dict | None = None) -> FlatShard:
-        """Copy the live parameters and optimizer state into a ``FlatShard`` for ``step``."""
+               comm_meta: dict | None = None, non_blocking: bool = False) -> FlatShard:
+        """Copy the live parameters and optimizer state into a ``FlatShard`` for ``step``.
+
+        ``non_blocking``: device-to-host copies are queued on the current stream (into pinned
+        buffers); the caller synchronises that stream before anyone reads the shard."""
         per_block: dict[int, list] = {}
         small: dict = {}
         for name, p in named_params:
@@ -161,7 +173,7 @@ class ShardExporter:
                     optim.setdefault(name, {})[kind] = view
         with torch.no_grad():
             for d, t in zip(dst, src):
-                d.copy_(t)
+                d.copy_(t, non_blocking=non_blocking)
         return flat_shard({"step": step, "blocks": sorted(blocks), "extra": extra or {}, "comm": comm or {},
                            "comm_meta": comm_meta or {}, "params": params, "optim": optim}, layout)
 

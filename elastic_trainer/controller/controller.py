@@ -37,7 +37,8 @@ from .placement import assign_ranks, find_nodes
 from .ps_group import ParameterServers
 from .recovery import Recovery
 from .run_state import RunState, RunStateMachine
-from .snapshots import SnapshotStore, is_snapshot_step
+from .snapshot_schedule import SnapshotSchedule
+from .snapshots import SnapshotStore
 from .stepping import StepDriver, StepOutcome
 from .workers import WorkerPool
 
@@ -65,11 +66,13 @@ class Controller:
         self.driver = StepDriver(self.cfg)
         ck = self.cfg.checkpoint
         self.snapshots = SnapshotStore(ck.replicas, ck.snapshots_kept)
+        self.schedule = SnapshotSchedule(self.cfg)
         self.durable = DurableStore(ck.storage) if ck.storage else None
         self.writer: DurableWriter | None = None
         self.recovery = Recovery(self)
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self.setup_timings: dict = {}
+        self.restore_moved: dict = {}         # the last set-up's state transfer: bytes, seconds, rate
         self.setting_up: dict | None = None   # the plan being set up now: dp, pp, rank -> worker id
         self._setup_refs: list = []   # (worker id, ref) of the set-up calls in flight
         self._generation = 0          # numbers set-up attempts, so a stale one can be aborted
@@ -103,6 +106,7 @@ class Controller:
                     "step_time_s": statistics.median(r["step_time_s"] for r in recent) if recent else None,
                     "plan": self.plan.describe() if self.plan else None,
                     "setting_up": self.setting_up,
+                    "snapshots": self.schedule.describe(),
                     "workers": self.pool.table(),
                     "failures": [e for e in self.events if e["kind"] == "failure"][-5:],
                     "recoveries": sum(1 for e in self.events if e["kind"] == "recovery")}
@@ -186,7 +190,7 @@ class Controller:
         while self.step < self.cfg.train.steps and not self._stop.is_set():
             self.recovery.maybe_grow()
             step = self.step + 1
-            snap = is_snapshot_step(self.cfg, step)
+            snap = self.schedule.due(step)
             writers = self.snapshots.writers()
             out = self.driver.run(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,
                                   {w: writers[r] for r, w in self.ranks.items()} if snap else None)
@@ -245,7 +249,15 @@ class Controller:
             with self._lock:
                 self.setting_up = None
         self._setup_refs = []
-        self.setup_timings = {k: max(o["timings"][k] for o in outs.values()) for k in ("reset", "groups", "build", "load")}
+        self.setup_timings = {k: max(o["timings"][k] for o in outs.values())
+                              for k in ("reset", "groups", "fetch", "build", "load")}
+        moved = sum(o["moved"]["bytes"] for o in outs.values())
+        fetch_s = max(o["moved"]["seconds"] for o in outs.values())
+        # Ranks fetch at once, so the rate is the bytes over the longest fetch: what the restore saw.
+        self.restore_moved = {"restore_bytes": moved, "restore_fetch_s": fetch_s,
+                              "restore_rate_bytes_s": moved / fetch_s if moved and fetch_s > 0 else None,
+                              "blocks_built": sum(len(o["build"]["built"]) for o in outs.values()),
+                              "blocks_reused": sum(len(o["build"]["reused"]) for o in outs.values())}
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
             raise WorkerError(f"ranks restored different steps {sorted(steps)}")
@@ -259,6 +271,7 @@ class Controller:
         self.ranks = ranks
         self.plan = plan
         self.snapshots.set_plan(plan)
+        self.schedule.restart(restored)
         with self._lock:
             # Steps after the restored one were rolled back: they will be run again.
             self.rolled_back = self.step - restored if restore else 0
@@ -323,7 +336,11 @@ class Controller:
             self.step = step
         self.recovery.step_committed()
         self.metrics.record_step(record)
-        if is_snapshot_step(cfg, step):
+        choice = self.schedule.observe(step, record["step_time_s"])
+        if choice:
+            self.event("snapshot_interval", **choice)
+        if out.snapshot:
+            self.schedule.taken(step)
             ranks = {r: self.pool[w] for r, w in self.ranks.items()}
             self.snapshots.take_step(step, ranks, out.shard_refs,
                                      nbytes=sum(o.get("snapshot_bytes", 0) for o in out.results.values()))
@@ -345,7 +362,7 @@ class Controller:
         if not self.writer:
             return None
         self.writer.wait()
-        if not is_snapshot_step(self.cfg, self.step):
+        if self.schedule.last_taken != self.step:
             # The last step has no snapshot: take one so the end is saved exactly.
             refs = {w: self.pool[w].actor.export_snapshot.remote(self.step) for w in self.ranks.values()}
             self.snapshots.take_step(self.step, {r: self.pool[w] for r, w in self.ranks.items()}, refs, full=True)

@@ -48,6 +48,7 @@ class Recovery:
         self._durable_refs: dict = {}             # shard index -> ref of a loaded durable checkpoint
         self.durable_manifest: dict = {}
         self._last_grow_check = time.monotonic()
+        self._grow_wanted = False   # a larger plan waits for the next snapshot step
 
     # -- detect ----------------------------------------------------------------------------
     def recover(self, out: StepOutcome) -> None:
@@ -163,6 +164,7 @@ class Recovery:
                 replan_s=t1 - detected - retry_s, restore_s=t2 - t1, attempts=attempts, failed_attempts_s=retry_s,
                 _resumed=t2,
                 restore_parts=dict(ctl.setup_timings),
+                **ctl.restore_moved,
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
             log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",
@@ -210,23 +212,36 @@ class Recovery:
                        + (f"; durable checkpoint at {path}" if path else ""))
 
     def maybe_grow(self) -> None:
-        """At a snapshot step, re-plan onto workers that joined if the policy prefers a larger plan."""
+        """Re-plan onto workers that joined if the policy prefers a larger plan: right after a
+        snapshot step (nothing is redone), asking the schedule for one if none was just taken."""
         ctl, pool = self.ctl, self.ctl.pool
-        now = time.monotonic()
-        if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
+        if not self._grow_wanted:
+            now = time.monotonic()
+            if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
+                return
+            self._last_grow_check = now
+            pool.spawn_on_free_nodes()
+            pool.await_joining(0, required=False)
+            if not self._larger_plan():
+                return
+            self._grow_wanted = True
+        if ctl.schedule.last_taken != ctl.step:
+            ctl.schedule.request()  # the next step takes a snapshot; grow from it
             return
-        self._last_grow_check = now
-        pool.spawn_on_free_nodes()
-        pool.await_joining(0, required=False)
-        spares = [w for w, h in pool.workers.items() if h.rank is None]
-        if not spares or ctl.step % self.cfg.checkpoint.memory_every:
-            return
+        self._grow_wanted = False
+        if self._larger_plan():  # still: a worker may have gone meanwhile
+            ctl.transition(RunState.RESIZING, workers=len(pool))
+            self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason="grow")
+
+    def _larger_plan(self) -> bool:
+        """Whether spare workers would let the policy choose a plan larger than the current one."""
+        ctl, pool = self.ctl, self.ctl.pool
+        if not any(h.rank is None for h in pool.workers.values()):
+            return False
         choice = choose_plan(self.cfg, len(pool), ctl.worker_memory())
         topo = ctl.plan.topology
-        if choice is None or (choice.dp, choice.pp) == (topo.dp, topo.pp) or choice.world_size <= topo.world_size:
-            return
-        ctl.transition(RunState.RESIZING, workers=len(pool))
-        self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason="grow")
+        return not (choice is None or (choice.dp, choice.pp) == (topo.dp, topo.pp)
+                    or choice.world_size <= topo.world_size)
 
     # -- restore ---------------------------------------------------------------------------
     def restore_point(self) -> tuple[int, dict, dict] | None:
@@ -291,18 +306,19 @@ class Recovery:
         loads = plan_loads(chosen, ranks, {r: plan.blocks_of(r) for r in ranks}, own,
                            {w: blocks for w, (_, blocks) in written.items()})
 
-        def ref(load: Load):
+        def ref(load: Load, wid: int):
             if load.kind == "local":
                 return ("local", step)
             if load.kind == "written":
-                return written[load.worker][0]
+                # The worker's own part lies in its node's object store: loading it moves nothing.
+                return ("own", written[wid][0]) if load.worker == wid else written[load.worker][0]
             if load.kind == "export":
                 return pool[load.worker].actor.export_blocks.remote(step, list(load.blocks))
             if load.kind == "snapshot":
                 return ctl.snapshots.ref(step, load.part)
             return self._durable_refs[load.shard]
 
-        return {r: [ref(load) for load in rank_loads] for r, rank_loads in loads.items()}
+        return {r: [ref(load, ranks[r]) for load in rank_loads] for r, rank_loads in loads.items()}
 
     def resume_source(self) -> tuple | None:
         """The restore point of ``--resume``: the latest durable checkpoint, with its history."""

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ..config import TrainerConfig
 
 
 @dataclass
@@ -45,14 +44,6 @@ class Snapshot:
     shards: dict[int, ShardEntry]   # rank -> entry
     committed_at: float | None = None
     nbytes: int = 0                 # one copy of every part
-
-
-def is_snapshot_step(cfg: TrainerConfig, step: int) -> bool:
-    """Every ``checkpoint.memory_every`` steps; with local SGD / DiLoCo only where the replicas
-    have just met (between meetings they differ, and a snapshot must hold one model)."""
-    comm = cfg.comm
-    meets = comm.sync not in ("local_sgd", "diloco") or step % comm.local_steps == 0
-    return meets and step % cfg.checkpoint.memory_every == 0
 
 
 def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:

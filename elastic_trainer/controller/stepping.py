@@ -34,6 +34,7 @@ class StepOutcome:
     first_signal: float | None = None                         # first error, or the deadline
     shard_refs: dict = field(default_factory=dict)            # worker id -> snapshot part ref (None: no part)
     inflight: dict = field(default_factory=dict)              # step refs still running: ref -> worker id
+    snapshot: bool = False                                    # the step takes a snapshot
 
     @property
     def ok(self) -> bool:
@@ -69,12 +70,14 @@ class StepDriver:
         """Run ``step`` on ``actors`` (worker id -> actor of a rank). With ``snapshot`` each
         returns its part of the step's snapshot (``put_blocks``: worker id -> blocks it writes)."""
         started = time.perf_counter()
-        out = StepOutcome(step, started)
+        out = StepOutcome(step, started, snapshot=snapshot)
         refs = {}
         for w, actor in actors.items():
-            metrics, shard = actor.train_step.remote(step, snapshot, put_blocks[w] if snapshot else None)
-            refs[metrics] = w
-            out.shard_refs[w] = shard
+            blocks = put_blocks[w] if snapshot else None
+            refs[actor.train_step.remote(step, snapshot, blocks)] = w
+            # Asked for at once: the part comes back once the step has begun it, on a
+            # thread of its own, and its write into the object store overlaps the next step.
+            out.shard_refs[w] = actor.snapshot_part.remote(step, blocks) if blocks else None
         deadline = started + self.step_timeout()
         pending = dict(refs)
         pings: dict = {}
@@ -144,5 +147,10 @@ class StepDriver:
             "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sent)
                                   if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),
             "loss_scale": results[0]["loss_scale"], "skipped": skipped.pop(),
+            "snapshot": out.snapshot,
+            # The longest any rank's update waited for the previous snapshot's copy or write.
+            "snapshot_wait_s": max(o.get("snapshot_wait_s", 0.0) for o in results),
+            # Host memory a rank holds for snapshots (its copy buffers, local copies included), the most of any.
+            "snapshot_buffer_bytes": max(o.get("snapshot_buffer_bytes", 0) for o in results),
             "time": time.time(),
         }

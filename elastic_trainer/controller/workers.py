@@ -82,9 +82,11 @@ class WorkerPool:
         self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
         self._next_wid = 0
         # Groups: "train" runs steps one at a time; "control" (ping, queries) never waits
-        # behind the default pool, where a set-up may sit in a rendezvous for a while.
+        # behind the default pool, where a set-up may sit in a rendezvous for a while;
+        # "snapshot" hands over snapshot parts, whose object-store writes overlap the next step.
         self._actor_cls = ray.remote(
-            max_concurrency=16, concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4})(TrainWorker)
+            max_concurrency=16,
+            concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4, "snapshot": 2})(TrainWorker)
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -115,6 +117,8 @@ class WorkerPool:
             )
             if "memory" in res:
                 opts["memory"] = res["memory"]
+            if self.cfg.scaling.env_vars:
+                opts["runtime_env"] = {"env_vars": dict(self.cfg.scaling.env_vars)}
             actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads)
             self.joining[wid] = (actor, actor.info.remote(), node)
 

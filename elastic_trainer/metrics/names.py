@@ -50,7 +50,7 @@ class MetricSpec:
 
     ``source`` says what feeds it: ``"step"`` (a key of a history record,
     named by ``field``), an event kind (``"failure"``, ``"recovery"``,
-    ``"snapshot"``, ``"durable_checkpoint"``), or ``"state"``.
+    ``"snapshot"``, ``"snapshot_interval"``, ``"durable_checkpoint"``), or ``"state"``.
     """
 
     name: str
@@ -134,6 +134,15 @@ METRICS: tuple[MetricSpec, ...] = (
                "checkpoints", "snapshot"),
     MetricSpec(PREFIX + "snapshot_bytes", GAUGE, "Bytes of the last object-store snapshot (one copy).", "bytes",
                "checkpoints", "snapshot"),
+    MetricSpec(PREFIX + "snapshot_interval_steps", GAUGE,
+               "Steps between snapshots, as checkpoint.memory_every 'auto' last chose it.", "steps",
+               "checkpoints", "snapshot_interval"),
+    MetricSpec(PREFIX + "snapshot_redo_steps", GAUGE,
+               "Steps a failure would run again at the chosen snapshot interval, at most.", "steps",
+               "checkpoints", "snapshot_interval"),
+    MetricSpec(PREFIX + "snapshot_cost_seconds", GAUGE,
+               "What one snapshot adds to step time, as measured for the snapshot interval.", "s",
+               "checkpoints", "snapshot_interval"),
     MetricSpec(PREFIX + "durable_checkpoint_seconds", GAUGE, "Seconds the last durable checkpoint took to write.",
                "s", "checkpoints", "durable_checkpoint"),
     MetricSpec(PREFIX + "durable_checkpoint_bytes", GAUGE, "Bytes of the last durable checkpoint.", "bytes",

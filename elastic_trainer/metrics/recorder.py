@@ -28,6 +28,9 @@ _LAST_RECOVERY = metric("last_recovery_seconds").name
 # Event kind -> (metric, event field) for the gauges set straight from an event.
 _EVENT_GAUGES: dict[str, tuple[tuple[str, str], ...]] = {
     "snapshot": ((metric("snapshot_seconds").name, "seconds"), (metric("snapshot_bytes").name, "bytes")),
+    "snapshot_interval": ((metric("snapshot_interval_steps").name, "interval"),
+                          (metric("snapshot_redo_steps").name, "redo_steps"),
+                          (metric("snapshot_cost_seconds").name, "snapshot_cost_s")),
     "durable_checkpoint": ((metric("durable_checkpoint_seconds").name, "seconds"),
                            (metric("durable_checkpoint_bytes").name, "bytes"),
                            (metric("durable_checkpoint_step").name, "step")),
@@ -133,7 +136,8 @@ class RunMetrics:
         ``failure`` kind; ``recovery`` sets the last recovery's phase times
         and, once ``total_s`` is known (after the first step that follows),
         observes it once; ``snapshot`` and ``durable_checkpoint`` set their
-        seconds/bytes (and step) gauges.
+        seconds/bytes (and step) gauges; ``snapshot_interval``
+        sets the chosen interval, the steps a failure would redo and the cost measured.
         """
         metrics = self._get()
         if metrics is None:

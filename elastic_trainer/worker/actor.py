@@ -31,6 +31,16 @@ from .stage import StageTrainer
 log = logging.getLogger(__name__)
 
 
+# Seconds every snapshot holds its step, in all of a run's workers (set through scaling.env_vars).
+SNAPSHOT_DELAY_ENV = "ELASTIC_TRAINER_SNAPSHOT_DELAY_S"
+
+
+def _build_key(cfg: TrainerConfig, device) -> tuple:
+    """What decides how a block is built and wrapped: blocks built alike can be reused."""
+    t = cfg.train
+    return (cfg.model.model_dump_json(), t.precision, t.activation_checkpointing, str(device))
+
+
 class InjectedFault(RuntimeError):
     """Raised by a step that a test asked to fail."""
 
@@ -46,10 +56,23 @@ class TrainWorker:
         self.trainer: StageTrainer | None = None
         self.copies = HeldCopies()
         self._faults: dict = {}
+        if os.environ.get(SNAPSHOT_DELAY_ENV):  # a chaos hook that holds from the first step on
+            self._faults["slow_snapshot"] = float(os.environ[SNAPSHOT_DELAY_ENV])
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
         self._setup_lock = threading.Lock()
         self._aborted_upto = 0  # set-ups of this generation and older are abandoned
+        # Snapshots in flight, for snapshot_part: step -> job, with the steps ended so far
+        # (those that failed too) under one condition. A set-up clears them (``_setups``
+        # counts them, so a call left from before it cannot take a part of the steps after).
+        self._snap_cv = threading.Condition()
+        self._jobs: dict[int, object] = {}
+        self._ended = 0
+        self._setups = 0
+        self._overlap = True
+        self._snapshot_wait_s = 60.0
+        self._build_key = None
+        self._kept = None   # (build key, blocks, device) of the last stage, until the next set-up
         # Everything imported so far lives as long as the process: keep it out of
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()
@@ -105,12 +128,16 @@ class TrainWorker:
     def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
                collective_timeout_s, rendezvous_timeout_s, generation, ps) -> dict:
         t = [time.perf_counter()]
+        cfg = TrainerConfig.model_validate(cfg_json)
         self.reset()
+        held = self._held_blocks(cfg) if sources else None
+        self._kept = None  # not reused: let it go before building
         delay = self._faults.pop("setup", None)
         if delay:
             time.sleep(delay)
-        cfg = TrainerConfig.model_validate(cfg_json)
         self.copies.keep = cfg.checkpoint.snapshots_kept
+        self._overlap = cfg.checkpoint.overlap
+        self._snapshot_wait_s = cfg.failure.startup_timeout_s + cfg.comm.timeout_s
         topo = Topology(dp, pp)
         device = torch.device("cuda", 0) if cfg.scaling.uses_gpu and torch.cuda.is_available() else torch.device("cpu")
         t.append(time.perf_counter())
@@ -118,25 +145,52 @@ class TrainWorker:
                              collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s,
                              aborted=lambda: self._aborted_upto >= generation > 0)
         t.append(time.perf_counter())
-        trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device, ps=ps)
+        shards, moved = self._fetch(sources) if sources else ([], {"bytes": 0, "seconds": 0.0})
+        t.append(time.perf_counter())
+        trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
+                               held=held)
+        del held
         t.append(time.perf_counter())
         step = 0
         if sources:
             mine = set(trainer.blocks)
-            shards = [self._shard(s) for s in sources]
             step = trainer.load([s for s in shards if mine & set(s["blocks"])])
+        del shards
         t.append(time.perf_counter())
+        self._build_key = _build_key(cfg, device)
         self.trainer, self.rank = trainer, rank
         log.info("[%s] worker %d: rank %d of dp=%d x pp=%d, blocks %s, at step %d (%s)", self.run_name,
                  self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
         return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
-                "timings": dict(zip(("reset", "groups", "build", "load"), (b - a for a, b in zip(t, t[1:]))))}
+                "timings": dict(zip(("reset", "groups", "fetch", "build", "load"), (b - a for a, b in zip(t, t[1:])))),
+                "moved": moved, "build": trainer.build_info}
 
-    def _shard(self, source) -> dict:
-        if isinstance(source, tuple) and source[0] == "local":
-            return self.copies.local_copy(source[1])
-        return ray.get(source)
+    def _held_blocks(self, cfg: TrainerConfig):
+        """The blocks of the last stage (kept by ``reset``), to reuse in the next if built alike."""
+        kept, self._kept = self._kept, None
+        if kept is None or kept[0] != _build_key(cfg, kept[2]):
+            return None
+        return kept[1]
+
+    def _fetch(self, sources: list) -> tuple[list[dict], dict]:
+        """The shards to load: local copies as they are, the others fetched at once (in
+        parallel). ``moved``: bytes that came from other workers' copies, and the seconds
+        that took (``("own", ref)`` is this worker's own object-store part: not moved)."""
+        out: list = [None] * len(sources)
+        remote = {}
+        for i, s in enumerate(sources):
+            if isinstance(s, tuple) and s[0] == "local":
+                out[i] = self.copies.local_copy(s[1])
+            elif isinstance(s, tuple) and s[0] == "own":
+                out[i] = ray.get(s[1])
+            else:
+                remote[i] = s
+        t0 = time.perf_counter()
+        for i, shard in zip(remote, ray.get(list(remote.values()))):
+            out[i] = shard
+        moved = {"bytes": sum(shard_nbytes(out[i]) for i in remote), "seconds": time.perf_counter() - t0}
+        return out, moved
 
     def reset(self) -> None:
         """Leave the process groups and drop the stage; keep local copies.
@@ -147,24 +201,42 @@ class TrainWorker:
         of waiting out their collective timeout.
         """
         had_stage = self.trainer is not None
+        with self._snap_cv:
+            self._jobs.clear()  # a part nobody took ends its lease here
+            self._ended = 0
+            self._setups += 1
+            self._snap_cv.notify_all()
         if had_stage:
             self.trainer.close()
+            # The blocks outlive the stage: a restore into the next plan reuses those it keeps.
+            self._kept = (self._build_key, self.trainer.release_blocks(), self.trainer.device)
         self.trainer = None
         self.rank = None
         if had_stage:
             gc.collect()  # the stage's reference cycles hold the groups
         destroy_groups()
 
-    @ray.method(concurrency_group="train", num_returns=2)
-    def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None) -> tuple[dict, dict | None]:
-        """Run ``step``. With ``snapshot``, keep a local copy of this rank's state after it,
-        and return the part holding ``put_blocks`` (all of it if None; None if empty) as
-        the second result: returned, not put, so the caller (the controller) owns the object.
-        A rank that writes all its blocks keeps no other copy: the returned object is it."""
+    @ray.method(concurrency_group="train")
+    def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None) -> dict:
+        """Run ``step``. With ``snapshot``, start taking this rank's state after it; the copy
+        overlaps the next step (``checkpoint.overlap``), and ``snapshot_part`` hands over the
+        part holding ``put_blocks``. Other ranks keep it as a local copy; a rank that writes
+        all its blocks lends its live state for the object store to copy, and keeps no other
+        copy: the part written is it."""
+        job = None
         try:
             if self._faults.pop(("raise", step), None):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             r = self.trainer.train_step(step)
+            if snapshot:
+                t0 = time.perf_counter()
+                delay = self._faults.get("slow_snapshot")
+                if delay:
+                    time.sleep(delay)  # a test's stand-in for a snapshot that costs the step this long
+                job = self._begin_snapshot(step, put_blocks)
+                started = time.perf_counter() - t0
+                if not self._overlap:
+                    self.trainer.snapshots.wait()  # synchronous: the step ends once the state is out
         except BaseException as e:
             log.warning("[%s] worker %d: step %d failed on rank %s: %s: %s", self.run_name, self.worker_id, step,
                         self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
@@ -173,23 +245,56 @@ class TrainWorker:
             traceback.clear_frames(e.__traceback__)
             self.reset()
             raise
-        shard = None
-        if snapshot:
-            writes_all = put_blocks is not None and set(put_blocks) >= set(self.trainer.blocks)
-            shard = self.trainer.live_part(step) if writes_all else None
-            # A rank that writes its whole state has the object store copy it straight from
-            # the live tensors as the step returns, and that object, on this node, serves as
-            # this step's local copy (the controller knows it): one copy instead of two.
-            if shard is None:
-                # What a snapshot costs the step: one local copy (and its write into the object store).
-                shard = self.trainer.export(step)
-                self.copies.add_local(step, shard)
-                if put_blocks is not None:
-                    shard = select_blocks(shard, put_blocks) if put_blocks else None
-        return ({"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
-                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
-                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
-                 "snapshot_bytes": shard_nbytes(shard) if shard else 0}, shard)
+        finally:
+            with self._snap_cv:
+                self._ended = max(self._ended, step)
+                self._snap_cv.notify_all()
+        return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
+                "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
+                "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
+                "snapshot_wait_s": r.snapshot_wait_s,
+                "snapshot_start_s": (time.perf_counter() - t0 if not self._overlap else started) if job else 0.0,
+                "snapshot_bytes": job.nbytes if job and put_blocks else 0,
+                "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes}
+
+    def _begin_snapshot(self, step: int, put_blocks: list[int] | None):
+        writes_all = bool(put_blocks) and set(put_blocks) >= set(self.trainer.blocks)
+        job = self.trainer.begin_snapshot(step, lend=writes_all)
+        if not job.lent:
+            def keep(fut, step=step):
+                if fut.exception() is None:
+                    self.copies.add_local(step, fut.result())
+            job.future.add_done_callback(keep)
+        with self._snap_cv:
+            for old in [s for s in self._jobs if s < step]:
+                del self._jobs[old]
+            self._jobs[step] = job
+            self._snap_cv.notify_all()
+        return job
+
+    @ray.method(concurrency_group="snapshot")
+    def snapshot_part(self, step: int, blocks: list[int]) -> dict:
+        """The object-store part of ``step``'s snapshot that holds ``blocks``: returned, not put, so
+        the caller (the controller) owns the object and it outlives this worker. Ray writes it
+        into the object store on this call's thread while the next step runs."""
+        deadline = time.monotonic() + self._snapshot_wait_s
+        with self._snap_cv:
+            setups = self._setups
+            while step not in self._jobs and self._ended < step and self._setups == setups:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"worker {self.worker_id}: step {step} did not end within "
+                                       f"{self._snapshot_wait_s:g} s, so its snapshot part is not there")
+                self._snap_cv.wait(left)
+            if self._setups != setups:
+                raise RuntimeError(f"worker {self.worker_id}: set up again before step {step} ended; "
+                                   "its snapshot part is abandoned")
+            job = self._jobs.get(step)
+            if job is None:
+                raise RuntimeError(f"worker {self.worker_id}: step {step} ended without a snapshot")
+            if job.lent:
+                return job.take_part()
+        return select_blocks(job.copied(self._snapshot_wait_s), blocks)
 
     # -- snapshots and restore sources --------------------------------------------
     @ray.method(concurrency_group="control")
@@ -223,12 +328,15 @@ class TrainWorker:
     # -- fault injection, for chaos tests and demos --------------------------------
     def inject_fault(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
         """Chaos hooks: ``raise`` an exception inside ``step``; hold the next ``setup``
-        for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``."""
-        if kind == "raise":
+        for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
+        snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it)."""
+        if kind == "slow_snapshot":
+            self._faults["slow_snapshot"] = seconds
+        elif kind == "raise":
             self._faults[("raise", step)] = True
         elif kind == "slow_setup":
             self._faults["setup"] = seconds
         elif kind == "slow_pin":
             self._faults[("pin", step)] = seconds
         else:
-            raise ValueError(f"unknown fault kind {kind!r}; use raise, slow_setup or slow_pin")
+            raise ValueError(f"unknown fault kind {kind!r}; use raise, slow_setup, slow_pin or slow_snapshot")

@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from ..checkpoint.flat import ShardExporter
-from ..checkpoint.state import block_of, export_shard, load_into, merge_shards, pick_comm
+from ..checkpoint.state import load_into, merge_shards, pick_comm
 from ..comm.algorithms import ring_allreduce_bytes
 from ..comm.stats import CommStats
 from ..comm.grad_sync import GradSync
@@ -25,12 +24,13 @@ from ..comm.parameter_server import PSClient
 from ..config import TrainerConfig, TrainSection
 from ..data.dataset import TokenDataset, ensure_prepared
 from ..data.sampler import GlobalSampler
-from ..models.factory import build_blocks
 from ..parallel.partition import stage_indices_for_rank
 from ..parallel.topology import Topology
+from .block_build import build_rank_blocks
 from .block_forward import AUTOCAST_DTYPES, autocast_call, wrap_block
 from .loss_scale import LossScaler
 from .process_group import Groups
+from .snapshot_taker import SnapshotJob, SnapshotTaker
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -57,6 +57,7 @@ class StepResult:
     loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
     skipped: bool = False            # fp16: a gradient overflowed on some rank, so no rank applied the step
     dense_bytes: int = 0   # what an uncompressed all-reduce of every gradient would have sent
+    snapshot_wait_s: float = 0.0  # the update waited this long for the previous step's snapshot
 
 
 class StageTrainer:
@@ -69,7 +70,11 @@ class StageTrainer:
         stage_bounds: list[tuple[int, int]],
         device: torch.device,
         ps: tuple | None = None,
+        restoring: bool = False,
+        held: dict[int, nn.Module] | None = None,
     ):
+        """``restoring``: the state will be loaded from a snapshot, so blocks are not initialised
+        (see ``block_build``); ``held``: the blocks this worker's previous plan gave it, to reuse."""
         self.cfg, self.topo, self.rank, self.groups, self.device = cfg, topo, rank, groups, device
         self.replica, self.pp_rank = topo.coords(rank)
         p = cfg.parallel
@@ -80,13 +85,11 @@ class StageTrainer:
         self.stage_ids = stage_indices_for_rank(self.pp_rank, topo.pp, virtual)
         self.stage_bounds = {s: stage_bounds[s] for s in self.stage_ids}
 
-        # Every rank builds the whole model from the run's seed and keeps its
-        # blocks, so initial weights match a single-process run exactly.
-        blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+        own = [i for a, b in self.stage_bounds.values() for i in range(a, b)]
+        blocks, loss_fn, self.build_info = build_rank_blocks(cfg.model, cfg.train.seed, own, device, restoring, held)
         train = cfg.train
-        for a, b in self.stage_bounds.values():
-            for block in blocks[a:b]:
-                wrap_block(block, train.precision, train.activation_checkpointing)
+        for i in self.build_info["built"]:  # held blocks are wrapped already
+            wrap_block(blocks[i], train.precision, train.activation_checkpointing)
         loss_fn = autocast_call(loss_fn, AUTOCAST_DTYPES[train.precision])
         self.scaler = (LossScaler(train.loss_scale_init, train.loss_scale_growth_interval)
                        if train.precision == "fp16" else None)
@@ -96,12 +99,12 @@ class StageTrainer:
         self._loss_mult = 1.0
         self.loss_fn = loss_fn if self.scaler is None else (lambda out, tgt: loss_fn(out, tgt) * self._loss_mult)
         self.modules = {
-            s: nn.Sequential(*blocks[a:b]).to(device) for s, (a, b) in self.stage_bounds.items()
+            s: nn.Sequential(*(blocks[i] for i in range(a, b))) for s, (a, b) in self.stage_bounds.items()
         }
         del blocks
         self.params = [p for m in self.modules.values() for p in m.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.train)
-        self.exporter = ShardExporter()  # snapshot buffers, reused
+        self.snapshots = SnapshotTaker(device, cfg.comm.timeout_s)
         named = list(self.named_parameters())
         comm = cfg.comm
         # The pipeline schedules are built not to scale gradients (scale_grads=False):
@@ -151,6 +154,13 @@ class StageTrainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().cpu().clone() for name, p in self.named_parameters()}
 
+    def release_blocks(self) -> dict[int, nn.Module]:
+        """This rank's blocks by global index, for the next plan to reuse (after ``close``); their
+        gradients are dropped."""
+        for p in self.params:
+            p.grad = None
+        return {a + j: m for s, (a, _) in self.stage_bounds.items() for j, m in enumerate(self.modules[s])}
+
     @property
     def blocks(self) -> list[int]:
         return [i for a, b in self.stage_bounds.values() for i in range(a, b)]
@@ -171,22 +181,20 @@ class StageTrainer:
                     comm.setdefault(name, {})[kind] = value
         return comm, meta
 
-    def export(self, step: int) -> dict:
-        """A copy of this rank's state after ``step``: parameters, AdamW state, and the comm
-        layer's (error-feedback residuals, PowerSGD's Q, DiLoCo's outer state)."""
+    def begin_snapshot(self, step: int, lend: bool) -> SnapshotJob:
+        """Start taking this rank's state after ``step`` without waiting for it (see
+        ``snapshot_taker``): parameters, AdamW state, and the comm layer's (error-feedback
+        residuals, PowerSGD's Q, DiLoCo's outer state, captured now). ``lend``: the whole
+        state goes into the object store, so lend the live tensors instead of copying them."""
         comm, meta = self._comm_state()
-        return self.exporter.export(step, self.named_parameters(), self.optimizer, self.blocks, block_of,
-                                    extra=self._extra(), comm=comm, comm_meta=meta)
+        return self.snapshots.begin(step, lend, self.named_parameters(), self.optimizer, self.blocks,
+                                    self._extra(), comm, meta)
 
-    def live_part(self, step: int) -> dict | None:
-        """This rank's whole state after ``step`` as views of the live tensors, or None where
-        they are not in host memory. For the object store to copy as the step returns: the
-        views are valid only until the next step changes the tensors."""
-        if self.device.type != "cpu":
-            return None
-        comm, meta = self._comm_state()
-        return export_shard(step, self.named_parameters(), self.optimizer, self.blocks, extra=self._extra(),
-                            comm=comm, comm_meta=meta, copy=False)
+    def export(self, step: int) -> dict:
+        """A copy of this rank's state after ``step``, made now."""
+        job = self.begin_snapshot(step, lend=False)
+        self.snapshots.wait()
+        return job.copied()
 
     def _extra(self) -> dict:
         """Training state beside parameters and optimizer: fp16's loss scale (the same on every rank)."""
@@ -199,6 +207,7 @@ class StageTrainer:
         shard was written by this replica index under the same dp and codec,
         and start from zero elsewhere (the gradient they owed is dropped).
         """
+        self.snapshots.wait()
         names = [n for n, _ in self.named_parameters()]
         step, params, optim = merge_shards(shards, names)
         load_into(self.named_parameters(), self.optimizer, params, optim)
@@ -219,8 +228,9 @@ class StageTrainer:
         return step
 
     def close(self) -> None:
-        """Stop the comm thread and drop the gradient hooks (they reference the groups)."""
+        """Stop the comm and copy threads and drop the gradient hooks (they reference the groups)."""
         self.sync.close()
+        self.snapshots.close()
 
     # -- one step -------------------------------------------------------------
     def _batch(self, step: int):
@@ -275,6 +285,8 @@ class StageTrainer:
             if not skipped:
                 self.scaler.unscale_(grads)  # by this step's scale, before update() may change it
             self.scaler.update(skipped)
+        # The update below writes the state the previous step's snapshot may still be reading.
+        waited = self.snapshots.wait()
         # On an overflow every rank found it alike (found_inf agrees over the world): none clips or steps.
         if not skipped:
             if self.cfg.train.grad_clip is not None:
@@ -289,13 +301,14 @@ class StageTrainer:
                 self.optimizer.step()
         if self.model_avg is not None:
             exposed += self.model_avg.maybe_sync(step, stats)
-        compute_s = time.perf_counter() - t0 - exposed
+        compute_s = time.perf_counter() - t0 - exposed - waited
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
         if loss is not None and scale is not None:
             loss /= self._loss_mult
         gb = self.cfg.train.global_batch_size
         return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, (step - 1) * gb,
-                          exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped)
+                          exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped,
+                          snapshot_wait_s=waited)
 
     def _clip(self, max_norm: float, stats: CommStats) -> None:
         """Clip by the norm over the whole model: after DP averaging every replica holds

@@ -27,6 +27,9 @@ def config(corpus, name, steps=24, **sections):
     sections.setdefault("failure", {})
     sections["failure"] = {**FAST_FAILURE, **sections["failure"]}
     sections.setdefault("comm", {"timeout_s": 20})
+    # These tests pin down what a recovery redoes, so a snapshot every step (auto spaces them out:
+    # tests/integration/test_snapshot_budget.py).
+    sections["checkpoint"] = {"memory_every": 1, **sections.get("checkpoint", {})}
     return TrainerConfig.from_dict(tiny_config(corpus, run={"name": name}, train={"steps": steps}, **sections))
 
 
@@ -88,6 +91,12 @@ def test_node_loss_at_2x2_replans_survivors_and_follows_the_loss_curve(fresh_clu
     assert rec["steps_redone"] <= 1
     assert rec["sources"] == {"live": len(block_param_counts(cfg.model))}
     expected = choose_plan(cfg, 3)
+    # 2 x 2 -> 2 x 1: the survivors keep the blocks they held and build only those they gain,
+    # fetched from the live copies of the others.
+    n_blocks = len(block_param_counts(cfg.model))
+    assert rec["blocks_reused"] > 0 and rec["blocks_built"] > 0
+    assert rec["blocks_reused"] + rec["blocks_built"] == expected.dp * n_blocks
+    assert rec["restore_bytes"] > 0 and rec["restore_rate_bytes_s"] > 0
     assert (rec["plan_after"]["dp"], rec["plan_after"]["pp"]) == (expected.dp, expected.pp)
     # Survivors kept their processes.
     after = pids(result)

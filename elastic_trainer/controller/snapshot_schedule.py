@@ -1,0 +1,138 @@
+"""When snapshots are taken: every ``checkpoint.memory_every`` steps, or at an interval measured to fit a budget.
+
+With ``memory_every: auto`` the schedule measures what a snapshot costs under
+the plan in force and picks the longest-safe interval that keeps snapshots
+under ``checkpoint.max_overhead`` of step time, as CheckFreq (FAST'21) tunes
+its checkpoint frequency. After every (re)plan:
+
+1. warm-up: ``WARMUP`` periods with a snapshot each (the first steps after a
+   set-up are slow, and these snapshots keep the run safe meanwhile);
+2. ``SAMPLES`` periods with a snapshot each, then one period without whose
+   time is not used (it still carries the last snapshot's copy), then
+   ``SAMPLES`` periods without;
+3. cost = median(with) - median(without), a snapshot's whole effect on the
+   step, whatever hides it (a stall, a copy beside compute, object-store and
+   pinning work competing for the same cores); interval = the fewest periods
+   with cost / (interval x period time) <= max_overhead.
+
+A period is one step, or with local SGD / DiLoCo the ``comm.local_steps``
+steps between two meetings of the replicas (a snapshot must hold one model,
+so it is taken only where they have just met). A step at which a durable
+checkpoint is due always takes a snapshot (the checkpoint is written from it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ..config import TrainerConfig
+
+WARMUP = 3
+SAMPLES = 5
+
+
+class SnapshotSchedule:
+    """Which steps take a snapshot; ``choice`` holds the last interval measured (auto only)."""
+
+    def __init__(self, cfg: TrainerConfig):
+        ck, comm = cfg.checkpoint, cfg.comm
+        self.cfg = cfg
+        self.auto = ck.memory_every == "auto"
+        self.unit = comm.local_steps if comm.sync in ("local_sgd", "diloco") else 1
+        self.interval = 1 if self.auto else ck.memory_every   # periods (auto) or steps between snapshots
+        self.last_taken = 0
+        self.choice: dict | None = None
+        self._start_period = 0
+        self._with: list[float] = []
+        self._without: list[float] = []
+        self._period_s = 0.0
+        self._requested = False
+
+    def restart(self, step: int) -> None:
+        """A plan was set up at ``step`` (its state is a snapshot or the seed): measure again."""
+        self.last_taken = step
+        self._start_period = -(-step // self.unit)
+        self._with, self._without, self._period_s = [], [], 0.0
+        if self.auto:
+            self.interval = 1
+
+    def _phase(self, step: int) -> str:
+        """'warmup', 'with', 'gap', 'without' while measuring (auto only), else 'chosen'."""
+        k = -(-step // self.unit) - self._start_period  # period of the step, from 1 after the set-up
+        if not self.auto or self.choice_done:
+            return "chosen"
+        if k <= WARMUP:
+            return "warmup"
+        if k <= WARMUP + SAMPLES:
+            return "with"
+        if k == WARMUP + SAMPLES + 1:
+            return "gap"
+        return "without"
+
+    @property
+    def choice_done(self) -> bool:
+        return len(self._without) >= SAMPLES
+
+    def _meets(self, step: int) -> bool:
+        return step % self.unit == 0
+
+    def request(self) -> None:
+        """Take a snapshot at the next step where one can be taken (a re-plan to grow waits for it)."""
+        self._requested = True
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` takes a snapshot."""
+        if not self._meets(step):
+            return False
+        if self._requested:
+            return True
+        durable = self.cfg.checkpoint.durable_every
+        if durable and self.cfg.checkpoint.storage and step % durable == 0:
+            return True
+        if not self.auto:
+            return step % self.interval == 0
+        phase = self._phase(step)
+        if phase in ("warmup", "with"):
+            return True
+        if phase in ("gap", "without"):
+            return False
+        return step - self.last_taken >= self.interval * self.unit
+
+    def taken(self, step: int) -> None:
+        self.last_taken = step
+        self._requested = False
+
+    def observe(self, step: int, step_s: float) -> dict | None:
+        """Count a completed step's time; returns the choice once one is made (auto only)."""
+        if not self.auto or self.choice_done:
+            return None
+        phase = self._phase(step)
+        self._period_s += step_s
+        if not self._meets(step):
+            return None
+        period_s, self._period_s = self._period_s, 0.0
+        if phase == "with":
+            self._with.append(period_s)
+        elif phase == "without":
+            self._without.append(period_s)
+        if not self.choice_done:
+            return None
+        with_s, without_s = statistics.median(self._with), statistics.median(self._without)
+        cost = max(0.0, with_s - without_s)
+        budget = self.cfg.checkpoint.max_overhead
+        self.interval = max(1, math.ceil(cost / (budget * without_s) - 1e-9)) if without_s > 0 else 1
+        self.choice = {
+            "step": step, "interval": self.interval * self.unit, "snapshot_cost_s": cost, "step_s": without_s / self.unit,
+            "expected_overhead": cost / (self.interval * without_s) if without_s > 0 else 0.0,
+            "max_overhead": budget,
+            # A failure restores the last committed snapshot: up to one interval of steps is run again,
+            # and one more while the newest snapshot is still being pinned.
+            "redo_steps": self.interval * self.unit + 1,
+        }
+        return self.choice
+
+    def describe(self) -> dict:
+        """For ``status``: the interval in force, whether it is still being measured, the last choice."""
+        return {"mode": "auto" if self.auto else "fixed", "interval": self.interval * self.unit,
+                "measuring": self.auto and not self.choice_done, "choice": self.choice}

@@ -1,0 +1,59 @@
+"""Building a rank's blocks: from the run's seed at the start, and at a restore only what the rank lacks.
+
+At the start every rank builds the whole model from the seed and keeps its
+blocks, so initial weights match a single-process run exactly. At a restore
+the weights come from a snapshot, so initialising them is wasted work (at
+40 M parameters it was most of the restore): the blocks a rank already held
+are kept as they are, and the ones it gains are built on the meta device
+(shapes only) and given uninitialised memory, which the load then fills.
+
+Snapshots hold parameters and optimizer state, not buffers, so a block
+gained with buffers (a causal mask, running statistics) is built for real;
+so is everything when the factory cannot build on the meta device.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import ModelSection
+from ..models.factory import build_blocks
+
+log = logging.getLogger(__name__)
+
+
+def _has_state_outside_params(m) -> bool:
+    return isinstance(m, nn.Module) and any(True for _ in m.buffers())
+
+
+def build_rank_blocks(model: ModelSection, seed: int, own: list[int], device: torch.device,
+                      restoring: bool, held: dict[int, nn.Module] | None = None
+                      ) -> tuple[dict[int, nn.Module], Callable, dict]:
+    """This rank's blocks on ``device`` and the loss, plus what was done: ``{"reused": [..],
+    "built": [..], "init": "seed" | "empty"}``. ``held``: blocks of the rank's previous
+    plan, still on ``device``, reused when ``restoring`` (their values are overwritten by the load)."""
+    held = held if restoring and held else {}
+    need = [i for i in own if i not in held]
+    if not restoring:
+        blocks, loss_fn = build_blocks(model, seed)
+        return {i: blocks[i].to(device) for i in own}, loss_fn, {"reused": [], "built": list(own), "init": "seed"}
+    blocks = loss_fn = None
+    try:
+        with torch.device("meta"):
+            blocks, loss_fn = build_blocks(model, seed)
+    except Exception as e:  # noqa: BLE001 - a factory that needs real tensors: build for real below
+        log.info("model factory cannot build on the meta device (%s: %s); building its blocks for real",
+                 type(e).__name__, e)
+    if blocks is None or _has_state_outside_params(loss_fn) or any(_has_state_outside_params(blocks[i]) for i in need):
+        blocks, loss_fn = build_blocks(model, seed)
+        init = "seed"
+        out = {i: blocks[i].to(device) for i in need}
+    else:
+        init = "empty"
+        out = {i: blocks[i].to_empty(device=device) for i in need}
+    out.update({i: held[i] for i in own if i in held})
+    return out, loss_fn, {"reused": sorted(held.keys() & set(own)), "built": need, "init": init}

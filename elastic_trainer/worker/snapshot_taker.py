@@ -1,0 +1,141 @@
+"""Snapshots off the critical path: the copy overlaps the next step, and the update that would overwrite it waits.
+
+A snapshot of step N must hold the state after N's optimizer update. The
+next step's forward and backward only read parameters and AdamW moments (they
+write gradients), so the copy can run beside them; only the next update (or a
+parameter-server pull, or a restore) writes the state, and that waits for what
+is still in flight (``SnapshotTaker.wait``). Two ways to take it:
+
+- copy: a thread copies the state into flat buffers that are reused
+  (``checkpoint.flat.ShardExporter``); on a GPU, device-to-host on a side
+  stream that first waits for an event recorded on the compute stream, into
+  pinned buffers. The copy becomes the local copy and, where the rank writes
+  some blocks, the object-store part.
+- lend: a rank that writes its whole state into the object store lends the
+  live CPU tensors (``checkpoint.lease.Lease``): Ray's own write into the object
+  store, on the actor's snapshot thread, is then the only copy.
+
+One snapshot is in flight at a time, so the extra host memory is one copy of
+the rank's state (the buffer being filled; lent views cost nothing). The
+error-feedback residuals, DiLoCo state and fp16 scale change during the next
+backward, so they are captured before the step returns (they are copies).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..checkpoint.flat import ShardExporter
+from ..checkpoint.lease import Lease
+from ..checkpoint.state import block_of, export_shard
+
+
+class SnapshotTimeout(RuntimeError):
+    """The state of a snapshot was still being read when the training thread needed to change it."""
+
+
+class SnapshotJob:
+    """One snapshot in flight: a copy (``future``) or lent views (``lease`` with ``part``)."""
+
+    def __init__(self, step: int, nbytes: int, future: Future | None = None, lease: Lease | None = None,
+                 part: dict | None = None):
+        self.step, self.nbytes = step, nbytes
+        self.future, self.lease, self._part = future, lease, part
+
+    @property
+    def lent(self) -> bool:
+        return self.lease is not None
+
+    def copied(self, timeout: float | None = None) -> dict:
+        """The copy, once made (copy jobs only)."""
+        return self.future.result(timeout)
+
+    def take_part(self) -> dict:
+        """The lent part, handed over once: the lease ends when the taker lets go of it."""
+        part, self._part = self._part, None
+        if part is None:
+            raise RuntimeError(f"the lent part of step {self.step} was already taken")
+        return part
+
+    def done(self) -> bool:
+        return self.future.done() if self.future is not None else self.lease.outstanding == 0
+
+    def wait(self, timeout: float) -> None:
+        """Until the live state may change again; raises ``SnapshotTimeout`` after ``timeout``."""
+        if self.future is not None:
+            try:
+                self.future.result(timeout)
+            except TimeoutError:
+                raise SnapshotTimeout(f"snapshot of step {self.step}: the copy of {self.nbytes / 1e6:.0f} MB "
+                                      f"is not done after {timeout:g} s") from None
+        elif not self.lease.wait(timeout):
+            raise SnapshotTimeout(
+                f"snapshot of step {self.step}: the object store still reads the live state "
+                f"({self.lease.outstanding} arrays) after {timeout:g} s"
+                + ("" if self._part is None else "; nobody took the part"))
+
+
+class SnapshotTaker:
+    """Takes one rank's snapshots (see the module docstring). ``wait_timeout_s`` bounds the barrier."""
+
+    def __init__(self, device: torch.device, wait_timeout_s: float):
+        self.device = device
+        self.wait_timeout_s = wait_timeout_s
+        self.exporter = ShardExporter(pinned=device.type == "cuda")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-copy")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.job: SnapshotJob | None = None
+
+    def begin(self, step: int, lend: bool, named_params, optimizer, blocks: list[int], extra: dict,
+              comm: dict, comm_meta: dict) -> SnapshotJob:
+        """Start taking the state after ``step``; ``lend``: the whole state goes to the object store."""
+        self.wait()
+        named = list(named_params)
+        nbytes = sum(p.nbytes + sum(v.nbytes for v in (optimizer.state.get(p) or {}).values() if torch.is_tensor(v))
+                     for _, p in named)
+        if lend and self.device.type == "cpu":
+            lease = Lease()
+            part = export_shard(step, named, optimizer, blocks, extra=extra, comm=comm, comm_meta=comm_meta,
+                                lease=lease)
+            self.job = SnapshotJob(step, nbytes, lease=lease, part=part)
+            return self.job
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # after the update on the compute stream; the copy starts behind it
+
+        def copy() -> dict:
+            if ready is None:
+                return self.exporter.export(step, named, optimizer, blocks, block_of, extra=extra, comm=comm,
+                                            comm_meta=comm_meta)
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                shard = self.exporter.export(step, named, optimizer, blocks, block_of, extra=extra, comm=comm,
+                                             comm_meta=comm_meta, non_blocking=True)
+            self._stream.synchronize()
+            return shard
+
+        self.job = SnapshotJob(step, nbytes, future=self._thread.submit(copy))
+        return self.job
+
+    def wait(self) -> float:
+        """The barrier before the live state changes: seconds waited for the snapshot in flight."""
+        job = self.job
+        if job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        job.wait(self.wait_timeout_s)
+        self.job = None
+        return time.perf_counter() - t0
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host memory in the copy buffers (local copies included)."""
+        return self.exporter.nbytes
+
+    def close(self) -> None:
+        """Let a copy in flight finish (it is a valid copy of its step); lent views keep their tensors alive."""
+        self._thread.shutdown(wait=True)
