@@ -259,6 +259,8 @@ class TrainWorker:
 
     def _begin_snapshot(self, step: int, put_blocks: list[int] | None):
         writes_all = bool(put_blocks) and set(put_blocks) >= set(self.trainer.blocks)
+        if not (writes_all and self.trainer.device.type == "cpu"):
+            self.copies.make_room()  # the copy's buffer is then one that was let go
         job = self.trainer.begin_snapshot(step, lend=writes_all)
         if not job.lent:
             def keep(fut, step=step):

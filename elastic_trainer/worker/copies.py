@@ -30,6 +30,13 @@ class HeldCopies:
             for old in sorted(self.local)[:-self.keep] if self.keep else ():
                 del self.local[old]
 
+    def make_room(self) -> None:
+        """Before a new local copy is made: keep only ``keep - 1``, so that with the one being
+        filled a worker never holds more than ``keep`` copies of its state."""
+        with self._lock:
+            for old in sorted(self.local)[:-(self.keep - 1)] if self.keep > 1 else list(self.local):
+                del self.local[old]
+
     def local_copy(self, step: int) -> dict:
         with self._lock:
             return self.local[step]

@@ -44,6 +44,8 @@ class Recorder:
         m.record_event({"kind": "recovery", "reason": "death", "detect_s": 1.0, "replan_s": 1.0, "restore_s": 1.0,
                         "first_step_s": 1.0, "total_s": 4.0, "time": 1.0})
         m.record_event({"kind": "snapshot", "step": 3, "seconds": 0.1, "bytes": 5})
+        m.record_event({"kind": "snapshot_interval", "step": 3, "interval": 4, "redo_steps": 5,
+                        "snapshot_cost_s": 0.01})
         m.record_event({"kind": "durable_checkpoint", "step": 3, "seconds": 0.2, "bytes": 6})
         return m.enabled
 

@@ -91,3 +91,21 @@ def test_a_rollback_on_the_same_workers_reuses_every_block_and_moves_nothing(clu
     assert rec["restore_bytes"] == 0 and rec["restore_rate_bytes_s"] is None
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
+
+
+def test_auto_measures_again_after_a_recovery(cluster, corpus_dir):
+    cfg = config(corpus_dir, "remeasure", steps=60)
+    target = []
+
+    def inject(rec):
+        if not target:
+            target.append(rec["step"] + 16)  # after the first choice (step 14)
+            ray.get(ray.get_actor("remeasure-rank1-r0s1", namespace=NAMESPACE).inject_fault.remote("raise",
+                                                                                                   step=target[0]))
+
+    result = Trainer(cfg, verbose=False, on_step=inject).fit()
+    [rec] = result.recoveries
+    first, second = choices(result)
+    # Measured from the start, then again from the restored step: warm-up, with, gap, without.
+    assert first["step"] == 14 and second["step"] == rec["restored_step"] + 14
+    assert rec["restored_step"] <= target[0] - 1

@@ -87,6 +87,11 @@ def test_a_worker_keeps_as_many_local_copies_as_the_controller_keeps_snapshots()
     for step in (1, 2, 3):
         held.add_local(step, {"blocks": [0], "step": step})
     assert held.local_blocks() == {2: [0], 3: [0]}
+    # Before the next copy is made, room for it: with it, never more than ``keep`` copies.
+    held.make_room()
+    assert held.local_blocks() == {3: [0]}
+    held.add_local(4, {"blocks": [0], "step": 4})
+    assert held.local_blocks() == {3: [0], 4: [0]}
     # Pins of steps the controller no longer keeps are let go with the next pin request.
     held.pin((2, 0), "part2", keep_from=2)
     held.pin((3, 0), "part3", keep_from=2)
