@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Callable
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 from ..config import ModelSection
 from ..errors import ModelError
 from .gpt import build_gpt
+
+log = logging.getLogger(__name__)
 
 
 def resolve_factory(model: ModelSection) -> Callable[..., tuple[list[nn.Module], Callable]]:
@@ -56,8 +59,29 @@ def build_blocks(model: ModelSection, seed: int) -> tuple[list[nn.Module], Calla
     return blocks, loss_fn
 
 
+def build_blocks_for_shapes(model: ModelSection) -> tuple[list[nn.Module], Callable, bool]:
+    """The blocks for their shapes only: ``(blocks, loss_fn, on_meta)``.
+
+    Built on the meta device, so nothing is allocated, where the factory allows it. The
+    factory's module is imported first, outside the meta device, as any user code would be
+    (a module that makes and reads a tensor when imported fails under it); a build that reads
+    real values (a weight file, a check of what it made) fails on meta and is built for real.
+    """
+    resolve_factory(model)  # imports the user's module, outside the meta device
+    try:
+        with torch.device("meta"):
+            blocks, loss_fn = build_blocks(model, seed=0)
+        return blocks, loss_fn, True
+    except ModelError as e:
+        if not isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
+            raise
+        log.info("model factory %s cannot build on the meta device (%s); building it for real to size it",
+                 model.factory or "gpt", e.__cause__)
+    blocks, loss_fn = build_blocks(model, seed=0)
+    return blocks, loss_fn, False
+
+
 def block_param_counts(model: ModelSection) -> list[int]:
-    """Parameter count per block, built on the meta device so nothing is allocated."""
-    with torch.device("meta"):
-        blocks, _ = build_blocks(model, seed=0)
+    """Parameter count per block (built on the meta device where the factory allows it)."""
+    blocks, _, _ = build_blocks_for_shapes(model)
     return [sum(p.numel() for p in b.parameters()) for b in blocks]

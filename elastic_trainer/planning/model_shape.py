@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelSection, TrainerConfig
-from ..models.factory import build_blocks
+from ..models.factory import build_blocks_for_shapes
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,12 @@ def model_shape(cfg: TrainerConfig) -> ModelShape:
 @functools.lru_cache(maxsize=16)
 def _measure(model_json: str, micro_batch: int, seq_len: int) -> ModelShape:
     model = ModelSection.model_validate_json(model_json)
+    blocks, loss_fn, on_meta = build_blocks_for_shapes(model)
+    if not on_meta:
+        # Running a real build's forward would cost real compute and memory: shapes only.
+        shapes = tuple(tuple(tuple(p.shape) for p in b.parameters()) for b in blocks)
+        return ModelShape(shapes, None, None, why="the factory cannot build on the meta device")
     with torch.device("meta"):
-        blocks, loss_fn = build_blocks(model, seed=0)
         shapes = tuple(tuple(tuple(p.shape) for p in b.parameters()) for b in blocks)
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         try:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import ModelSection
-from ..models.factory import build_blocks
+from ..models.factory import build_blocks, resolve_factory
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def build_rank_blocks(model: ModelSection, seed: int, own: list[int], device: to
         blocks, loss_fn = build_blocks(model, seed)
         return {i: blocks[i].to(device) for i in own}, loss_fn, {"reused": [], "built": list(own), "init": "seed"}
     blocks = loss_fn = None
+    resolve_factory(model)  # the user's module is imported outside the meta device
     try:
         with torch.device("meta"):
             blocks, loss_fn = build_blocks(model, seed)

@@ -90,6 +90,18 @@ def test_user_factory_model_trains_through_a_pipeline(cluster, corpus_dir):
     assert result.history[-1]["loss"] < result.history[0]["loss"]
 
 
+def test_a_factory_module_that_reads_a_tensor_at_import_trains(cluster, corpus_dir):
+    # The module makes and reads a tensor when imported, and its build reads what it made:
+    # both fail under the meta device that sizes the model, so it is imported and built outside it.
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, run={"name": "importtensor"},
+        model={"kind": "factory", "factory": "tests.factory_import_tensor:build", "kwargs": {"width": 16}},
+        parallel={"dp": 1, "pp": 2}, train={"steps": 12, "lr": 1e-2}))
+    result = Trainer(cfg, verbose=False).fit()
+    assert len(result.history) == 12
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+
+
 @pytest.mark.timeout(120)
 def test_fewer_nodes_than_workers_fails_after_a_bounded_wait(cluster, corpus_dir):
     n = NUM_NODES + 1

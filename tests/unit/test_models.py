@@ -43,3 +43,25 @@ def test_user_factory():
 def test_factory_errors(factory, match):
     with pytest.raises(ModelError, match=match):
         build_blocks(ModelSection(factory=factory), seed=0)
+
+
+def test_a_factory_module_that_reads_a_tensor_at_import_is_sized_and_built(monkeypatch):
+    import sys
+
+    from elastic_trainer.planning.model_shape import model_shape
+    from elastic_trainer.worker.block_build import build_rank_blocks
+    from tests.conftest import tiny_config
+    from elastic_trainer.config import TrainerConfig
+
+    monkeypatch.delitem(sys.modules, "tests.factory_import_tensor", raising=False)
+    model = ModelSection(factory="tests.factory_import_tensor:build", kwargs={"width": 8})
+    real, _ = build_blocks(model, seed=0)
+    monkeypatch.delitem(sys.modules, "tests.factory_import_tensor")
+    # Sizing imports the module first (here, for the first time), outside the meta device.
+    assert block_param_counts(model) == [sum(p.numel() for p in b.parameters()) for b in real]
+    cfg = TrainerConfig.from_dict(tiny_config("/tmp/unused", model=model.model_dump()))
+    shape = model_shape(cfg)
+    assert shape.why and "meta" in shape.why  # sized from a real build: shapes, no activations
+    # A restore falls back to a real build of the blocks it gains.
+    blocks, _, info = build_rank_blocks(model, 0, [1, 2], torch.device("cpu"), restoring=True)
+    assert info["init"] == "seed" and sorted(blocks) == [1, 2]

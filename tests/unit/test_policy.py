@@ -93,8 +93,8 @@ def test_a_repeated_choice_does_not_rebuild_the_model(monkeypatch):
     cfg = demo("model.d_model=64")
     choose_plan(cfg, 3)
     calls = []
-    real = model_shape_module.build_blocks
-    monkeypatch.setattr(model_shape_module, "build_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = model_shape_module.build_blocks_for_shapes
+    monkeypatch.setattr(model_shape_module, "build_blocks_for_shapes", lambda *a, **k: calls.append(1) or real(*a, **k))
     for n in (3, 2, 1):
         choose_plan(cfg, n)
     assert calls == []
