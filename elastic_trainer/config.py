@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import ConfigError
 
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -25,8 +26,20 @@ class _Strict(BaseModel):
 class RunSection(_Strict):
     """Naming and reporting."""
 
-    name: str | None = Field(None, description="Run name; actors are named after it. Default: et-<time>.")
+    name: str | None = Field(
+        None, description="Run name; actors, the report file and the weights folder are named after it: "
+                          "letters, digits, '.', '_' and '-', at most 100, starting with a letter or digit. "
+                          "Default: et-<time>.")
     log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "RunSection":
+        # It becomes an actor name and a file name: no path separators, no spaces, nothing hidden.
+        if self.name is not None and not _RUN_NAME_RE.match(self.name):
+            raise ValueError(f"run.name({self.name!r}) must be letters, digits, '.', '_' or '-', at most 100, "
+                             "starting with a letter or digit (e.g. 'gpt-small.run1')")
+        return self
+
     report_dir: str | None = Field(
         "elastic_trainer_reports",
         description="Directory for the run report PNG (<dir>/<run>.png), written at the end of a run, "

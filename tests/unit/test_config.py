@@ -120,3 +120,14 @@ def test_shipped_job_files_are_valid():
 def test_comm_choices_that_do_not_fit_say_what_would(comm, message):
     with pytest.raises(ConfigError, match=message):
         make(comm=comm)
+
+
+@pytest.mark.parametrize("name", ["../etc", "a b", ".hidden", "x/y", "", "n" * 101])
+def test_a_run_name_that_cannot_be_an_actor_or_file_name_is_refused(name):
+    with pytest.raises(ConfigError, match=r"run.name\(.*\) must be letters, digits"):
+        TrainerConfig.from_dict({"data": {"path": "/tmp/x"}, "run": {"name": name}})
+
+
+def test_run_names_of_letters_digits_dots_and_dashes_pass():
+    for name in ("et-20261201-124623", "gpt_small.run1", "overlapTrue"):
+        assert TrainerConfig.from_dict({"data": {"path": "/tmp/x"}, "run": {"name": name}}).run.name == name
