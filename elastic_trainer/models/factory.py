@@ -59,8 +59,8 @@ def build_blocks(model: ModelSection, seed: int) -> tuple[list[nn.Module], Calla
     return blocks, loss_fn
 
 
-def build_blocks_for_shapes(model: ModelSection) -> tuple[list[nn.Module], Callable, bool]:
-    """The blocks for their shapes only: ``(blocks, loss_fn, on_meta)``.
+def build_blocks_for_shapes(model: ModelSection, seed: int = 0) -> tuple[list[nn.Module], Callable, bool]:
+    """The blocks, for their shapes (or for a restore to fill): ``(blocks, loss_fn, on_meta)``.
 
     Built on the meta device, so nothing is allocated, where the factory allows it. The
     factory's module is imported first, outside the meta device, as any user code would be
@@ -70,14 +70,14 @@ def build_blocks_for_shapes(model: ModelSection) -> tuple[list[nn.Module], Calla
     resolve_factory(model)  # imports the user's module, outside the meta device
     try:
         with torch.device("meta"):
-            blocks, loss_fn = build_blocks(model, seed=0)
+            blocks, loss_fn = build_blocks(model, seed)
         return blocks, loss_fn, True
     except ModelError as e:
         if not isinstance(e.__cause__, (RuntimeError, NotImplementedError)):
             raise
         log.info("model factory %s cannot build on the meta device (%s); building it for real to size it",
                  model.factory or "gpt", e.__cause__)
-    blocks, loss_fn = build_blocks(model, seed=0)
+    blocks, loss_fn = build_blocks(model, seed)
     return blocks, loss_fn, False
 
 

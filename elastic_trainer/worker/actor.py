@@ -229,12 +229,10 @@ class TrainWorker:
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             r = self.trainer.train_step(step)
             if snapshot:
-                t0 = time.perf_counter()
                 delay = self._faults.get("slow_snapshot")
                 if delay:
                     time.sleep(delay)  # a test's stand-in for a snapshot that costs the step this long
                 job = self._begin_snapshot(step, put_blocks)
-                started = time.perf_counter() - t0
                 if not self._overlap:
                     self.trainer.snapshots.wait()  # synchronous: the step ends once the state is out
         except BaseException as e:
@@ -253,15 +251,16 @@ class TrainWorker:
                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
                 "snapshot_wait_s": r.snapshot_wait_s,
-                "snapshot_start_s": (time.perf_counter() - t0 if not self._overlap else started) if job else 0.0,
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
                 "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes}
 
     def _begin_snapshot(self, step: int, put_blocks: list[int] | None):
-        writes_all = bool(put_blocks) and set(put_blocks) >= set(self.trainer.blocks)
-        if not (writes_all and self.trainer.device.type == "cpu"):
+        # A rank that writes its whole state lends it: the object-store part is its only copy.
+        lend = (bool(put_blocks) and set(put_blocks) >= set(self.trainer.blocks)
+                and self.trainer.snapshots.can_lend)
+        if not lend:
             self.copies.make_room()  # the copy's buffer is then one that was let go
-        job = self.trainer.begin_snapshot(step, lend=writes_all)
+        job = self.trainer.begin_snapshot(step, lend=lend)
         if not job.lent:
             def keep(fut, step=step):
                 if fut.exception() is None:

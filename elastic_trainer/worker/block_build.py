@@ -14,16 +14,13 @@ so is everything when the factory cannot build on the meta device.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..config import ModelSection
-from ..models.factory import build_blocks, resolve_factory
-
-log = logging.getLogger(__name__)
+from ..models.factory import build_blocks, build_blocks_for_shapes
 
 
 def _has_state_outside_params(m) -> bool:
@@ -41,16 +38,10 @@ def build_rank_blocks(model: ModelSection, seed: int, own: list[int], device: to
     if not restoring:
         blocks, loss_fn = build_blocks(model, seed)
         return {i: blocks[i].to(device) for i in own}, loss_fn, {"reused": [], "built": list(own), "init": "seed"}
-    blocks = loss_fn = None
-    resolve_factory(model)  # the user's module is imported outside the meta device
-    try:
-        with torch.device("meta"):
+    blocks, loss_fn, on_meta = build_blocks_for_shapes(model, seed)
+    if not on_meta or _has_state_outside_params(loss_fn) or any(_has_state_outside_params(blocks[i]) for i in need):
+        if on_meta:
             blocks, loss_fn = build_blocks(model, seed)
-    except Exception as e:  # noqa: BLE001 - a factory that needs real tensors: build for real below
-        log.info("model factory cannot build on the meta device (%s: %s); building its blocks for real",
-                 type(e).__name__, e)
-    if blocks is None or _has_state_outside_params(loss_fn) or any(_has_state_outside_params(blocks[i]) for i in need):
-        blocks, loss_fn = build_blocks(model, seed)
         init = "seed"
         out = {i: blocks[i].to(device) for i in need}
     else:

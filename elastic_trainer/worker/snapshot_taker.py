@@ -89,14 +89,20 @@ class SnapshotTaker:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.job: SnapshotJob | None = None
 
+    @property
+    def can_lend(self) -> bool:
+        """Whether the live state has a host view to lend (CPU); on a GPU it is always copied."""
+        return self.device.type == "cpu"
+
     def begin(self, step: int, lend: bool, named_params, optimizer, blocks: list[int], extra: dict,
               comm: dict, comm_meta: dict) -> SnapshotJob:
-        """Start taking the state after ``step``; ``lend``: the whole state goes to the object store."""
+        """Start taking the state after ``step``; ``lend``: lend the live tensors (needs ``can_lend``)
+        instead of copying them, as a rank whose whole state goes to the object store does."""
         self.wait()
         named = list(named_params)
         nbytes = sum(p.nbytes + sum(v.nbytes for v in (optimizer.state.get(p) or {}).values() if torch.is_tensor(v))
                      for _, p in named)
-        if lend and self.device.type == "cpu":
+        if lend:
             lease = Lease()
             part = export_shard(step, named, optimizer, blocks, extra=extra, comm=comm, comm_meta=comm_meta,
                                 lease=lease)

@@ -184,8 +184,8 @@ class StageTrainer:
     def begin_snapshot(self, step: int, lend: bool) -> SnapshotJob:
         """Start taking this rank's state after ``step`` without waiting for it (see
         ``snapshot_taker``): parameters, AdamW state, and the comm layer's (error-feedback
-        residuals, PowerSGD's Q, DiLoCo's outer state, captured now). ``lend``: the whole
-        state goes into the object store, so lend the live tensors instead of copying them."""
+        residuals, PowerSGD's Q, DiLoCo's outer state, captured now). ``lend``: lend the live
+        tensors instead of copying them (where ``snapshots.can_lend``)."""
         comm, meta = self._comm_state()
         return self.snapshots.begin(step, lend, self.named_parameters(), self.optimizer, self.blocks,
                                     self._extra(), comm, meta)
