@@ -44,6 +44,10 @@ class RunSection(_Strict):
         "elastic_trainer_reports",
         description="Directory for the run report PNG (<dir>/<run>.png), written at the end of a run, "
                     "also when it fails. null: no report.")
+    output_dir: str | None = Field(
+        None, description="Where the final weights go (model.safetensors, by global parameter name); local "
+                          "path or pyarrow filesystem URI. Default: <checkpoint.storage>/<run> when storage "
+                          "is set, else <report_dir>/<run> (elastic_trainer_reports/<run> without a report_dir).")
 
 
 class ModelSection(_Strict):
@@ -142,9 +146,11 @@ class ScalingSection(_Strict):
     workers_per_node: int | None = Field(
         None, ge=1, description="Default: one per GPU on GPU workers, one per node on CPU workers."
     )
-    replica_placement: Literal["spread", "pack"] = Field(
+    replica_placement: Literal["spread", "pack", "strict_spread"] = Field(
         "spread",
-        description="spread: a stage's replicas on different nodes (a live replica survives a node loss); "
+        description="spread: a stage's replicas on different nodes (a live replica survives a node loss) where "
+        "the cluster has the nodes, else packed onto the nodes there are, said in one line at the start; "
+        "strict_spread: wait (up to placement_timeout_s) for one node per worker rather than pack; "
         "pack: a stage's replicas share a node (gradient all-reduce stays on the node).",
     )
     placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the cluster to fit the workers.")
@@ -244,6 +250,14 @@ class FailureSection(_Strict):
     min_step_timeout_s: float = Field(5.0, gt=0, description="Floor of the tightened step timeout.")
     rendezvous_timeout_s: float = Field(30.0, gt=0, description="How long ranks wait for each other when (re)joining process groups.")
     ping_timeout_s: float = Field(1.0, gt=0, description="A worker that does not answer a ping in this long counts as lost.")
+    pin_timeout_s: float = Field(
+        30.0, gt=0, description="A snapshot whose pinned copies are not all stored this long after its step is "
+                                "dropped (its objects freed), and so is one whose pin fails.")
+    storage_retries: int = Field(3, ge=0, description="Retries, with exponential backoff, of a durable write or "
+                                                      "read that failed with a storage error.")
+    allow_fault_injection: bool = Field(
+        False, description="Let clients inject faults into the workers (inject_fault, the slow-snapshot "
+                           "environment hook): for chaos tests and demos; off in production runs.")
 
 
 class TrainerConfig(_Strict):

@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .config import TrainerConfig
 from .controller.controller import Controller
+from .controller.saving import SaveError
 from .data.dataset import TokenDataset, ensure_prepared
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
@@ -33,6 +34,9 @@ class Result:
     plans: list[dict] = field(default_factory=list)  # every plan the run used; history's "plan" indexes it
     model_state: dict[str, Any] | None = None  # global parameter name -> tensor, when asked for
     report_path: str | None = None  # the run report PNG, if written
+    model_path: str | None = None   # the final weights (model.safetensors), written and read back
+    durable_path: str | None = None  # the final durable checkpoint, where checkpoint.storage is set
+    run_id: str | None = None        # the id its durable checkpoints carry
 
     @property
     def failures(self) -> list[dict]:
@@ -60,6 +64,7 @@ class Trainer:
         self.on_step = on_step
         self.verbose = verbose
         self.report_path: str | None = None  # the run report PNG of the last fit
+        self._data: dict = {}                # the data fingerprint, sent to the controller
 
     def fit(self, return_model_state: bool = False, resume: bool = False) -> Result:
         """Train. ``resume``: continue from the newest durable checkpoint in
@@ -69,9 +74,6 @@ class Trainer:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name})})
         cfg = self._check_inputs(cfg)
         started_ray = self._connect(cfg)
-        if started_ray and cfg.scaling.workers_per_node is None:
-            # One machine: every worker lives on the one node there is.
-            cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"workers_per_node": cfg.world_size})})
         try:
             return self._run(cfg, run_name, return_model_state, resume)
         finally:
@@ -102,13 +104,14 @@ class Trainer:
             # Workers do not share the driver's working directory.
             data = data.model_copy(update={"path": os.path.abspath(os.path.expanduser(data.path))})
         ensure_prepared(data)
-        TokenDataset.open(data)
+        self._data = TokenDataset.open(data).fingerprint()
+        run = cfg.run.model_copy(update={"output_dir": output_dir(cfg)})
         comm = cfg.comm
         if comm.constants is not None:
             # Read by the controller (on this node, in another directory) when it re-plans.
             comm = comm.model_copy(update={"constants": os.path.abspath(os.path.expanduser(comm.constants))})
             run_constants(cfg.model_copy(update={"comm": comm}))
-        return cfg.model_copy(update={"data": data, "comm": comm})
+        return cfg.model_copy(update={"data": data, "comm": comm, "run": run})
 
     def _connect(self, cfg: TrainerConfig) -> bool:
         if ray.is_initialized():
@@ -127,7 +130,7 @@ class Trainer:
         controller = ray.remote(Controller).options(
             name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(cfg.model_dump(mode="json"), run_name)
+        ).remote(cfg.model_dump(mode="json"), run_name, self._data)
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
         done_ref = controller.run.remote(return_model_state, resume)
         # What the driver has seen, kept so a failed run still gets its report.
@@ -159,15 +162,32 @@ class Trainer:
                 out = ray.get(done_ref)
             except ray.exceptions.RayTaskError as e:
                 # Ray colours the remote traceback; the report's title wants plain text.
-                error = re.sub(r"\x1b\[[0-9;]*m", "", str(e.as_instanceof_cause()))
+                cause = e.as_instanceof_cause()
+                error = re.sub(r"\x1b\[[0-9;]*m", "", str(cause))
                 self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": error}])
-                raise e.as_instanceof_cause() from None
+                if isinstance(cause, SaveError):
+                    # The controller kept the weights it could not save: take them before it goes.
+                    cause.model_state = ray.get(controller.unsaved_state.remote())
+                raise cause from None
         finally:
             ray.kill(controller, no_restart=True)
         if printer:
             printer.done(out["history"])
+            print(f"weights: {out['model_path']}", flush=True)
         self.report_path = None
         self._report(cfg, run_name, out["history"], out["events"])
         return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
                       workers=out["workers"], plans=out["plans"], model_state=out["model_state"],
-                      report_path=self.report_path)
+                      report_path=self.report_path, model_path=out["model_path"],
+                      durable_path=out["durable_path"], run_id=out["run_id"])
+
+
+def output_dir(cfg: TrainerConfig) -> str:
+    """Where a run's weights go: ``run.output_dir``, else a folder named after the run under
+    ``checkpoint.storage`` where that is set, else beside the reports. Local paths absolute
+    (the controller runs in another directory)."""
+    out = cfg.run.output_dir
+    if out is None:
+        base = cfg.checkpoint.storage or cfg.run.report_dir or "elastic_trainer_reports"
+        out = f"{base.rstrip('/')}/{cfg.run.name}"
+    return out if "://" in out else os.path.abspath(os.path.expanduser(out))

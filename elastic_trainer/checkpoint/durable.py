@@ -2,8 +2,15 @@
 
 Layout under ``storage``::
 
-    step-00000040/shard-000.pt ...   tensors only (torch.save of dicts of tensors)
-    step-00000040/manifest.json      written last: step, files with sha256, blocks, history
+    step-00000040-<run id>/shard-000.pt ...   tensors only (torch.save of dicts of tensors)
+    step-00000040-<run id>/manifest.json      written last: step, run id, config, data
+                                              fingerprint, files with sha256, blocks, history
+
+Every checkpoint belongs to a run (its id is in the directory's name and the
+manifest): a run prunes and restores only its own, so two runs sharing a
+storage never delete or load each other's work. ``--resume`` adopts the run of
+the newest checkpoint there. Directories named ``step-00000040`` (no run id)
+are read, never pruned.
 
 A directory without a manifest is half-written and ignored; a file whose
 checksum does not match marks the checkpoint corrupt, and the loader reports it
@@ -24,6 +31,7 @@ import torch
 
 from ..data.dataset import resolve_filesystem
 from ..errors import ElasticTrainerError
+from .retry import StorageError, with_retries
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -33,8 +41,18 @@ class CheckpointError(ElasticTrainerError):
     """A durable checkpoint is missing, half-written or corrupt."""
 
 
-def _dirname(step: int) -> str:
-    return f"step-{step:08d}"
+def _dirname(step: int, run_id: str | None = None) -> str:
+    return f"step-{step:08d}" + (f"-{run_id}" if run_id else "")
+
+
+def _parse(name: str) -> tuple[int, str | None] | None:
+    """(step, run id or None) of a checkpoint directory's name, or None if it is not one."""
+    if not name.startswith("step-"):
+        return None
+    num, _, run = name[5:].partition("-")
+    if not num.isdigit() or (run and not run.isalnum()):
+        return None
+    return int(num), run or None
 
 
 def _tensors(obj):
@@ -75,78 +93,126 @@ def _to_numpy(obj: dict, step: int, blocks: list[int]) -> dict:
 
 
 class DurableStore:
-    def __init__(self, uri: str):
+    """The durable checkpoints under ``uri``, as seen by the run ``run_id`` (None: by none, as
+    ``--resume`` looks before it adopts one). Storage errors are retried ``retries`` times."""
+
+    def __init__(self, uri: str, run_id: str | None = None, retries: int = 3, backoff_s: float = 0.5):
         self.uri = uri
+        self.run_id = run_id
+        self.retries, self.backoff_s = retries, backoff_s
         self.fs, self.root = resolve_filesystem(uri)
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
 
+    def _retry(self, fn, what: str):
+        return with_retries(fn, f"{what} ({self.uri})", self.retries, self.backoff_s)
+
     def save(self, step: int, shards: list[dict], meta: dict) -> str:
         """Write shards of one step (together covering every block); the manifest goes last."""
         if len({s["step"] for s in shards}) != 1 or shards[0]["step"] != step:
             raise ValueError(f"shards of steps {sorted({s['step'] for s in shards})} given for step {step}")
-        d = self._path(_dirname(step))
-        self.fs.create_dir(d, recursive=True)
-        files = []
+        d = self._path(_dirname(step, self.run_id))
+        files, blobs = [], []
         for i, shard in enumerate(shards):
             buf = io.BytesIO()
             torch.save(_to_torch(shard), buf)
             data = buf.getvalue()
             name = f"shard-{i:03d}.pt"
-            with self.fs.open_output_stream(f"{d}/{name}") as f:
-                f.write(data)
+            blobs.append((name, data))
             files.append({"name": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                           "blocks": list(shard["blocks"])})
-        manifest = {"format": FORMAT, "step": step, "created": time.time(), "files": files, **meta}
-        with self.fs.open_output_stream(f"{d}/{MANIFEST}") as f:
-            f.write(json.dumps(manifest).encode())
+        manifest = {"format": FORMAT, "step": step, "run_id": self.run_id, "created": time.time(),
+                    "files": files, **meta}
+
+        def write():
+            # The whole write again on a retry: a manifest only ever follows every shard it names.
+            self.fs.create_dir(d, recursive=True)
+            for name, data in blobs:
+                with self.fs.open_output_stream(f"{d}/{name}") as f:
+                    f.write(data)
+            with self.fs.open_output_stream(f"{d}/{MANIFEST}") as f:
+                f.write(json.dumps(manifest).encode())
+
+        self._retry(write, f"writing checkpoint {d}")
         return d
 
-    def steps(self) -> list[int]:
-        """Steps that have a checkpoint directory (complete or not), newest first."""
+    def entries(self, own: bool = True) -> list[tuple[int, str]]:
+        """(step, directory name) of the checkpoint directories (complete or not), newest step first:
+        this run's (``own``, where the store has a run id) or every run's.
+
+        A storage that cannot be listed raises :class:`StorageError`: "no checkpoints" is
+        an answer only a listing that worked can give."""
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
-        except OSError:
-            return []
+            infos = self._retry(
+                lambda: self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)),
+                "listing checkpoints")
+        except (PermissionError, IsADirectoryError) as e:
+            raise StorageError(f"cannot list checkpoints in {self.uri}: {type(e).__name__}: {e}") from None
         out = []
         for info in infos:
-            name = info.base_name
-            if info.type == pafs.FileType.Directory and name.startswith("step-") and name[5:].isdigit():
-                out.append(int(name[5:]))
+            parsed = _parse(info.base_name) if info.type == pafs.FileType.Directory else None
+            if parsed and (not own or self.run_id is None or parsed[1] == self.run_id):
+                out.append((parsed[0], info.base_name))
         return sorted(out, reverse=True)
 
+    def steps(self) -> list[int]:
+        """Steps of this run's checkpoint directories (complete or not), newest first."""
+        return [step for step, _ in self.entries()]
+
     def load(self, step: int) -> tuple[list[dict], dict]:
-        """Shards and manifest of one checkpoint, every checksum verified."""
-        d = self._path(_dirname(step))
+        """Shards and manifest of this run's checkpoint of ``step``, every checksum verified."""
+        return self.load_dir(_dirname(step, self.run_id))
+
+    def read_manifest(self, name: str) -> dict:
+        d = self._path(name)
         try:
-            with self.fs.open_input_stream(f"{d}/{MANIFEST}") as f:
-                manifest = json.loads(f.read())
+            raw = self._retry(lambda: _read(self.fs, f"{d}/{MANIFEST}"), f"reading {d}/{MANIFEST}")
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {d} has no {MANIFEST}: it was not finished") from None
-        except (OSError, ValueError) as e:
+        except (OSError, StorageError) as e:
             raise CheckpointError(f"checkpoint {d}: unreadable {MANIFEST}: {e}") from None
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {d}: unreadable {MANIFEST}: {e}") from None
+
+    def load_dir(self, name: str) -> tuple[list[dict], dict]:
+        """Shards and manifest of the checkpoint directory ``name``, every checksum verified."""
+        d = self._path(name)
+        manifest = self.read_manifest(name)
         shards = []
         for entry in manifest["files"]:
             try:
-                with self.fs.open_input_stream(f"{d}/{entry['name']}") as f:
-                    data = f.read()
-            except OSError as e:
+                data = self._retry(lambda: _read(self.fs, f"{d}/{entry['name']}"), f"reading {d}/{entry['name']}")
+            except (OSError, StorageError) as e:
                 raise CheckpointError(f"checkpoint {d}: cannot read {entry['name']}: {e}") from None
             if hashlib.sha256(data).hexdigest() != entry["sha256"]:
                 raise CheckpointError(
                     f"checkpoint {d}: {entry['name']} is corrupt (sha256 {hashlib.sha256(data).hexdigest()[:12]}.. "
                     f"!= manifest {entry['sha256'][:12]}.., {len(data)} bytes vs {entry['bytes']})")
             obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-            shards.append(_to_numpy(obj, step, entry["blocks"]))
+            shards.append(_to_numpy(obj, manifest["step"], entry["blocks"]))
         return shards, manifest
 
-    def load_latest(self) -> tuple[list[dict], dict, list[str]] | None:
-        """The newest checkpoint that verifies, and a note for each newer one that did not."""
+    def load_latest(self, own: bool = True) -> tuple[list[dict], dict, list[str]] | None:
+        """The newest checkpoint that verifies, and a note for each newer one that did not.
+
+        ``own``: this run's, newest step first. Otherwise every run's, newest written first
+        (what ``--resume`` continues)."""
         problems = []
-        for step in self.steps():
+        names = [name for _, name in self.entries(own)]
+        if not own:
+            created = {}
+            for name in names:
+                try:
+                    created[name] = self.read_manifest(name).get("created", 0.0)
+                except CheckpointError:
+                    created[name] = -1.0   # unfinished: tried last, for its note
+            names.sort(key=lambda n: created[n], reverse=True)
+        for name in names:
             try:
-                shards, manifest = self.load(step)
+                shards, manifest = self.load_dir(name)
                 return shards, manifest, problems
             except CheckpointError as e:
                 problems.append(str(e))
@@ -155,13 +221,22 @@ class DurableStore:
         return None
 
     def prune(self, keep: int) -> None:
-        """Delete all but the newest ``keep`` complete checkpoints (and older unfinished ones)."""
+        """Delete all but this run's newest ``keep`` complete checkpoints (and its older unfinished
+        ones). Another run's checkpoints, and those of no run, are never touched."""
+        if self.run_id is None:
+            raise ValueError("pruning needs the run id whose checkpoints it may delete")
         complete = 0
-        for step in self.steps():
-            d = self._path(_dirname(step))
-            done = self.fs.get_file_info(f"{d}/{MANIFEST}").type == pafs.FileType.File
+        for _, name in self.entries():
+            d = self._path(name)
+            done = self._retry(lambda: self.fs.get_file_info(f"{d}/{MANIFEST}"),
+                               f"reading {d}").type == pafs.FileType.File
             if done and complete < keep:
                 complete += 1
                 continue
             if complete >= keep:
-                self.fs.delete_dir(d)
+                self._retry(lambda: self.fs.delete_dir(d), f"deleting {d}")
+
+
+def _read(fs, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()

@@ -8,7 +8,13 @@ logged with the run's name. The rooms it composes:
 - ``stepping.StepDriver``: running one step on every rank, and its record;
 - ``snapshots.SnapshotStore``: all snapshot bookkeeping and retention;
 - ``recovery.Recovery``: detect, re-plan, restore (and growth);
-- ``durable_writer.DurableWriter``: durable checkpoints beside the loop.
+- ``durable_writer.DurableWriter``: durable checkpoints beside the loop;
+- ``saving.RunSaver``: the final checkpoint and weights, and the emergency copy.
+
+A worker or node lost at start-up, before the first step, is a failure like
+any mid-run one: the run re-plans on what is left (``Recovery.start_failed``).
+Any other error first saves an emergency copy of the newest snapshot, then
+fails the run with that error.
 
 A failure never restarts the survivors: they are told a new plan
 (``apply_plan``) and load the last committed state from the best source.
@@ -20,6 +26,7 @@ import logging
 import statistics
 import threading
 import time
+import uuid
 
 import ray
 
@@ -33,10 +40,11 @@ from ..naming import worker_name
 from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
 from .durable_writer import DurableWriter
-from .placement import assign_ranks, find_nodes
+from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
 from .recovery import Recovery
 from .run_state import RunState, RunStateMachine
+from .saving import RunSaver, SaveError
 from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
 from .stepping import StepDriver, StepOutcome
@@ -48,11 +56,13 @@ log = logging.getLogger(__name__)
 
 
 class Controller:
-    def __init__(self, cfg_json: dict, run_name: str):
+    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None):
         configure_actor_logging()
         self.cfg = TrainerConfig.model_validate(cfg_json)
         self.cfg_json = cfg_json
         self.run_name = run_name
+        self.run_id = uuid.uuid4().hex[:12]   # its durable checkpoints carry it; a resume adopts the stored one
+        self.data = data or {}                 # the data fingerprint: path, rows, schema
         self.machine = RunStateMachine()
         self.events: list[dict] = []
         self.history: list[dict] = []
@@ -65,9 +75,11 @@ class Controller:
         self.pool = WorkerPool(self.cfg, run_name)
         self.driver = StepDriver(self.cfg)
         ck = self.cfg.checkpoint
-        self.snapshots = SnapshotStore(ck.replicas, ck.snapshots_kept)
+        self.snapshots = SnapshotStore(ck.replicas, ck.snapshots_kept, self.cfg.failure.pin_timeout_s)
         self.schedule = SnapshotSchedule(self.cfg)
-        self.durable = DurableStore(ck.storage) if ck.storage else None
+        self.durable = DurableStore(ck.storage, self.run_id, self.cfg.failure.storage_retries) if ck.storage else None
+        self.saver = RunSaver(self)
+        self.resume_point: tuple | None = None   # the durable restore of --resume, until the first set-up took it
         self.writer: DurableWriter | None = None
         self.recovery = Recovery(self)
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
@@ -152,39 +164,65 @@ class Controller:
             self.counts = block_param_counts(self.cfg.model)
             if self.durable:
                 self.writer = DurableWriter(self.durable, self.cfg, self.cfg_json, self.snapshots, len(self.counts),
-                                            self.event, self.run_name)
-            plan = make_plan(self.cfg)
-            topo = plan.topology
-            nodes = find_nodes(self.cfg.scaling, topo.world_size, {}, self.cfg.scaling.placement_timeout_s)
-            slot_of_rank = assign_ranks(topo, nodes, self.cfg.scaling.replica_placement)
-            # Worker i starts as rank i, named after it (replica, stage) for the dashboard.
-            self.pool.spawn([nodes[slot_of_rank[r]] for r in range(topo.world_size)],
-                            [worker_name(self.run_name, r, *topo.coords(r)) for r in range(topo.world_size)])
-            self.pool.await_joining(self.cfg.scaling.placement_timeout_s, required=True)
-            self.transition(RunState.STARTING)
-            if self.cfg.comm.sync == "parameter_server":
-                self.ps = ParameterServers(self.cfg, self.run_name, ray.get_runtime_context().get_node_id(), topo.dp)
-                if self.writer:
-                    self.writer.ps = self.ps
-            restore = self.recovery.resume_source() if resume else None
-            self.apply_plan(plan, restore, ranks={r: r for r in range(topo.world_size)})
-            self.transition(RunState.RUNNING)
+                                            self.event, self.run_name, self.data)
+            self._start(resume)
             self._loop()
-            self._final_durable()
-            state = self._gather_state() if return_model_state else None
-            self.transition(RunState.FINISHED)
-            log.info("[%s] finished at step %d", self.run_name, self.step)
+            state = self._gather_state()
+            saved = self.saver.final(state)
+            self.transition(RunState.FINISHED, model_path=saved["model_path"])
+            log.info("[%s] finished at step %d; weights at %s", self.run_name, self.step, saved["model_path"])
             return {"history": self.history, "events": self.events, "plan": self.plan.describe(),
-                    "plans": self.plans, "workers": self.pool.table(), "model_state": state}
+                    "plans": self.plans, "workers": self.pool.table(), "run_id": self.run_id,
+                    "model_state": state if return_model_state else None, **saved}
         except BaseException as e:
             log.error("[%s] failed: %s: %s", self.run_name, type(e).__name__, e)
             if not self.machine.ended:  # else the error came after the end; keep it visible
+                if not isinstance(e, SaveError):
+                    # Whatever went wrong, the newest snapshot that survives is saved first.
+                    self.saver.emergency(f"{type(e).__name__}: {e}")
                 self.transition(RunState.FAILED, error=f"{type(e).__name__}: {e}")
             raise
         finally:
             if self.ps:
                 self.ps.kill()
             self.pool.teardown()
+
+    def _start(self, resume: bool) -> None:
+        """Place and start the first workers and set up the first plan. A worker that fails to
+        start, or a node lost during the set-up, is a failure: the run re-plans on what is left."""
+        plan = make_plan(self.cfg)
+        topo = plan.topology
+        nodes = find_nodes(self.cfg.scaling, topo.world_size, {}, self.cfg.scaling.placement_timeout_s)
+        slot_of_rank = assign_ranks(topo, nodes, self.cfg.scaling.replica_placement)
+        rank_nodes = {r: nodes[slot_of_rank[r]] for r in range(topo.world_size)}
+        line = fault_tolerance(topo, rank_nodes, self.cfg.checkpoint.replicas)
+        self.event("placement", nodes=len(set(nodes)), workers=topo.world_size, detail=line)
+        log.info("[%s] placement: %s", self.run_name, line)
+        # Worker i starts as rank i, named after it (replica, stage) for the dashboard.
+        self.pool.spawn([rank_nodes[r] for r in range(topo.world_size)],
+                        [worker_name(self.run_name, r, *topo.coords(r)) for r in range(topo.world_size)])
+        lost = self.pool.await_joining(self.cfg.scaling.placement_timeout_s, required=True)
+        self.transition(RunState.STARTING)
+        if self.cfg.comm.sync == "parameter_server":
+            self.ps = ParameterServers(self.cfg, self.run_name, ray.get_runtime_context().get_node_id(), topo.dp)
+            if self.writer:
+                self.writer.ps = self.ps
+        self.resume_point = self.recovery.resume_source() if resume else None
+        try:
+            if lost:
+                err = WorkerError("workers failed to start: " + "; ".join(
+                    f"worker {w} on node {node[:12]}: {why}" for w, node, why in lost))
+                err.failed_workers = [w for w, _, _ in lost]
+                raise err
+            self.apply_plan(plan, self.resume_point, ranks={r: r for r in range(topo.world_size)})
+        except WorkerError as e:
+            self.recovery.start_failed(e)
+        else:
+            self.transition(RunState.RUNNING)
+
+    def unsaved_state(self) -> dict | None:
+        """The weights of a run whose final save failed, for the driver to keep."""
+        return self.saver.unsaved
 
     def _loop(self) -> None:
         while self.step < self.cfg.train.steps and not self._stop.is_set():
@@ -350,6 +388,8 @@ class Controller:
             # Not a result event (one per step would drown the others): a metric only.
             self.metrics.record_event({"kind": "snapshot", "step": snap.step, "bytes": snap.nbytes,
                                        "seconds": snap.committed_at - snap.started})
+        for snap in self.snapshots.take_dropped():
+            self.event("snapshot_dropped", step=snap.step, reason=snap.dropped)
         self.snapshots.prune()
         if self.ps:
             self.ps.retain(self.snapshots.steps())
@@ -358,24 +398,9 @@ class Controller:
             self.writer.start(step, list(self.history), self.plan.describe())
 
     # -- durable checkpoints -------------------------------------------------------------
-    def _final_durable(self) -> str | None:
-        if not self.writer:
-            return None
-        self.writer.wait()
-        if self.schedule.last_taken != self.step:
-            # The last step has no snapshot: take one so the end is saved exactly.
-            refs = {w: self.pool[w].actor.export_snapshot.remote(self.step) for w in self.ranks.values()}
-            self.snapshots.take_step(self.step, {r: self.pool[w] for r, w in self.ranks.items()}, refs, full=True)
-            if self.ps:
-                self.ps.snapshot(self.step)
-        return self.writer.write(self.step, self.writer.shards(self.step), list(self.history), self.plan.describe())
-
     def emergency_durable(self) -> str | None:
         """On the way out after failures: save the newest committed snapshot, if any."""
-        if not self.writer:
-            return None
-        return self.writer.emergency(self.pool.nodes(), set(self.pool.workers), self.history,
-                                     self.plan.describe() if self.plan else {})
+        return self.saver.emergency("the run is stopping after failures")
 
     # -- the end ------------------------------------------------------------------------
     def _gather_state(self) -> dict:

@@ -28,8 +28,9 @@ class DurableWriter:
     """Writes snapshots of a run into its ``DurableStore`` and reports each write as an event."""
 
     def __init__(self, store: DurableStore, cfg: TrainerConfig, cfg_json: dict, snapshots: SnapshotStore,
-                 n_blocks: int, event: Callable[..., dict], run_name: str):
+                 n_blocks: int, event: Callable[..., dict], run_name: str, data: dict | None = None):
         self.store, self.cfg, self.cfg_json = store, cfg, cfg_json
+        self.data = data or {}   # the data fingerprint (path, rows, schema) the manifest records
         self.snapshots, self.n_blocks, self._event, self.run_name = snapshots, n_blocks, event, run_name
         self.ps = None  # the run's ParameterServers, in that mode: they hold the optimizer state
         self._thread: threading.Thread | None = None
@@ -56,17 +57,21 @@ class DurableWriter:
         if self._thread is not None:
             self._thread.join()
 
-    def write(self, step: int, refs: list, history: list, plan: dict) -> str | None:
-        """Fetch ``refs`` and write them as the checkpoint of ``step``; the path, or None on failure."""
+    def write(self, step: int, refs: list, history: list, plan: dict, raise_errors: bool = False) -> str | None:
+        """Fetch ``refs`` and write them as the checkpoint of ``step``; the path, or None on failure
+        (reported as an event; ``raise_errors``: raised as well)."""
         t0 = time.perf_counter()
         try:
             shards = ray.get(refs, timeout=self.cfg.comm.timeout_s)
-            path = self.store.save(step, shards, {"history": history, "config": self.cfg_json, "plan": plan})
+            path = self.store.save(step, shards, {"history": history, "config": self.cfg_json, "plan": plan,
+                                                  "run_name": self.run_name, "data": self.data})
             self.store.prune(self.cfg.checkpoint.keep_durable)
         except Exception as e:  # noqa: BLE001 - reported as an event; the run goes on from memory
             error = f"{type(e).__name__}: {e}"
             log.error("[%s] durable checkpoint of step %d failed: %s", self.run_name, step, error)
             self._event("checkpoint_problem", detail=f"durable checkpoint of step {step} failed: {error}")
+            if raise_errors:
+                raise
             return None
         seconds = time.perf_counter() - t0
         log.info("[%s] durable checkpoint of step %d at %s (%.2f s)", self.run_name, step, path, seconds)

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from ..checkpoint.compat import resume_differences
 from ..checkpoint.durable import CheckpointError
+from ..checkpoint.retry import StorageError
 from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan
@@ -71,6 +73,22 @@ class Recovery:
         self._quiesce(out)
         self._check_limits(diag)
         self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
+
+    def start_failed(self, err: WorkerError) -> None:
+        """A worker failed to start, or the first set-up failed (a node lost before the first
+        step): one more failure, then the re-plan and restore of any recovery."""
+        ctl, pool = self.ctl, self.ctl.pool
+        ctl.transition(RunState.RECOVERING, step=ctl.step + 1)
+        detected = time.perf_counter()
+        ctl.event("failure", failure="startup", worker=getattr(err, "failed_workers", []), rank=None, node=None,
+                  step=ctl.step + 1, detail=str(err))
+        log.warning("[%s] start-up failed: %s", ctl.run_name, err)
+        self.failures += 1
+        self._check_limits(Diagnosis([], [], [], "startup", str(err)))
+        pool.drop(pool.dead_among(list(pool.workers)))
+        ctl.abort_setups()
+        pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth
+        self.replan_and_restore(None, detected, None, reason="startup")
 
     def step_committed(self) -> None:
         """A step completed: retries are back, and a recovery in progress is complete."""
@@ -247,6 +265,8 @@ class Recovery:
     def restore_point(self) -> tuple[int, dict, dict] | None:
         """(step, block -> Source, where the blocks came from) for the latest step every block has."""
         ctl, pool = self.ctl, self.ctl.pool
+        if ctl.step == 0 and ctl.resume_point is not None:
+            return ctl.resume_point   # --resume, before its first set-up took
         answers = pool.ask("local_steps", list(pool.workers), _QUERY_TIMEOUT_S)
         live = {w: a for w, a in answers.items() if not failed(a)}
         # A rank that wrote its whole state into the object store kept no other copy of it.
@@ -271,15 +291,29 @@ class Recovery:
         return step, chosen, dict(tiers)
 
     def _durable_step_beyond(self, step: int) -> bool:
-        steps = self.ctl.durable.steps() if self.ctl.durable else []
+        try:
+            steps = self.ctl.durable.steps() if self.ctl.durable else []
+        except StorageError as e:
+            self.ctl.event("checkpoint_problem", detail=str(e))
+            return False
         return bool(steps) and steps[0] > step
 
-    def load_durable(self) -> dict:
-        """Load the latest durable checkpoint into the object store: ``{step: {shard: blocks}}``, or {}."""
+    def load_durable(self, resume: bool = False) -> dict:
+        """Load the latest durable checkpoint into the object store: ``{step: {shard: blocks}}``, or {}.
+
+        Mid-run, the run's own newest, and a storage error is a problem noted (the run has
+        other copies). With ``resume``, the newest of any run there, and a storage error fails."""
         ctl = self.ctl
         try:
-            loaded = ctl.durable.load_latest() if ctl.durable else None
+            loaded = ctl.durable.load_latest(own=not resume) if ctl.durable else None
+        except StorageError as e:
+            if resume:
+                raise RunError(f"--resume cannot read checkpoint.storage({self.cfg.checkpoint.storage!r}): {e}") from None
+            ctl.event("checkpoint_problem", detail=str(e))
+            return {}
         except CheckpointError as e:
+            if resume:
+                raise RunError(f"--resume found no usable checkpoint: {e}") from None
             ctl.event("checkpoint_problem", detail=str(e))
             return {}
         if not loaded:
@@ -325,10 +359,20 @@ class Recovery:
         ctl, storage = self.ctl, self.cfg.checkpoint.storage
         if not ctl.durable:
             raise RunError("resume needs checkpoint.storage")
-        durable = self.load_durable()
+        durable = self.load_durable(resume=True)
         if not durable:
             ctl.event("resume", detail=f"no checkpoint in {storage}; starting fresh")
             return None
+        manifest = self.durable_manifest
+        diff = resume_differences(manifest.get("config") or {}, ctl.cfg_json, manifest.get("data"), ctl.data)
+        if diff:
+            raise RunError(f"--resume refuses the checkpoint of step {manifest['step']} in {storage}: it was "
+                           f"trained with another model or data ({'; '.join(diff)}). Resume with the same "
+                           "model, data, train.seed and train.global_batch_size (dp, pp and placement may "
+                           "differ), or point checkpoint.storage elsewhere to start fresh.")
+        if manifest.get("run_id"):
+            # The resumed run continues that run: its checkpoints, its pruning.
+            ctl.run_id = ctl.durable.run_id = manifest["run_id"]
         found = choose_restore(len(ctl.counts), {}, {}, durable)
         if found is None:
             raise RunError(f"the checkpoint in {storage} does not cover every block of this model")

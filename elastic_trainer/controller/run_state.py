@@ -28,7 +28,8 @@ S = RunState
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.PENDING: frozenset({S.PLACING, S.FAILED}),
     S.PLACING: frozenset({S.STARTING, S.FAILED}),
-    S.STARTING: frozenset({S.RUNNING, S.FAILED}),
+    # A worker or node lost before the first step is recovered from like any other loss.
+    S.STARTING: frozenset({S.RUNNING, S.RECOVERING, S.FAILED}),
     S.RUNNING: frozenset({S.RECOVERING, S.RESIZING, S.FINISHED, S.FAILED}),
     # A failure during a resize is retried inside it, as during a recovery.
     S.RESIZING: frozenset({S.RUNNING, S.FAILED}),

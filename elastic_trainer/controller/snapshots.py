@@ -9,10 +9,13 @@ per stage, and every part still has copies on distinct nodes: the writer's
 object plus the other replicas' local copies. Where a stage sits on fewer than
 ``replicas`` nodes (dp=1, or replicas packed on a node) the controller asks
 workers on other nodes to pin a copy. A snapshot commits when every part has
-all its copies. The last ``checkpoint.snapshots_kept`` committed stay; older
-refs are dropped, and every pin request tells its holder the oldest step still
+all its copies, or is dropped (its refs let go, its pins cancelled) when a pin
+fails or is not stored within ``failure.pin_timeout_s``: never both. A holder
+with a pin still outstanding is given no other, so a slow holder holds at most
+one part. The last ``checkpoint.snapshots_kept`` committed stay; older refs
+are dropped, and every pin request tells its holder the oldest step still
 kept, so holders let older copies go and object-store use does not grow with
-the step count. Workers keep that many local copies too.
+the step count. Workers keep that many local copies too: one number for both.
 
 This module owns all of it: when a snapshot is due, who writes what, where
 copies go, when a snapshot commits and how long it is kept.
@@ -44,6 +47,7 @@ class Snapshot:
     shards: dict[int, ShardEntry]   # rank -> entry
     committed_at: float | None = None
     nbytes: int = 0                 # one copy of every part
+    dropped: str | None = None      # why it was dropped (then it is no longer kept)
 
 
 def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
@@ -70,10 +74,13 @@ def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
 class SnapshotStore:
     """The run's object-store snapshots: ``snaps`` (step -> Snapshot), taken, replicated, committed, pruned."""
 
-    def __init__(self, replicas: int, keep: int):
+    def __init__(self, replicas: int, keep: int, pin_timeout_s: float = 30.0):
         self.replicas = replicas
         self.keep = keep
+        self.pin_timeout_s = pin_timeout_s
         self.snaps: dict[int, Snapshot] = {}
+        self.dropped: list[Snapshot] = []   # dropped since the last poll
+        self._stale: dict[int, object] = {}  # holder -> pin of a dropped snapshot it has not answered
         self._plan = None
         self._phases: list[dict[int, list[int]]] = [{}]
         self._taken = 0   # scheduled snapshots so far: whose turn it is to write
@@ -124,6 +131,8 @@ class SnapshotStore:
         shards = {rank: ShardEntry(ref, blocks, node, wid) for rank, (wid, node, ref, blocks) in parts.items()}
         workers = sorted(workers, key=lambda w: w[0])
         keep_from = min(self.oldest_kept() or step, step)
+        busy = self.busy_holders()
+        short = []
         for rank, entry in shards.items():
             used = set(copy_nodes.get(rank, ())) | {entry.node}
             wid = parts[rank][0]
@@ -132,33 +141,76 @@ class SnapshotStore:
             for h_wid, h_actor, h_node in order:
                 if len(used) >= self.replicas:
                     break
-                if h_node in used:
+                if h_node in used or h_wid in busy:
                     continue
                 used.add(h_node)
+                busy.add(h_wid)
                 entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref], keep_from)
-        self.snaps[step] = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes)
+            if len(used) < min(self.replicas, len({w[2] for w in workers})):
+                short.append(rank)
+        snap = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes)
+        self.snaps[step] = snap
+        if short:
+            # Every holder that could take a copy is still storing an older one: this
+            # snapshot cannot get its copies, and waiting would only pile parts up.
+            self._drop(snap, f"no free holder on another node for the parts of ranks {short}")
+
+    def busy_holders(self) -> set[int]:
+        """Holders with a pin not yet answered (one of a dropped snapshot included: until it
+        answers, the holder still holds that part)."""
+        if self._stale:
+            ready, _ = ray.wait(list(self._stale.values()), num_returns=len(self._stale), timeout=0)
+            self._stale = {h: r for h, r in self._stale.items() if r not in ready}
+        return set(self._stale) | {h for snap in self.snaps.values() if snap.committed_at is None
+                for e in snap.shards.values() for h in e.pins if h not in e.pinned}
+
+    def _drop(self, snap: Snapshot, why: str) -> None:
+        snap.dropped = why
+        for e in snap.shards.values():
+            for h, ref in e.pins.items():
+                if h not in e.pinned:
+                    try:
+                        ray.cancel(ref)   # a pin still queued lets go of its part now
+                    except Exception:  # noqa: BLE001 - already running or done
+                        pass
+                    self._stale[h] = ref
+        del self.snaps[snap.step]
+        self.dropped.append(snap)
 
     def poll(self) -> list[Snapshot]:
-        """Record finished pins; returns the snapshots that committed now."""
+        """Record finished pins; returns the snapshots that committed now. Those whose pin failed
+        or took longer than ``pin_timeout_s`` are dropped (see ``take_dropped``)."""
         done = []
-        for snap in self.snaps.values():
+        now = time.perf_counter()
+        for snap in list(self.snaps.values()):
             if snap.committed_at is not None:
                 continue
-            for e in snap.shards.values():
+            failed = None
+            for rank, e in snap.shards.items():
                 waiting = [r for h, r in e.pins.items() if h not in e.pinned]
                 if waiting:
                     ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
                     for h, r in e.pins.items():
-                        if r in ready:
+                        if r in ready and h not in e.pinned:
                             try:
                                 ray.get(r)
                                 e.pinned.add(h)
-                            except Exception:
-                                pass  # holder died; the shard may still commit via restore-time checks
-            if all(len(e.pinned) == len(e.pins) for e in snap.shards.values()):
-                snap.committed_at = time.perf_counter()
+                            except Exception as ex:  # noqa: BLE001 - the holder died or failed
+                                failed = f"pin of rank {rank}'s part on worker {h} failed: {type(ex).__name__}"
+            if failed is None and now - snap.started > self.pin_timeout_s and \
+                    not all(len(e.pinned) == len(e.pins) for e in snap.shards.values()):
+                failed = f"its pins were not all stored within failure.pin_timeout_s({self.pin_timeout_s:g})"
+            if failed:
+                self._drop(snap, failed)
+            elif all(len(e.pinned) == len(e.pins) for e in snap.shards.values()):
+                snap.committed_at = now
                 done.append(snap)
         return done
+
+    def take_dropped(self) -> list[Snapshot]:
+        """Snapshots dropped since the last call."""
+        out, self.dropped = self.dropped, []
+        return out
 
     def steps(self) -> list[int]:
         """Every step whose snapshot is kept, committed or not."""

@@ -16,10 +16,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import TrainerConfig
-from ..errors import WorkerError
 from ..naming import NAMESPACE, spare_name
 from ..worker.actor import TrainWorker
-from .placement import free_slots
+from .placement import free_slots, may_pack
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,8 @@ class WorkerPool:
                 opts["memory"] = res["memory"]
             if self.cfg.scaling.env_vars:
                 opts["runtime_env"] = {"env_vars": dict(self.cfg.scaling.env_vars)}
-            actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads)
+            actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads,
+                                                         self.cfg.failure.allow_fault_injection)
             self.joining[wid] = (actor, actor.info.remote(), node)
 
     def spawn_on_free_nodes(self) -> None:
@@ -131,31 +131,43 @@ class WorkerPool:
         occupied.update(node for _, _, node in self.joining.values())
         free = free_slots(self.cfg.scaling, occupied)
         nodes = [n for n in sorted(free) for _ in range(free[n])][:want]
+        if len(nodes) < want and may_pack(self.cfg.scaling):
+            # No node left without a worker of ours: pack the rest, as the start did.
+            occupied.update(nodes)
+            packed = free_slots(self.cfg.scaling, occupied, pack=True)
+            nodes += [n for n in sorted(packed) for _ in range(packed[n])][:want - len(nodes)]
         if nodes:
             log.info("[%s] starting %d worker(s) on free nodes", self.run_name, len(nodes))
             self.spawn(nodes)
 
-    def await_joining(self, timeout: float, required: bool) -> None:
-        """Move joined workers into ``workers``; with ``required``, wait for all or fail."""
+    def await_joining(self, timeout: float, required: bool) -> list[tuple[int, str, str]]:
+        """Move workers that joined within ``timeout`` into ``workers``; (worker id, node, why) of
+        those that failed to start (and, with ``required``, of those still starting, which are
+        then killed). Without ``required`` the ones still starting stay in ``joining``."""
         if not self.joining:
-            return
+            return []
         refs = {info: wid for wid, (_, info, _) in self.joining.items()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout if required else 0)
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        lost = []
         for ref in ready:
             wid = refs[ref]
             actor, _, node = self.joining.pop(wid)
             try:
                 info = ray.get(ref)
             except ray.exceptions.RayError as e:
-                if required:
-                    raise WorkerError(f"worker {wid} failed to start on node {node}: {e}") from None
-                log.warning("[%s] worker %d failed to start on node %s: %s", self.run_name, wid, node, e)
+                log.warning("[%s] worker %d failed to start on node %s: %s", self.run_name, wid, node[:12],
+                            str(e).splitlines()[0][:200])
+                lost.append((wid, node, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
                 continue
             self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"])
             log.info("[%s] worker %d joined on node %s (pid %d)", self.run_name, wid, info["node_id"][:12],
                      info["pid"])
-        if required and self.joining:
-            raise WorkerError(f"{len(self.joining)} workers did not start within {timeout:g}s")
+        if required:
+            for wid, (actor, _, node) in list(self.joining.items()):
+                lost.append((wid, node, f"did not start within {timeout:g}s"))
+                _kill(actor)
+            self.joining = {}
+        return lost
 
     def table(self) -> list[dict]:
         return [{"worker_id": w.wid, "rank": w.rank, "node_id": w.node, "pid": w.pid, "ip": w.ip}

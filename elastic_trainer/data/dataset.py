@@ -42,9 +42,14 @@ class TokenDataset:
     Input of row i is ``rows[i, :seq_len]``; target is ``rows[i, 1:seq_len + 1]``.
     """
 
-    def __init__(self, rows: np.ndarray, source: str):
+    def __init__(self, rows: np.ndarray, source: str, schema: str = ""):
         self.rows = rows
         self.source = source
+        self.schema = schema
+
+    def fingerprint(self) -> dict:
+        """What a durable checkpoint records of the data it was trained on: path, rows, schema."""
+        return {"path": self.source, "rows": len(self), "schema": self.schema}
 
     def __len__(self) -> int:
         return self.rows.shape[0]
@@ -69,7 +74,7 @@ class TokenDataset:
             raise DataError(f"data.path({cfg.path!r}) is not readable Parquet: {e}") from None
         if table.num_rows == 0:
             raise DataError(f"data.path({cfg.path!r}) holds no rows")
-        return cls(_to_rows(table.column(cfg.column), cfg), cfg.path)
+        return cls(_to_rows(table.column(cfg.column), cfg), cfg.path, str(dataset.schema.field(cfg.column)))
 
     def sample(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rows = self.rows[indices]

@@ -46,7 +46,7 @@ class InjectedFault(RuntimeError):
 
 
 class TrainWorker:
-    def __init__(self, run_name: str, worker_id: int, torch_threads: int | None):
+    def __init__(self, run_name: str, worker_id: int, torch_threads: int | None, allow_faults: bool = False):
         configure_actor_logging()
         self.run_name = run_name
         self.worker_id = worker_id
@@ -56,7 +56,8 @@ class TrainWorker:
         self.trainer: StageTrainer | None = None
         self.copies = HeldCopies()
         self._faults: dict = {}
-        if os.environ.get(SNAPSHOT_DELAY_ENV):  # a chaos hook that holds from the first step on
+        self._allow_faults = allow_faults   # failure.allow_fault_injection
+        if allow_faults and os.environ.get(SNAPSHOT_DELAY_ENV):  # a chaos hook that holds from the first step on
             self._faults["slow_snapshot"] = float(os.environ[SNAPSHOT_DELAY_ENV])
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
@@ -318,7 +319,7 @@ class TrainWorker:
 
         ``keep_from``: the oldest step the controller still keeps; copies of older
         steps are let go here, which spares it an unpin call per shard per step."""
-        delay = self._faults.get(("pin", key[0]))
+        delay = self._faults.get(("pin", key[0]), self._faults.get(("pin", None)))
         if delay:
             time.sleep(delay)
         return self.copies.pin(key, ray.get(refs[0]), keep_from)
@@ -330,7 +331,12 @@ class TrainWorker:
     def inject_fault(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
         """Chaos hooks: ``raise`` an exception inside ``step``; hold the next ``setup``
         for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
-        snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it)."""
+        snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it).
+        ``slow_pin`` without a step holds every pin. Only where the run's config sets
+        ``failure.allow_fault_injection``."""
+        if not self._allow_faults:
+            raise PermissionError(f"fault injection is off in run {self.run_name!r} (worker {self.worker_id}): "
+                                  "set failure.allow_fault_injection true in its config to inject faults")
         if kind == "slow_snapshot":
             self._faults["slow_snapshot"] = seconds
         elif kind == "raise":

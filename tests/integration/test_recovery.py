@@ -19,8 +19,9 @@ from ..helpers import reference_losses
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
+# Chaos tests inject faults: the run must allow it (off by default).
 FAST_FAILURE = {"startup_timeout_s": 30, "min_step_timeout_s": 3, "rendezvous_timeout_s": 10,
-                "wait_for_nodes_s": 2}
+                "wait_for_nodes_s": 2, "allow_fault_injection": True}
 
 
 def config(corpus, name, steps=24, **sections):

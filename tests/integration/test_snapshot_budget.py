@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def config(corpus, name, steps=30, **sections):
     sections.setdefault("parallel", {"dp": 2, "pp": 2})
-    sections.setdefault("failure", {"startup_timeout_s": 30, "min_step_timeout_s": 3})
+    sections.setdefault("failure", {"startup_timeout_s": 30, "min_step_timeout_s": 3, "allow_fault_injection": True})
     return TrainerConfig.from_dict(tiny_config(corpus, run={"name": name}, train={"steps": steps}, **sections))
 
 

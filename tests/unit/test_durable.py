@@ -68,11 +68,71 @@ def test_pickled_code_is_refused(tmp_path):
 
 
 def test_prune_keeps_newest(tmp_path):
-    store = DurableStore(str(tmp_path))
+    store = DurableStore(str(tmp_path), run_id="a1")
     for s in (1, 2, 3, 4):
         store.save(s, [shard(s, [0], float(s))], {})
     store.prune(2)
     assert store.steps() == [4, 3]
+
+
+def test_prune_leaves_another_runs_checkpoints_alone(tmp_path):
+    # An older run got further (steps 50, 60) in the same storage; a new run prunes only its own.
+    old = DurableStore(str(tmp_path), run_id="old")
+    for s in (50, 60):
+        old.save(s, [shard(s, [0], float(s))], {})
+    (tmp_path / "step-00000070").mkdir()   # a checkpoint of no run (older layout)
+    new = DurableStore(str(tmp_path), run_id="new")
+    for s in (10, 20, 30):
+        new.save(s, [shard(s, [0], float(s))], {})
+        new.prune(2)
+    assert new.steps() == [30, 20]
+    assert old.steps() == [60, 50] and (tmp_path / "step-00000070").is_dir()
+    # Its own newest is what it restores, not the other run's later steps.
+    assert new.load_latest()[1]["step"] == 30 and new.load_latest()[1]["run_id"] == "new"
+    # --resume (no run yet) takes the newest written, whichever run wrote it.
+    assert DurableStore(str(tmp_path)).load_latest(own=False)[1]["run_id"] == "new"
+
+
+def test_a_listing_error_is_an_error_not_an_empty_storage(tmp_path):
+    from elastic_trainer.checkpoint.retry import StorageError
+
+    store = DurableStore(str(tmp_path), run_id="r", retries=1, backoff_s=0.01)
+    calls = []
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(store_fs, name)
+
+        def get_file_info(self, *a):
+            calls.append(1)
+            raise OSError("When listing objects under key 'ck': AWS Error NETWORK_CONNECTION")
+
+    store_fs, store.fs = store.fs, Flaky()
+    with pytest.raises(StorageError, match="listing checkpoints.*2 attempts.*NETWORK_CONNECTION"):
+        store.load_latest()
+    assert len(calls) == 2
+    # A missing root is an empty storage, though.
+    assert DurableStore(str(tmp_path / "none"), run_id="r").load_latest() is None
+
+
+def test_a_transient_write_error_is_retried(tmp_path):
+    store = DurableStore(str(tmp_path), run_id="r", retries=2, backoff_s=0.01)
+    real = store.fs
+    failures = [1]
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def open_output_stream(self, path, *a, **k):
+            if failures:
+                failures.pop()
+                raise OSError("AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate.")
+            return real.open_output_stream(path, *a, **k)
+
+    store.fs = Flaky()
+    store.save(5, [shard(5, [0, 1], 5.0)], {})
+    assert not failures and store.load(5)[1]["step"] == 5
 
 
 def test_shard_state_round_trips_through_adamw():

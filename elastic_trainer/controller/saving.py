@@ -1,0 +1,120 @@
+"""What a run leaves behind: at the end, the final durable checkpoint and the weights, both
+verified; on the way out of a failed run, an emergency copy of the newest surviving snapshot.
+
+A run ends FINISHED only once everything it was asked to keep is written and
+read back. A save that fails ends it FAILED with :class:`SaveError`, which
+names what was not saved; the controller then keeps the weights it gathered
+(``unsaved``) until the driver has taken them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import ray
+
+from ..checkpoint.weights import WeightsError, save_weights, weights_from_shards
+from ..errors import RunError
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+class SaveError(RunError):
+    """The run trained to the end but what it had to keep was not (all) saved."""
+
+
+class RunSaver:
+    def __init__(self, ctl: "Controller"):
+        self.ctl = ctl
+        self.unsaved: dict | None = None   # weights gathered for a save that failed, for the driver
+        self.emergency_done = False
+
+    def _meta(self, step: int) -> dict:
+        ctl = self.ctl
+        return {"run": ctl.run_name, "run_id": ctl.run_id, "step": step, "format": "elastic_trainer",
+                "model": ctl.cfg.model.model_dump(mode="json")}
+
+    def final(self, state: dict) -> dict:
+        """Write the final durable checkpoint (with storage) and ``state`` (the weights gathered
+        from the live workers) to ``run.output_dir``; ``{"durable_path", "model_path"}``.
+
+        Raises :class:`SaveError` naming what was not saved."""
+        ctl = self.ctl
+        missing, out = [], {"durable_path": None, "model_path": None}
+        if ctl.writer:
+            try:
+                out["durable_path"] = self._final_durable()
+            except Exception as e:  # noqa: BLE001 - named in the SaveError below
+                missing.append(f"the final durable checkpoint of step {ctl.step} in "
+                               f"{ctl.cfg.checkpoint.storage} ({type(e).__name__}: {e})")
+        where = ctl.cfg.run.output_dir
+        try:
+            t0 = time.perf_counter()
+            out["model_path"] = save_weights(where, state, self._meta(ctl.step), ctl.cfg.failure.storage_retries)
+            ctl.event("weights_saved", step=ctl.step, path=out["model_path"], seconds=time.perf_counter() - t0,
+                      tensors=len(state))
+            log.info("[%s] weights of step %d saved to %s", ctl.run_name, ctl.step, out["model_path"])
+        except WeightsError as e:
+            missing.append(f"the weights ({e})")
+        if missing:
+            self.unsaved = state
+            raise SaveError(f"run {ctl.run_name} trained {ctl.step} steps but did not save " + "; ".join(missing)
+                            + ". The driver keeps the weights it could gather (error.model_state).")
+        return out
+
+    def _final_durable(self) -> str:
+        ctl = self.ctl
+        ctl.writer.wait()
+        if ctl.step not in ctl.snapshots.snaps:
+            # The last step has no snapshot: take one so the end is saved exactly.
+            refs = {w: ctl.pool[w].actor.export_snapshot.remote(ctl.step) for w in ctl.ranks.values()}
+            ctl.snapshots.take_step(ctl.step, {r: ctl.pool[w] for r, w in ctl.ranks.items()}, refs, full=True)
+            if ctl.ps:
+                ctl.ps.snapshot(ctl.step)
+        refs = ctl.writer.shards(ctl.step)
+        if not refs:
+            raise RuntimeError(f"no snapshot of step {ctl.step} covers every block")
+        path = ctl.writer.write(ctl.step, refs, list(ctl.history), ctl.plan.describe(), raise_errors=True)
+        # Read back: the files verify against the manifest's checksums.
+        ctl.durable.load(ctl.step)
+        return path
+
+    def emergency(self, why: str) -> str | None:
+        """On the way out of a failed run: save the newest committed snapshot that survives, as a
+        durable checkpoint (with storage) or as weights in ``run.output_dir``. Never raises: the
+        run's own error is what the user must see."""
+        ctl = self.ctl
+        if self.emergency_done:
+            return None
+        self.emergency_done = True
+        try:
+            if ctl.writer:
+                path = ctl.writer.emergency(ctl.pool.nodes(), set(ctl.pool.workers), ctl.history,
+                                            ctl.plan.describe() if ctl.plan else {})
+            else:
+                path = self._emergency_weights()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.error("[%s] emergency checkpoint failed: %s: %s", ctl.run_name, type(e).__name__, e)
+            ctl.event("checkpoint_problem", detail=f"emergency checkpoint failed: {type(e).__name__}: {e}")
+            return None
+        if path:
+            ctl.event("emergency_checkpoint", path=path, reason=why[:300])
+            log.warning("[%s] emergency checkpoint at %s (%s)", ctl.run_name, path, why[:200])
+        return path
+
+    def _emergency_weights(self) -> str | None:
+        ctl = self.ctl
+        alive_nodes, alive_workers = ctl.pool.nodes(), set(ctl.pool.workers)
+        for step in reversed(ctl.snapshots.committed_steps()):
+            refs = ctl.snapshots.covering(step, len(ctl.counts), alive_nodes, alive_workers)
+            if refs:
+                shards = ray.get(refs, timeout=ctl.cfg.comm.timeout_s)
+                state = weights_from_shards(shards)
+                return save_weights(ctl.cfg.run.output_dir, state, self._meta(step), ctl.cfg.failure.storage_retries,
+                                    name=f"model-step-{step:08d}.safetensors")
+        return None
