@@ -74,6 +74,12 @@ class ProgressPrinter:
                        f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s"
                        + (f", {ev['attempts'] - 1} failed attempt(s) {ev['failed_attempts_s']:.2f}s"
                           if ev.get("attempts", 1) > 1 else ""))
+        elif kind == "placement":
+            self._line(f"placement: {ev['detail']}")
+        elif kind == "snapshot_dropped":
+            self._line(f"!! snapshot of step {ev['step']} dropped: {ev['reason']}")
+        elif kind == "emergency_checkpoint":
+            self._line(f"!! emergency checkpoint at {ev['path']}")
         elif kind == "resume":
             self._line(f"-> resumed from step {ev.get('step', 0)} of {ev.get('source', '')}")
         elif kind == "checkpoint_problem":

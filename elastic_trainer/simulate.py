@@ -15,6 +15,14 @@ from .config import TrainerConfig
 from .naming import NAMESPACE
 
 
+def object_store_bytes() -> int:
+    """Bytes held in the object stores of every node of the connected cluster now."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.object_store_bytes_used)
+
+
 class SimulatedCluster:
     def __init__(self, cluster, nodes, run_name: str):
         self.cluster = cluster

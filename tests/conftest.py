@@ -6,11 +6,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
+import tempfile
+
 import pytest
 
 from elastic_trainer.data.corpus import prepare_stdlib_corpus
 
 SEQ_LEN = 16
+# Every run saves its weights: the tests' go under one temporary folder, not the working directory.
+WEIGHTS_DIR = tempfile.mkdtemp(prefix="et-test-weights-")
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +29,7 @@ def tiny_config(corpus: str, **sections) -> dict:
     """A config dict for a GPT small enough to step in milliseconds; sections override by key."""
     cfg = {
         "run": {"log_every": 1000, "report_dir": None},
+        "output_dir": None,
         "model": {"kind": "gpt", "n_layer": 6, "n_head": 2, "d_model": 32},
         "data": {"path": corpus, "seq_len": SEQ_LEN},
         "train": {"steps": 5, "global_batch_size": 8, "micro_batch_size": 1, "lr": 1e-3, "seed": 1,
@@ -33,8 +38,11 @@ def tiny_config(corpus: str, **sections) -> dict:
         "scaling": {"placement_timeout_s": 60},
         "comm": {"timeout_s": 60},
     }
+    del cfg["output_dir"]
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
+    if "output_dir" not in cfg["run"] and not cfg.get("checkpoint", {}).get("storage"):
+        cfg["run"]["output_dir"] = os.path.join(WEIGHTS_DIR, cfg["run"].get("name") or "run")
     return cfg
 
 

@@ -147,7 +147,7 @@ class DurableStore:
             infos = self._retry(
                 lambda: self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)),
                 "listing checkpoints")
-        except (PermissionError, IsADirectoryError) as e:
+        except (PermissionError, IsADirectoryError, NotADirectoryError) as e:
             raise StorageError(f"cannot list checkpoints in {self.uri}: {type(e).__name__}: {e}") from None
         out = []
         for info in infos:

@@ -21,7 +21,8 @@ class StorageError(ElasticTrainerError):
 def transient(e: BaseException) -> bool:
     """Whether ``e`` may pass on a retry: a storage I/O error, not a missing file or a
     permission the retry cannot change."""
-    return isinstance(e, OSError) and not isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError)
+    return isinstance(e, OSError) and not isinstance(
+        e, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError)
 
 
 def with_retries(fn: Callable[[], T], what: str, retries: int, backoff_s: float = 0.5) -> T:

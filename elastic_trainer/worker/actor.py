@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Seconds every snapshot holds its step, in all of a run's workers (set through scaling.env_vars).
 SNAPSHOT_DELAY_ENV = "ELASTIC_TRAINER_SNAPSHOT_DELAY_S"
+# Seconds a worker's first set-up holds (a start-up long enough for a chaos test to hit).
+SETUP_DELAY_ENV = "ELASTIC_TRAINER_SETUP_DELAY_S"
 
 
 def _build_key(cfg: TrainerConfig, device) -> tuple:
@@ -59,6 +61,8 @@ class TrainWorker:
         self._allow_faults = allow_faults   # failure.allow_fault_injection
         if allow_faults and os.environ.get(SNAPSHOT_DELAY_ENV):  # a chaos hook that holds from the first step on
             self._faults["slow_snapshot"] = float(os.environ[SNAPSHOT_DELAY_ENV])
+        if allow_faults and os.environ.get(SETUP_DELAY_ENV):
+            self._faults["setup"] = float(os.environ[SETUP_DELAY_ENV])
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
         self._setup_lock = threading.Lock()

@@ -1,5 +1,5 @@
-"""The demo job through ``ray job submit`` on a real Ray head (dashboard on 127.0.0.1):
-it succeeds, its logs show progress, ``elastic-trainer status`` reads it while it runs,
+"""The demo job through ``ray job submit`` on a real Ray head with 4 CPUs (dashboard on 127.0.0.1),
+with no extra flags: it succeeds, its logs show progress and where the weights went, ``elastic-trainer status`` reads it while it runs,
 and its metrics reach the head's Prometheus export port."""
 
 import os
@@ -87,7 +87,7 @@ def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
     ray_bin, ports, env = ray_head
     entrypoint = (f"{sys.executable} -m elastic_trainer run {ROOT / 'jobs' / 'demo.yaml'} "
                   "--set train.steps=80 --set run.log_every=10 --set run.name=jobtest "
-                  f"--set scaling.workers_per_node=4 --set run.report_dir={tmp_path}")
+                  f"--set run.report_dir={tmp_path}")
     # Blocking submit: it follows the job's logs until the job ends, as a user would see them.
     submit = subprocess.Popen(
         [ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{ports['dashboard']}", "--", *entrypoint.split()],
@@ -112,6 +112,10 @@ def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
     # Progress in the job's logs: plain periodic lines (no live bar in a log).
     assert "step    10/80" in logs and "step    80/80" in logs and "\r" not in logs
     assert "run jobtest: final loss" in logs
+    # No flags for the one node: the workers are packed onto it, and the run says what that means.
+    assert "placement: 4 workers on 1 node: losing that node loses every copy" in logs
+    assert f"weights: {tmp_path / 'jobtest' / 'model.safetensors'}" in logs
+    assert (tmp_path / "jobtest" / "model.safetensors").exists()
     assert f"run report: {tmp_path / 'jobtest.png'}" in logs and (tmp_path / "jobtest.png").exists()
     # The run's metrics on the head's export port, while it ran.
     assert step_metric is not None and step_metric >= 1, "no ray_elastic_trainer_step series for the run"

@@ -31,7 +31,8 @@ def config(corpus, name, steps=24, **sections):
     # These tests pin down what a recovery redoes, so a snapshot every step (auto spaces them out:
     # tests/integration/test_snapshot_budget.py).
     sections["checkpoint"] = {"memory_every": 1, **sections.get("checkpoint", {})}
-    return TrainerConfig.from_dict(tiny_config(corpus, run={"name": name}, train={"steps": steps}, **sections))
+    run = {"name": name, **sections.pop("run", {})}
+    return TrainerConfig.from_dict(tiny_config(corpus, run=run, train={"steps": steps}, **sections))
 
 
 def status(name):
@@ -309,11 +310,11 @@ def test_whole_cluster_lost_then_resume_and_corrupt_checkpoint_fallback(fresh_cl
 
     with pytest.raises(RunError, match=r"below scaling.min_workers\(1\)"):
         Trainer(cfg, verbose=False, on_step=Chaos().at(10, lose_everything)).fit()
-    saved = sorted(int(p.name[5:]) for p in storage.iterdir() if p.name.startswith("step-"))
+    saved = sorted(int(p.name[5:13]) for p in storage.iterdir() if p.name.startswith("step-"))
     assert saved and saved[-1] >= 8
 
     # Corrupt the newest checkpoint: resume must report it and use the one before.
-    newest = storage / f"step-{saved[-1]:08d}" / "shard-000.pt"
+    [newest] = storage.glob(f"step-{saved[-1]:08d}-*/shard-000.pt")
     newest.write_bytes(newest.read_bytes()[:-100] + b"\0" * 100)
     for _ in range(4):
         c.add_node(num_cpus=1)

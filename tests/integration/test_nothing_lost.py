@@ -1,0 +1,147 @@
+"""Nothing lost: a node lost at start-up, the trained weights saved (and a failed save failing the
+run), durable checkpoints that belong to their run, and a bounded object store with a slow holder."""
+
+import statistics
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from torch import nn
+
+from elastic_trainer import RunError, Trainer
+from elastic_trainer.checkpoint.weights import load_weights
+from elastic_trainer.controller.saving import SaveError
+from elastic_trainer.data.dataset import TokenDataset
+from elastic_trainer.data.sampler import GlobalSampler
+from elastic_trainer.models.factory import build_blocks
+from elastic_trainer.naming import NAMESPACE
+from elastic_trainer.simulate import object_store_bytes
+from elastic_trainer.worker.actor import SETUP_DELAY_ENV
+
+from ..helpers import reference_run
+from .test_recovery import assert_contiguous_data, config, status
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def test_a_node_lost_during_start_up_is_survived(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(4)
+    # Every first set-up holds 3 s, so the start-up is long enough to lose a node in.
+    cfg = config(corpus_dir, "startloss", steps=12, parallel={"dp": 2, "pp": 2},
+                 scaling={"env_vars": {SETUP_DELAY_ENV: "3"}})
+    killed = {}
+
+    def kill_during_start_up():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                st = status("startloss")
+            except ValueError:   # the controller is not up yet
+                time.sleep(0.05)
+                continue
+            if st["setting_up"] and st["step"] == 0:
+                node_id = next(w["node_id"] for w in st["workers"] if w["worker_id"] == 3)
+                killed["state"] = st["state"]
+                c.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_during_start_up, daemon=True).start()
+    result = Trainer(cfg, verbose=False).fit()
+    assert killed.get("state") == "STARTING", killed
+    assert [f["failure"] for f in result.failures][:1] == ["startup"]
+    assert result.recoveries[0]["reason"] == "startup" and result.recoveries[0]["restored_step"] == 0
+    assert_contiguous_data(result, cfg)
+    ref = reference_run(cfg, cfg.train.steps)[0]
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def _loss_of(weights: dict, cfg, step: int) -> float:
+    """The loss of ``weights`` on the batch of ``step`` (1-based), as one process computes it."""
+    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+    model = nn.Sequential(*blocks)
+    model.load_state_dict({k[len("blocks."):]: v for k, v in weights.items()})
+    data = TokenDataset.open(cfg.data)
+    gb = cfg.train.global_batch_size
+    x, y = data.sample(GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle).rows((step - 1) * gb, gb))
+    with torch.no_grad():
+        return loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)).item()
+
+
+def test_the_weights_are_saved_and_a_failed_save_fails_the_run(cluster, corpus_dir, tmp_path):
+    cfg = config(corpus_dir, "weights", steps=6, parallel={"dp": 2, "pp": 2},
+                 run={"name": "weights", "output_dir": str(tmp_path / "out")})
+    result = Trainer(cfg, verbose=False).fit()
+    assert result.model_path == str(tmp_path / "out" / "model.safetensors")
+    weights = load_weights(result.model_path)
+    ref_losses, ref_state = reference_run(cfg, cfg.train.steps + 1)
+    # Loaded into the same blocks, the weights give the next step's loss of one process that ran
+    # one step more (and their own run's last loss was that process's too).
+    assert _loss_of(weights, cfg, cfg.train.steps + 1) == pytest.approx(ref_losses[-1], rel=1e-4)
+    assert result.final_loss == pytest.approx(ref_losses[-2], rel=1e-4)
+    assert [e for e in result.events if e["kind"] == "state"][-1]["to"] == "FINISHED"
+
+    # A folder that cannot be made (a file stands in its place): FAILED, and the weights come back.
+    (tmp_path / "file").write_text("in the way")
+    bad = cfg.with_overrides(["run.name=weights2", f"run.output_dir={tmp_path / 'file' / 'out'}"])
+    with pytest.raises(SaveError, match=r"trained 6 steps but did not save the weights") as info:
+        Trainer(bad, verbose=False).fit()
+    kept = info.value.model_state
+    assert set(kept) == set(weights) and all(torch.equal(kept[k], weights[k]) for k in weights)
+
+
+def test_durable_checkpoints_belong_to_their_run(cluster, corpus_dir, tmp_path):
+    storage = tmp_path / "ck"
+    ck = {"storage": str(storage), "durable_every": 2, "keep_durable": 2}
+    first = Trainer(config(corpus_dir, "own1", steps=8, checkpoint=ck), verbose=False).fit()
+    theirs = sorted(p.name for p in storage.glob(f"step-*-{first.run_id}"))
+    assert len(theirs) == 2 and first.model_path == str(storage / "own1" / "model.safetensors")
+    # A second run in the same storage, not resumed, stops earlier: its pruning leaves the
+    # first run's later checkpoints alone and keeps its own.
+    second = Trainer(config(corpus_dir, "own2", steps=4, checkpoint=ck), verbose=False).fit()
+    assert sorted(p.name for p in storage.glob(f"step-*-{first.run_id}")) == theirs
+    assert len(list(storage.glob(f"step-*-{second.run_id}"))) == 2
+
+    # --resume with another model is refused, naming the field.
+    changed = config(corpus_dir, "own3", steps=10, checkpoint=ck, model={"d_model": 64})
+    with pytest.raises(RunError, match=r"model\.d_model: checkpoint 32, this run 64"):
+        Trainer(changed, verbose=False).fit(resume=True)
+    # With the same model it continues the newest run (the second), as that run.
+    resumed = Trainer(config(corpus_dir, "own3", steps=6, checkpoint=ck), verbose=False).fit(resume=True)
+    assert resumed.run_id == second.run_id
+    assert [e for e in resumed.events if e["kind"] == "resume"][0]["step"] == 4
+
+    # A storage that cannot be listed fails --resume; it is not "no checkpoints".
+    (tmp_path / "not-a-dir").write_text("x")
+    unlistable = config(corpus_dir, "own4", steps=4, checkpoint={"storage": str(tmp_path / "not-a-dir")},
+                        run={"name": "own4", "output_dir": str(tmp_path / "o4")})
+    with pytest.raises(RunError, match=r"--resume cannot read checkpoint.storage.*cannot list"):
+        Trainer(unlistable, verbose=False).fit(resume=True)
+
+
+def test_object_store_stays_flat_over_200_steps_with_a_slow_holder(cluster, corpus_dir):
+    # dp=1 x pp=2: each stage's part is pinned by the other rank. Rank 1 takes 2 s per pin.
+    cfg = config(corpus_dir, "slowpin", steps=200, parallel={"dp": 1, "pp": 2},
+                 failure={"pin_timeout_s": 1.0})
+    samples = []
+
+    def on_step(rec):
+        if rec["step"] == 1:
+            ray.get(ray.get_actor("slowpin-rank1-r0s1", namespace=NAMESPACE).inject_fault.remote(
+                "slow_pin", seconds=2.0))
+        if rec["step"] % 2 == 0:
+            samples.append((rec["step"], object_store_bytes()))
+
+    result = Trainer(cfg, verbose=False, on_step=on_step).fit()
+    assert len(result.history) == 200
+    dropped = [e for e in result.events if e["kind"] == "snapshot_dropped"]
+    assert len(dropped) > 50, "the slow holder slowed nothing: the test proves nothing"
+    early = statistics.median(b for s, b in samples if 20 <= s <= 80)
+    late = statistics.median(b for s, b in samples if s > 140)
+    state = sum(4 * 3 * p.numel() for b in build_blocks(cfg.model, 0)[0] for p in b.parameters())
+    # Flat. Ray frees objects in batches about once a second, so tens of steps' parts come and
+    # go (the same with a fast holder); a snapshot kept for every step that never commits would
+    # add a model state per step, 60 or more from the early window to the late one.
+    assert late <= early + 20 * state, (early, late, state, samples)
