@@ -15,6 +15,7 @@ machine:
     python benchmarks/recovery.py                    # 60 steps, kill after step 30
     python benchmarks/recovery.py --skip-ray-train
     python benchmarks/recovery.py --rounds 6 --steady-steps 150 --skip-ray-train  # the snapshot cost, steadier
+    python benchmarks/recovery.py --soak [--seed N]  # 300 steps, 6 nodes, 5 losses, 2 added (_soak.py)
 
 Targets: recovery within 3 s and at least 5x faster than Ray Train; at most 1
 step redone; snapshots at memory_every: 1 cost at most 5% of step time.
@@ -117,7 +118,11 @@ def main() -> None:
     ap.add_argument("--steady-steps", type=int, default=None,
                     help="steps of each steady run (default: --steps); longer runs give a steadier median")
     ap.add_argument("--skip-ray-train", action="store_true")
+    ap.add_argument("--soak", action="store_true", help="the soak instead: 5 losses, 2 nodes added, 300 steps")
+    ap.add_argument("--seed", type=int, default=None, help="--soak: the seed of its moments (default: random)")
     args = ap.parse_args()
+    if args.soak:
+        return soak_main(args)
 
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.data.dataset import ensure_prepared
@@ -175,6 +180,24 @@ def main() -> None:
     res = ROOT / "benchmarks" / "results"
     res.mkdir(parents=True, exist_ok=True)
     (res / "recovery.json").write_text(json.dumps(out, indent=1, default=str))
+
+
+def soak_main(args) -> None:
+    import random
+
+    from _soak import print_soak, run_soak
+
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.data.dataset import ensure_prepared
+
+    ensure_prepared(TrainerConfig.model_validate(demo_config(1, "prep")).data)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
+    print(f"soak seed {seed} (replay with --seed {seed})", flush=True)
+    out = run_soak(demo_config, seed)
+    print_soak(out)
+    res = ROOT / "benchmarks" / "results"
+    res.mkdir(parents=True, exist_ok=True)
+    (res / f"soak-{seed}.json").write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

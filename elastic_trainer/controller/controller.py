@@ -32,7 +32,7 @@ import ray
 
 from ..checkpoint.durable import DurableStore
 from ..config import TrainerConfig
-from ..errors import ElasticTrainerError, RunError, WorkerError
+from ..errors import RunError, WorkerError
 from ..logs import configure_actor_logging
 from ..metrics import RunMetrics
 from ..models.factory import block_param_counts
@@ -48,7 +48,7 @@ from .saving import RunSaver, SaveError
 from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
 from .stepping import StepDriver, StepOutcome
-from .workers import WorkerPool
+from .workers import WorkerPool, get_all
 
 __all__ = ["Controller", "RunError", "RunState"]
 
@@ -127,6 +127,22 @@ class Controller:
         """Stop at the next step boundary."""
         self._stop.set()
 
+    def worker_handles(self) -> list:
+        """The actors of the live workers (for chaos tools, which inject faults into them)."""
+        return [w.actor for w in list(self.pool.workers.values())]
+
+    def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Chaos hook: ``slow_durable`` holds each durable write ``seconds`` before it fetches its
+        parts (0 ends it). Only where the config sets ``failure.allow_fault_injection``."""
+        if not self.cfg.failure.allow_fault_injection:
+            raise PermissionError(f"fault injection is off in run {self.run_name!r}: set "
+                                  "failure.allow_fault_injection true in its config to inject faults")
+        if kind != "slow_durable":
+            raise ValueError(f"unknown controller fault kind {kind!r}; use slow_durable")
+        if self.writer is None:
+            raise ValueError("slow_durable needs checkpoint.storage: this run writes no durable checkpoints")
+        self.writer.delay_s = seconds
+
     # -- bookkeeping -----------------------------------------------------------------
     def transition(self, new: RunState, **detail) -> tuple[RunState, RunState]:
         with self._lock:
@@ -167,7 +183,7 @@ class Controller:
                                             self.event, self.run_name, self.data)
             self._start(resume)
             self._loop()
-            state = self._gather_state()
+            state = self.saver.gather_state()
             saved = self.saver.final(state)
             self.transition(RunState.FINISHED, model_path=saved["model_path"])
             log.info("[%s] finished at step %d; weights at %s", self.run_name, self.step, saved["model_path"])
@@ -282,7 +298,7 @@ class Controller:
         with self._lock:
             self.setting_up = {"dp": topo.dp, "pp": topo.pp, "workers": dict(ranks)}
         try:
-            outs = self._get_all(refs, ranks, rendezvous + 30, "set up")
+            outs = get_all(refs, ranks, rendezvous + 30, "set up")
         finally:
             with self._lock:
                 self.setting_up = None
@@ -333,38 +349,6 @@ class Controller:
             ray.wait([ref for _, ref in left], num_returns=len(left), timeout=self.cfg.failure.rendezvous_timeout_s + 5)
         self._setup_refs = []
 
-    def _get_all(self, refs: dict, ranks: dict, timeout: float, what: str) -> dict:
-        """Results of one call per rank. A dead worker ends the wait at once (the others
-        would only time out waiting for it); failures raise a WorkerError naming them."""
-        deadline = time.perf_counter() + timeout
-        pending = {ref: r for r, ref in refs.items()}
-        out, bad = {}, {}
-        while pending and not bad:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
-            if not ready:
-                break
-            for ref in ready:
-                r = pending.pop(ref)
-                try:
-                    out[r] = ray.get(ref)
-                except ray.exceptions.RayTaskError as e:
-                    cause = e.as_instanceof_cause()
-                    if isinstance(cause, ElasticTrainerError):
-                        raise cause from None
-                    bad[ranks[r]] = cause
-                except ray.exceptions.RayError as e:
-                    bad[ranks[r]] = e
-        if not bad:
-            for r in pending.values():
-                bad[ranks[r]] = TimeoutError(f"no answer in {timeout:g}s")
-        if bad:
-            err = WorkerError(f"workers failed to {what}: " + "; ".join(
-                f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                for w, e in bad.items()))
-            err.failed_workers = sorted(bad)
-            raise err
-        return out
-
     # -- one step --------------------------------------------------------------------------
     def _commit_step(self, out: StepOutcome) -> None:
         cfg, step = self.cfg, out.step
@@ -401,13 +385,3 @@ class Controller:
     def emergency_durable(self) -> str | None:
         """On the way out after failures: save the newest committed snapshot, if any."""
         return self.saver.emergency("the run is stopping after failures")
-
-    # -- the end ------------------------------------------------------------------------
-    def _gather_state(self) -> dict:
-        """Full model state from replica 0's ranks (every replica holds the same weights)."""
-        topo = self.plan.topology
-        refs = [self.pool[self.ranks[topo.rank(0, s)]].actor.state_dict.remote() for s in range(topo.pp)]
-        out = {}
-        for part in ray.get(refs, timeout=self.cfg.comm.timeout_s):
-            out.update(part)
-        return out

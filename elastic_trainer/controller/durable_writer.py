@@ -33,6 +33,7 @@ class DurableWriter:
         self.data = data or {}   # the data fingerprint (path, rows, schema) the manifest records
         self.snapshots, self.n_blocks, self._event, self.run_name = snapshots, n_blocks, event, run_name
         self.ps = None  # the run's ParameterServers, in that mode: they hold the optimizer state
+        self.delay_s = 0.0  # a chaos hook (Controller.inject_fault): each write holds this long first
         self._thread: threading.Thread | None = None
 
     def shards(self, step: int, alive_nodes: set[str] | None = None, alive_workers: set[int] | None = None) -> list:
@@ -62,6 +63,8 @@ class DurableWriter:
         (reported as an event; ``raise_errors``: raised as well)."""
         t0 = time.perf_counter()
         try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
             shards = ray.get(refs, timeout=self.cfg.comm.timeout_s)
             path = self.store.save(step, shards, {"history": history, "config": self.cfg_json, "plan": plan,
                                                   "run_name": self.run_name, "data": self.data})

@@ -51,6 +51,7 @@ class Recovery:
         self.durable_manifest: dict = {}
         self._last_grow_check = time.monotonic()
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
+        self._abandoned: list = []  # snapshot parts of failed steps, read once they end (else Ray logs them)
 
     # -- detect ----------------------------------------------------------------------------
     def recover(self, out: StepOutcome) -> None:
@@ -67,6 +68,7 @@ class Recovery:
         else:
             self.failures += 1
         ctl.pool.kill_hung(diag.hung)
+        self._abandoned += [ref for ref in out.shard_refs.values() if ref is not None]
         ctl.pool.drop(diag.dead + diag.hung)
         if ctl.ps:
             ctl.ps.abandon_step()
@@ -93,6 +95,14 @@ class Recovery:
     def step_committed(self) -> None:
         """A step completed: retries are back, and a recovery in progress is complete."""
         self.retries_left = self.cfg.failure.retries
+        if self._abandoned:
+            # A failed step's parts end in errors nobody reads; read them here, quietly.
+            ready, self._abandoned = ray.wait(self._abandoned, num_returns=len(self._abandoned), timeout=0)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - the step it belonged to already failed
+                    pass
         ev, self.pending_event = self.pending_event, None
         if ev is not None:
             ev["first_step_s"] = time.perf_counter() - ev.pop("_resumed")

@@ -39,6 +39,16 @@ class RunSaver:
         return {"run": ctl.run_name, "run_id": ctl.run_id, "step": step, "format": "elastic_trainer",
                 "model": ctl.cfg.model.model_dump(mode="json")}
 
+    def gather_state(self) -> dict:
+        """Full model state from replica 0's ranks (every replica holds the same weights)."""
+        ctl = self.ctl
+        topo = ctl.plan.topology
+        refs = [ctl.pool[ctl.ranks[topo.rank(0, s)]].actor.state_dict.remote() for s in range(topo.pp)]
+        out = {}
+        for part in ray.get(refs, timeout=ctl.cfg.comm.timeout_s):
+            out.update(part)
+        return out
+
     def final(self, state: dict) -> dict:
         """Write the final durable checkpoint (with storage) and ``state`` (the weights gathered
         from the live workers) to ``run.output_dir``; ``{"durable_path", "model_path"}``.

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import TrainerConfig
+from ..errors import ElasticTrainerError, WorkerError
 from ..naming import NAMESPACE, spare_name
 from ..worker.actor import TrainWorker
 from .placement import free_slots, may_pack
@@ -63,6 +65,39 @@ def ask_all(refs: dict, timeout: float) -> dict:
             out[key] = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the caller decides what a failed answer means
             out[key] = e
+    return out
+
+
+def get_all(refs: dict, ranks: dict, timeout: float, what: str) -> dict:
+    """Results of one call per rank (``refs``: rank -> ref; ``ranks``: rank -> worker id). A dead worker ends the wait at once (the others
+    would only time out waiting for it); failures raise a WorkerError naming them."""
+    deadline = time.perf_counter() + timeout
+    pending = {ref: r for r, ref in refs.items()}
+    out, bad = {}, {}
+    while pending and not bad:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
+        if not ready:
+            break
+        for ref in ready:
+            r = pending.pop(ref)
+            try:
+                out[r] = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                cause = e.as_instanceof_cause()
+                if isinstance(cause, ElasticTrainerError):
+                    raise cause from None
+                bad[ranks[r]] = cause
+            except ray.exceptions.RayError as e:
+                bad[ranks[r]] = e
+    if not bad:
+        for r in pending.values():
+            bad[ranks[r]] = TimeoutError(f"no answer in {timeout:g}s")
+    if bad:
+        err = WorkerError(f"workers failed to {what}: " + "; ".join(
+            f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            for w, e in bad.items()))
+        err.failed_workers = sorted(bad)
+        raise err
     return out
 
 
