@@ -125,8 +125,8 @@ def fault_tolerance(topo: Topology, rank_nodes: dict[int, str], replicas: int) -
         return (f"{head}: losing that node loses every copy (live and snapshot); only a durable checkpoint "
                 "(checkpoint.storage) survives it. Add nodes to survive node losses live.")
     if weakest >= 2:
-        return (f"{head}: every stage has replicas on {weakest} or more nodes, so any {weakest - 1} node "
-                f"loss{'es' if weakest > 2 else ''} are survived from live replicas")
+        return (f"{head}: every stage has replicas on {weakest} or more nodes, so losing any {weakest - 1} "
+                f"node{'s' if weakest > 2 else ''} is survived from live replicas")
     lost = [s for s, k in enumerate(per_stage) if k == 1]
     snap = min(replicas, len(nodes))
     return (f"{head}: stage{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} sit on one node each, so "
