@@ -58,7 +58,9 @@ def free_slots(scaling: ScalingSection, occupied: dict[str, int], pack: bool = F
         if not node.get("Alive") or nid not in avail:
             continue
         fit = min((math.floor(avail[nid].get(r, 0.0) / v + 1e-9) for r, v in need.items()), default=0)
-        n = min(fit, cap - occupied.get(nid, 0)) if cap is not None else fit
+        # Available resources lag a worker just started: bound by the node's total, less ours there.
+        room = min((math.floor(node["Resources"].get(r, 0.0) / v + 1e-9) for r, v in need.items()), default=0)
+        n = min(fit, (cap if cap is not None else room) - occupied.get(nid, 0))
         if n > 0:
             out[nid] = n
     return out

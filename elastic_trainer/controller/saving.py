@@ -80,13 +80,16 @@ class RunSaver:
     def _final_durable(self) -> str:
         ctl = self.ctl
         ctl.writer.wait()
-        if ctl.step not in ctl.snapshots.snaps:
-            # The last step has no snapshot: take one so the end is saved exactly.
-            refs = {w: ctl.pool[w].actor.export_snapshot.remote(ctl.step) for w in ctl.ranks.values()}
-            ctl.snapshots.take_step(ctl.step, {r: ctl.pool[w] for r, w in ctl.ranks.items()}, refs, full=True)
+        refs = ctl.writer.shards(ctl.step)
+        if not refs:
+            # The last step has no snapshot kept (none due, or dropped): export one from every
+            # rank, and write replica 0's parts, whatever becomes of their copies.
+            exported = {w: ctl.pool[w].actor.export_snapshot.remote(ctl.step) for w in ctl.ranks.values()}
+            ctl.snapshots.take_step(ctl.step, {r: ctl.pool[w] for r, w in ctl.ranks.items()}, exported, full=True)
             if ctl.ps:
                 ctl.ps.snapshot(ctl.step)
-        refs = ctl.writer.shards(ctl.step)
+            topo = ctl.plan.topology
+            refs = ctl.writer.shards(ctl.step) or [exported[ctl.ranks[topo.rank(0, s)]] for s in range(topo.pp)]
         if not refs:
             raise RuntimeError(f"no snapshot of step {ctl.step} covers every block")
         path = ctl.writer.write(ctl.step, refs, list(ctl.history), ctl.plan.describe(), raise_errors=True)

@@ -11,8 +11,9 @@ object plus the other replicas' local copies. Where a stage sits on fewer than
 workers on other nodes to pin a copy. A snapshot commits when every part has
 all its copies, or is dropped (its refs let go, its pins cancelled) when a pin
 fails or is not stored within ``failure.pin_timeout_s``: never both. A holder
-with a pin still outstanding is given no other, so a slow holder holds at most
-one part. The last ``checkpoint.snapshots_kept`` committed stay; older refs
+is given at most ``snapshots_kept`` pins outstanding at once, and none while a
+pin of a dropped snapshot is still outstanding on it, so a slow holder holds a
+bounded number of parts. The last ``checkpoint.snapshots_kept`` committed stay; older refs
 are dropped, and every pin request tells its holder the oldest step still
 kept, so holders let older copies go and object-store use does not grow with
 the step count. Workers keep that many local copies too: one number for both.
@@ -80,7 +81,7 @@ class SnapshotStore:
         self.pin_timeout_s = pin_timeout_s
         self.snaps: dict[int, Snapshot] = {}
         self.dropped: list[Snapshot] = []   # dropped since the last poll
-        self._stale: dict[int, object] = {}  # holder -> pin of a dropped snapshot it has not answered
+        self._stale: dict[int, list] = {}   # holder -> pins of dropped snapshots it has not answered
         self._plan = None
         self._phases: list[dict[int, list[int]]] = [{}]
         self._taken = 0   # scheduled snapshots so far: whose turn it is to write
@@ -144,8 +145,9 @@ class SnapshotStore:
                 if h_node in used or h_wid in busy:
                     continue
                 used.add(h_node)
-                busy.add(h_wid)
                 entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref], keep_from)
+                if sum(1 for e in shards.values() for h in e.pins if h == h_wid) + self._pending(h_wid) >= self.keep:
+                    busy.add(h_wid)
             if len(used) < min(self.replicas, len({w[2] for w in workers})):
                 short.append(rank)
         snap = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes)
@@ -155,14 +157,23 @@ class SnapshotStore:
             # snapshot cannot get its copies, and waiting would only pile parts up.
             self._drop(snap, f"no free holder on another node for the parts of ranks {short}")
 
+    def _pending(self, holder: int) -> int:
+        """Pins of kept snapshots that ``holder`` has not answered yet."""
+        return sum(1 for snap in self.snaps.values() if snap.committed_at is None
+                   for e in snap.shards.values() for h in e.pins if h == holder and h not in e.pinned)
+
     def busy_holders(self) -> set[int]:
-        """Holders with a pin not yet answered (one of a dropped snapshot included: until it
-        answers, the holder still holds that part)."""
-        if self._stale:
-            ready, _ = ray.wait(list(self._stale.values()), num_returns=len(self._stale), timeout=0)
-            self._stale = {h: r for h, r in self._stale.items() if r not in ready}
-        return set(self._stale) | {h for snap in self.snaps.values() if snap.committed_at is None
-                for e in snap.shards.values() for h in e.pins if h not in e.pinned}
+        """Holders that take no new pin: ``keep`` pins unanswered, or one of a dropped snapshot
+        (until it answers, the holder still holds that part)."""
+        for h, refs in list(self._stale.items()):
+            ready, left = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if left:
+                self._stale[h] = left
+            else:
+                del self._stale[h]
+        holders = {h for snap in self.snaps.values() if snap.committed_at is None
+                   for e in snap.shards.values() for h in e.pins if h not in e.pinned}
+        return set(self._stale) | {h for h in holders if self._pending(h) >= self.keep}
 
     def _drop(self, snap: Snapshot, why: str) -> None:
         snap.dropped = why
@@ -173,7 +184,7 @@ class SnapshotStore:
                         ray.cancel(ref)   # a pin still queued lets go of its part now
                     except Exception:  # noqa: BLE001 - already running or done
                         pass
-                    self._stale[h] = ref
+                    self._stale.setdefault(h, []).append(ref)
         del self.snaps[snap.step]
         self.dropped.append(snap)
 

@@ -230,7 +230,7 @@ class TrainWorker:
         copy: the part written is it."""
         job = None
         try:
-            if self._faults.pop(("raise", step), None):
+            if self._faults.pop(("raise", step), None) or self._faults.pop(("raise", None), None):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             r = self.trainer.train_step(step)
             if snapshot:
@@ -333,7 +333,7 @@ class TrainWorker:
 
     # -- fault injection, for chaos tests and demos --------------------------------
     def inject_fault(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
-        """Chaos hooks: ``raise`` an exception inside ``step``; hold the next ``setup``
+        """Chaos hooks: ``raise`` an exception inside ``step`` (without one: the next step); hold the next ``setup``
         for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
         snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it).
         ``slow_pin`` without a step holds every pin. Only where the run's config sets
