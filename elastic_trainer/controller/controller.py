@@ -90,6 +90,7 @@ class Controller:
         self._generation = 0          # numbers set-up attempts, so a stale one can be aborted
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._error_at: int | None = None   # inject_fault("controller_error")
         self.metrics = RunMetrics(run_name)
 
     @property
@@ -131,14 +132,18 @@ class Controller:
         """The actors of the live workers (for chaos tools, which inject faults into them)."""
         return [w.actor for w in list(self.pool.workers.values())]
 
-    def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
-        """Chaos hook: ``slow_durable`` holds each durable write ``seconds`` before it fetches its
-        parts (0 ends it). Only where the config sets ``failure.allow_fault_injection``."""
+    def inject_fault(self, kind: str, seconds: float = 0.0, step: int | None = None) -> None:
+        """Chaos hooks: ``slow_durable`` holds each durable write ``seconds`` before it fetches its
+        parts (0 ends it); ``controller_error`` raises an unexpected error in the loop before
+        ``step`` (without one: before the next). Only where the config sets ``failure.allow_fault_injection``."""
         if not self.cfg.failure.allow_fault_injection:
             raise PermissionError(f"fault injection is off in run {self.run_name!r}: set "
                                   "failure.allow_fault_injection true in its config to inject faults")
+        if kind == "controller_error":
+            self._error_at = step or 0   # 0: the next step
+            return
         if kind != "slow_durable":
-            raise ValueError(f"unknown controller fault kind {kind!r}; use slow_durable")
+            raise ValueError(f"unknown controller fault kind {kind!r}; use slow_durable or controller_error")
         if self.writer is None:
             raise ValueError("slow_durable needs checkpoint.storage: this run writes no durable checkpoints")
         self.writer.delay_s = seconds
@@ -244,6 +249,8 @@ class Controller:
         while self.step < self.cfg.train.steps and not self._stop.is_set():
             self.recovery.maybe_grow()
             step = self.step + 1
+            if self._error_at is not None and self._error_at in (step, 0):
+                raise RuntimeError(f"injected controller error at step {step}")
             snap = self.schedule.due(step)
             writers = self.snapshots.writers()
             out = self.driver.run(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,

@@ -1,9 +1,8 @@
-"""Nothing lost: a node lost at start-up, the trained weights saved (and a failed save failing the
-run), durable checkpoints that belong to their run, and a bounded object store with a slow holder."""
+"""Nothing lost: the trained weights saved (and a failed save failing the run), durable checkpoints
+that belong to their run, a bounded object store with a slow holder, and an emergency copy on any
+error. Node losses at start-up and during a recovery's set-up: tests/integration/test_soak.py."""
 
 import statistics
-import threading
-import time
 
 import pytest
 import ray
@@ -18,44 +17,11 @@ from elastic_trainer.data.sampler import GlobalSampler
 from elastic_trainer.models.factory import build_blocks
 from elastic_trainer.naming import NAMESPACE
 from elastic_trainer.simulate import object_store_bytes
-from elastic_trainer.worker.actor import SETUP_DELAY_ENV
 
 from ..helpers import reference_run
-from .test_recovery import assert_contiguous_data, config, status
+from .test_recovery import config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-
-
-def test_a_node_lost_during_start_up_is_survived(fresh_cluster, corpus_dir):
-    c, nodes = fresh_cluster(4)
-    # Every first set-up holds 3 s, so the start-up is long enough to lose a node in.
-    cfg = config(corpus_dir, "startloss", steps=12, parallel={"dp": 2, "pp": 2},
-                 scaling={"env_vars": {SETUP_DELAY_ENV: "3"}})
-    killed = {}
-
-    def kill_during_start_up():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                st = status("startloss")
-            except ValueError:   # the controller is not up yet
-                time.sleep(0.05)
-                continue
-            if st["setting_up"] and st["step"] == 0:
-                node_id = next(w["node_id"] for w in st["workers"] if w["worker_id"] == 3)
-                killed["state"] = st["state"]
-                c.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
-                return
-            time.sleep(0.05)
-
-    threading.Thread(target=kill_during_start_up, daemon=True).start()
-    result = Trainer(cfg, verbose=False).fit()
-    assert killed.get("state") == "STARTING", killed
-    assert [f["failure"] for f in result.failures][:1] == ["startup"]
-    assert result.recoveries[0]["reason"] == "startup" and result.recoveries[0]["restored_step"] == 0
-    assert_contiguous_data(result, cfg)
-    ref = reference_run(cfg, cfg.train.steps)[0]
-    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
 
 
 def _loss_of(weights: dict, cfg, step: int) -> float:
@@ -145,3 +111,29 @@ def test_object_store_stays_flat_over_200_steps_with_a_slow_holder(cluster, corp
     # go (the same with a fast holder); a snapshot kept for every step that never commits would
     # add a model state per step, 60 or more from the early window to the late one.
     assert late <= early + 20 * state, (early, late, state, samples)
+
+
+def test_any_controller_error_saves_the_newest_snapshot_first(cluster, corpus_dir, tmp_path):
+    from elastic_trainer.checkpoint.durable import DurableStore
+
+    def crash_soon(name):
+        def on_step(rec):
+            if rec["step"] == 3:
+                ray.get(ray.get_actor(f"{name}-controller", namespace=NAMESPACE).inject_fault.remote(
+                    "controller_error"))
+        return on_step
+
+    # With storage (and no durable_every): the emergency copy is a durable checkpoint, resumable.
+    storage = str(tmp_path / "ck")
+    cfg = config(corpus_dir, "crash1", steps=30, checkpoint={"storage": storage})
+    with pytest.raises(RuntimeError, match=r"injected controller error at step \d+"):
+        Trainer(cfg, verbose=False, on_step=crash_soon("crash1")).fit()
+    shards, manifest, _ = DurableStore(storage).load_latest(own=False)
+    assert manifest["step"] >= 3 and manifest["run_name"] == "crash1"
+    # Without: the newest snapshot's weights, beside where the final ones would have gone.
+    out = tmp_path / "out"
+    cfg = config(corpus_dir, "crash2", steps=30, run={"name": "crash2", "output_dir": str(out)})
+    with pytest.raises(RuntimeError, match=r"injected controller error at step \d+"):
+        Trainer(cfg, verbose=False, on_step=crash_soon("crash2")).fit()
+    [saved] = out.glob("model-step-*.safetensors")
+    assert int(saved.name[11:19]) >= 3 and len(load_weights(str(saved))) > 0
