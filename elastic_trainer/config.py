@@ -299,6 +299,11 @@ class TrainerConfig(_Strict):
         c = self.checkpoint
         if c.durable_every is not None and c.storage is None:
             raise ValueError(f"checkpoint.durable_every({c.durable_every}) needs checkpoint.storage")
+        if p.schedule == "1f1b" and p.pp > 1 and n_micro < p.pp:
+            raise ValueError(
+                f"schedule '1f1b' needs at least as many micro-batches per replica as stages: "
+                f"global_batch_size({t.global_batch_size}) / (dp({p.dp}) * micro_batch_size({t.micro_batch_size})) "
+                f"= {n_micro} < pp({p.pp}); lower micro_batch_size or dp, or use schedule 'gpipe'")
         if p.schedule == "interleaved":
             if p.pp < 2:
                 raise ValueError(f"schedule 'interleaved' needs pp >= 2, got pp({p.pp})")

@@ -85,9 +85,14 @@ class Recovery:
         ctl.event("failure", failure="startup", worker=getattr(err, "failed_workers", []), rank=None, node=None,
                   step=ctl.step + 1, detail=str(err))
         log.warning("[%s] start-up failed: %s", ctl.run_name, err)
+        dead = pool.dead_among(list(pool.workers))
+        if not dead and all(w in pool for w in getattr(err, "failed_workers", [])):
+            # Every worker lives: the set-up raised on its own (a bug, a model that does not
+            # build), which another plan would only hide. Not a loss.
+            raise RunError(f"the first set-up failed on live workers (no worker or node was lost): {err}")
         self.failures += 1
         self._check_limits(Diagnosis([], [], [], "startup", str(err)))
-        pool.drop(pool.dead_among(list(pool.workers)))
+        pool.drop(dead)
         ctl.abort_setups()
         pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth
         self.replan_and_restore(None, detected, None, reason="startup")

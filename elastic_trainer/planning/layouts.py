@@ -64,6 +64,9 @@ def feasible_layouts(cfg: TrainerConfig, param_counts: list[int], n_workers: int
             if t.global_batch_size % (dp * t.micro_batch_size):
                 continue
             m = t.global_batch_size // (dp * t.micro_batch_size)
+            # torch's 1F1B needs a micro-batch in flight per stage.
+            if p.schedule == "1f1b" and pp > 1 and m < pp:
+                continue
             # torch's interleaved schedule runs max(1, m // pp) rounds of equal size.
             if p.schedule == "interleaved" and m % max(1, m // pp):
                 continue

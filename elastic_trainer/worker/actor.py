@@ -25,7 +25,7 @@ from ..config import TrainerConfig
 from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
 from .copies import HeldCopies
-from .process_group import destroy_groups, free_port, init_groups
+from .process_group import SetupAborted, destroy_groups, free_port, init_groups
 from .stage import StageTrainer
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,8 @@ class TrainWorker:
                              collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s,
                              aborted=lambda: self._aborted_upto >= generation > 0)
         t.append(time.perf_counter())
-        shards, moved = self._fetch(sources) if sources else ([], {"bytes": 0, "seconds": 0.0})
+        shards, moved = (self._fetch(sources, lambda: self._aborted_upto >= generation > 0) if sources
+                         else ([], {"bytes": 0, "seconds": 0.0}))
         t.append(time.perf_counter())
         trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
                                held=held)
@@ -178,10 +179,14 @@ class TrainWorker:
             return None
         return kept[1]
 
-    def _fetch(self, sources: list) -> tuple[list[dict], dict]:
+    def _fetch(self, sources: list, aborted=lambda: False) -> tuple[list[dict], dict]:
         """The shards to load: local copies as they are, the others fetched at once (in
         parallel). ``moved``: bytes that came from other workers' copies, and the seconds
-        that took (``("own", ref)`` is this worker's own object-store part: not moved)."""
+        that took (``("own", ref)`` is this worker's own object-store part: not moved).
+
+        An object whose node just died can block a fetch for tens of seconds, until Ray
+        declares it lost; the wait is in short slices so that ``aborted()`` (the controller
+        gave this set-up up) ends it at once."""
         out: list = [None] * len(sources)
         remote = {}
         for i, s in enumerate(sources):
@@ -192,6 +197,12 @@ class TrainWorker:
             else:
                 remote[i] = s
         t0 = time.perf_counter()
+        pending = list(remote.values())
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=True)
+            if pending and aborted():
+                raise SetupAborted(f"worker {self.worker_id} stopped fetching its restore sources: "
+                                   "the controller abandoned this plan")
         for i, shard in zip(remote, ray.get(list(remote.values()))):
             out[i] = shard
         moved = {"bytes": sum(shard_nbytes(out[i]) for i in remote), "seconds": time.perf_counter() - t0}

@@ -54,6 +54,14 @@ def test_interleaved_needs_pipeline():
         make(parallel={"schedule": "interleaved"})
 
 
+def test_1f1b_needs_a_micro_batch_per_stage():
+    # torch's 1F1B refuses it on every rank at set-up; the config says so before anything starts.
+    with pytest.raises(ConfigError, match=r"schedule '1f1b' needs .* = 2 < pp\(3\)"):
+        make(model={"n_layer": 4}, parallel={"dp": 2, "pp": 3}, train={"global_batch_size": 16, "micro_batch_size": 4})
+    make(model={"n_layer": 4}, parallel={"dp": 2, "pp": 3, "schedule": "gpipe"},
+         train={"global_batch_size": 16, "micro_batch_size": 4})
+
+
 def test_too_many_stages_for_the_gpt():
     with pytest.raises(ConfigError, match=r"6 blocks .* fewer than the 8 pipeline stages"):
         make(model={"n_layer": 4}, parallel={"pp": 8}, train={"global_batch_size": 8, "micro_batch_size": 1})
