@@ -12,17 +12,6 @@ import time
 NODES = 6
 
 
-def _cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=1) for _ in range(NODES)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    return c, nodes
-
-
 def _run(raw: dict, on_step=None) -> tuple[object, float, list]:
     from elastic_trainer import Trainer, TrainerConfig
     from elastic_trainer.simulate import object_store_bytes
@@ -45,8 +34,8 @@ def _run(raw: dict, on_step=None) -> tuple[object, float, list]:
     return result, time.perf_counter() - t0, samples
 
 
-def run_soak(demo_config, seed: int, steps: int = 300) -> dict:
-    """Both runs on fresh 6-node clusters; the result as a JSON-able dict."""
+def run_soak(demo_config, start_cluster, seed: int, steps: int = 300) -> dict:
+    """Both runs on fresh 6-node clusters (``start_cluster(n)``); the result as a JSON-able dict."""
     import ray
 
     from elastic_trainer.soak import Soak, SoakPlan
@@ -63,7 +52,7 @@ def run_soak(demo_config, seed: int, steps: int = 300) -> dict:
 
     out: dict = {"seed": seed, "steps": steps, "nodes": NODES}
     for name in ("clean", "soak"):
-        c, nodes = _cluster()
+        c, nodes = start_cluster(NODES)
         try:
             if name == "clean":
                 print(f"soak: failure-free run, {steps} steps on {NODES} nodes ...", flush=True)

@@ -54,12 +54,13 @@ def demo_config(steps: int, name: str, **overrides) -> dict:
     return raw
 
 
-def start_cluster():
+def start_cluster(n_nodes: int = NODES):
+    """A head with no CPUs (work lands on removable nodes) and ``n_nodes`` one-CPU nodes; connected."""
     import ray
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=1) for _ in range(NODES)]
+    nodes = [c.add_node(num_cpus=1) for _ in range(n_nodes)]
     c.wait_for_nodes()
     ray.init(address=c.address)
     return c, nodes
@@ -173,7 +174,7 @@ def main() -> None:
           f"round by round {', '.join(f'{o * 100:+.1f}%' for o in out['snapshot_overhead_rounds'])})")
     if "ray_train" in out:
         r = out["ray_train"]
-        print(f"Ray Train TorchTrainer, 4 DDP workers, checkpoint every step")
+        print("Ray Train TorchTrainer, 4 DDP workers, checkpoint every step")
         print(f"  kill -> first step after restart   {r['kill_to_first_step_s']:.2f} s, steps redone {r['steps_redone']}, "
               f"steady step {r['steady_step_s'] * 1000:.1f} ms")
         print(f"  elastic_trainer recovers {r['kill_to_first_step_s'] / e['kill_to_first_step_s']:.1f}x faster")
@@ -193,7 +194,7 @@ def soak_main(args) -> None:
     ensure_prepared(TrainerConfig.model_validate(demo_config(1, "prep")).data)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     print(f"soak seed {seed} (replay with --seed {seed})", flush=True)
-    out = run_soak(demo_config, seed)
+    out = run_soak(demo_config, start_cluster, seed)
     print_soak(out)
     res = ROOT / "benchmarks" / "results"
     res.mkdir(parents=True, exist_ok=True)

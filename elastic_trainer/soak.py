@@ -74,9 +74,6 @@ class Soak:
     def _status(self) -> dict:
         return ray.get(ray.get_actor(controller_name(self.run_name), namespace=NAMESPACE).status.remote())
 
-    def _worker(self, name_or_id):
-        return next(w for w in self._status()["workers"] if w["worker_id"] == name_or_id)
-
     def _kill(self, what: str, among: list[int] | None = None) -> None:
         """Remove the node of a worker (one of ``among``, else one holding a rank), at random."""
         st = self._status()

@@ -177,10 +177,11 @@ class DurableStore:
         except ValueError as e:
             raise CheckpointError(f"checkpoint {d}: unreadable {MANIFEST}: {e}") from None
 
-    def load_dir(self, name: str) -> tuple[list[dict], dict]:
-        """Shards and manifest of the checkpoint directory ``name``, every checksum verified."""
+    def load_dir(self, name: str, manifest: dict | None = None) -> tuple[list[dict], dict]:
+        """Shards and manifest of the checkpoint directory ``name`` (its ``manifest`` where already
+        read), every checksum verified."""
         d = self._path(name)
-        manifest = self.read_manifest(name)
+        manifest = manifest or self.read_manifest(name)
         shards = []
         for entry in manifest["files"]:
             try:
@@ -202,17 +203,17 @@ class DurableStore:
         (what ``--resume`` continues)."""
         problems = []
         names = [name for _, name in self.entries(own)]
+        manifests: dict[str, dict] = {}
         if not own:
-            created = {}
             for name in names:
                 try:
-                    created[name] = self.read_manifest(name).get("created", 0.0)
+                    manifests[name] = self.read_manifest(name)
                 except CheckpointError:
-                    created[name] = -1.0   # unfinished: tried last, for its note
-            names.sort(key=lambda n: created[n], reverse=True)
+                    pass   # unfinished: tried last (by load_dir), for its note
+            names.sort(key=lambda n: manifests[n].get("created", 0.0) if n in manifests else -1.0, reverse=True)
         for name in names:
             try:
-                shards, manifest = self.load_dir(name)
+                shards, manifest = self.load_dir(name, manifests.get(name))
                 return shards, manifest, problems
             except CheckpointError as e:
                 problems.append(str(e))

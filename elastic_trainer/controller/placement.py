@@ -80,6 +80,19 @@ def _pick(slots: dict[str, int], n: int) -> list[str]:
     return out
 
 
+def pick_nodes(scaling: ScalingSection, n: int, occupied: dict[str, int]) -> list[str]:
+    """A node for each of up to ``n`` new workers where the cluster has room now: spread (one
+    per node for CPU workers) as far as the nodes allow, the rest packed where ``may_pack``."""
+    slots = free_slots(scaling, occupied)
+    out = _pick(slots, n)
+    if len(out) < n and may_pack(scaling):
+        packed = free_slots(scaling, occupied, pack=True)
+        for nid in out:
+            packed[nid] -= 1
+        out += _pick({k: v for k, v in packed.items() if v > 0}, n - len(out))
+    return out
+
+
 def find_nodes(scaling: ScalingSection, n: int, occupied: dict[str, int], timeout_s: float) -> list[str]:
     """A node for each of ``n`` new workers, waiting up to ``timeout_s`` for the cluster to fit them.
 
@@ -88,17 +101,9 @@ def find_nodes(scaling: ScalingSection, n: int, occupied: dict[str, int], timeou
     ``strict_spread`` (then it waits for nodes)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        slots = free_slots(scaling, occupied)
-        if sum(slots.values()) >= n:
-            return _pick(slots, n)
-        if may_pack(scaling):
-            packed = free_slots(scaling, occupied, pack=True)
-            if sum(packed.values()) >= n:
-                # Spread as far as the nodes allow first: one each, then the rest packed.
-                out = _pick(slots, n)
-                for nid in list(out):
-                    packed[nid] -= 1
-                return out + _pick({k: v for k, v in packed.items() if v > 0}, n - len(out))
+        out = pick_nodes(scaling, n, occupied)
+        if len(out) == n:
+            return out
         if time.monotonic() >= deadline:
             alive = [nd for nd in ray.nodes() if nd.get("Alive")]
             have = [{k: v for k, v in nd["Resources"].items() if k in ("CPU", "GPU")} for nd in alive]

@@ -82,11 +82,12 @@ class Recovery:
         ctl, pool = self.ctl, self.ctl.pool
         ctl.transition(RunState.RECOVERING, step=ctl.step + 1)
         detected = time.perf_counter()
-        ctl.event("failure", failure="startup", worker=getattr(err, "failed_workers", []), rank=None, node=None,
+        failed_workers = getattr(err, "failed_workers", [])
+        ctl.event("failure", failure="startup", worker=failed_workers, rank=None, node=None,
                   step=ctl.step + 1, detail=str(err))
         log.warning("[%s] start-up failed: %s", ctl.run_name, err)
         dead = pool.dead_among(list(pool.workers))
-        if not dead and all(w in pool for w in getattr(err, "failed_workers", [])):
+        if not dead and all(w in pool for w in failed_workers):
             # Every worker lives: the set-up raised on its own (a bug, a model that does not
             # build), which another plan would only hide. Not a loss.
             raise RunError(f"the first set-up failed on live workers (no worker or node was lost): {err}")

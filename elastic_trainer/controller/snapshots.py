@@ -13,10 +13,10 @@ all its copies, or is dropped (its refs let go, its pins cancelled) when a pin
 fails or is not stored within ``failure.pin_timeout_s``: never both. A holder
 is given at most ``snapshots_kept`` pins outstanding at once, and none while a
 pin of a dropped snapshot is still outstanding on it, so a slow holder holds a
-bounded number of parts. The last ``checkpoint.snapshots_kept`` committed stay; older refs
-are dropped, and every pin request tells its holder the oldest step still
-kept, so holders let older copies go and object-store use does not grow with
-the step count. Workers keep that many local copies too: one number for both.
+bounded number of parts. The last ``checkpoint.snapshots_kept`` committed stay;
+older refs are dropped, and every pin request tells its holder the oldest step
+still kept, so holders let older copies go and object-store use does not grow
+with the step count. Workers keep that many local copies too: one number for both.
 
 This module owns all of it: when a snapshot is due, who writes what, where
 copies go, when a snapshot commits and how long it is kept.
@@ -24,6 +24,7 @@ copies go, when a snapshot commits and how long it is kept.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
@@ -132,7 +133,9 @@ class SnapshotStore:
         shards = {rank: ShardEntry(ref, blocks, node, wid) for rank, (wid, node, ref, blocks) in parts.items()}
         workers = sorted(workers, key=lambda w: w[0])
         keep_from = min(self.oldest_kept() or step, step)
-        busy = self.busy_holders()
+        # A holder takes no new pin with ``keep`` unanswered, nor while it still holds a part
+        # of a dropped snapshot (its pin has not answered).
+        stale, pending = self._stale_holders(), self._unanswered()
         short = []
         for rank, entry in shards.items():
             used = set(copy_nodes.get(rank, ())) | {entry.node}
@@ -142,12 +145,11 @@ class SnapshotStore:
             for h_wid, h_actor, h_node in order:
                 if len(used) >= self.replicas:
                     break
-                if h_node in used or h_wid in busy:
+                if h_node in used or h_wid in stale or pending[h_wid] >= self.keep:
                     continue
                 used.add(h_node)
                 entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref], keep_from)
-                if sum(1 for e in shards.values() for h in e.pins if h == h_wid) + self._pending(h_wid) >= self.keep:
-                    busy.add(h_wid)
+                pending[h_wid] += 1
             if len(used) < min(self.replicas, len({w[2] for w in workers})):
                 short.append(rank)
         snap = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes)
@@ -157,23 +159,21 @@ class SnapshotStore:
             # snapshot cannot get its copies, and waiting would only pile parts up.
             self._drop(snap, f"no free holder on another node for the parts of ranks {short}")
 
-    def _pending(self, holder: int) -> int:
-        """Pins of kept snapshots that ``holder`` has not answered yet."""
-        return sum(1 for snap in self.snaps.values() if snap.committed_at is None
-                   for e in snap.shards.values() for h in e.pins if h == holder and h not in e.pinned)
+    def _unanswered(self) -> collections.Counter:
+        """Holder -> pins of kept snapshots it has not answered yet."""
+        return collections.Counter(h for snap in self.snaps.values() if snap.committed_at is None
+                                   for e in snap.shards.values() for h in e.pins if h not in e.pinned)
 
-    def busy_holders(self) -> set[int]:
-        """Holders that take no new pin: ``keep`` pins unanswered, or one of a dropped snapshot
-        (until it answers, the holder still holds that part)."""
+    def _stale_holders(self) -> set[int]:
+        """Holders with a pin of a dropped snapshot still unanswered (until it answers, the holder
+        still holds that part)."""
         for h, refs in list(self._stale.items()):
-            ready, left = ray.wait(refs, num_returns=len(refs), timeout=0)
+            _, left = ray.wait(refs, num_returns=len(refs), timeout=0)
             if left:
                 self._stale[h] = left
             else:
                 del self._stale[h]
-        holders = {h for snap in self.snaps.values() if snap.committed_at is None
-                   for e in snap.shards.values() for h in e.pins if h not in e.pinned}
-        return set(self._stale) | {h for h in holders if self._pending(h) >= self.keep}
+        return set(self._stale)
 
     def _drop(self, snap: Snapshot, why: str) -> None:
         snap.dropped = why
@@ -208,12 +208,12 @@ class SnapshotStore:
                                 e.pinned.add(h)
                             except Exception as ex:  # noqa: BLE001 - the holder died or failed
                                 failed = f"pin of rank {rank}'s part on worker {h} failed: {type(ex).__name__}"
-            if failed is None and now - snap.started > self.pin_timeout_s and \
-                    not all(len(e.pinned) == len(e.pins) for e in snap.shards.values()):
+            complete = all(len(e.pinned) == len(e.pins) for e in snap.shards.values())
+            if failed is None and not complete and now - snap.started > self.pin_timeout_s:
                 failed = f"its pins were not all stored within failure.pin_timeout_s({self.pin_timeout_s:g})"
             if failed:
                 self._drop(snap, failed)
-            elif all(len(e.pinned) == len(e.pins) for e in snap.shards.values()):
+            elif complete:
                 snap.committed_at = now
                 done.append(snap)
         return done

@@ -20,7 +20,7 @@ from ..config import TrainerConfig
 from ..errors import ElasticTrainerError, WorkerError
 from ..naming import NAMESPACE, spare_name
 from ..worker.actor import TrainWorker
-from .placement import free_slots, may_pack
+from .placement import pick_nodes
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ def ask_all(refs: dict, timeout: float) -> dict:
 
 
 def get_all(refs: dict, ranks: dict, timeout: float, what: str) -> dict:
-    """Results of one call per rank (``refs``: rank -> ref; ``ranks``: rank -> worker id). A dead worker ends the wait at once (the others
-    would only time out waiting for it); failures raise a WorkerError naming them."""
+    """Results of one call per rank (``refs``: rank -> ref; ``ranks``: rank -> worker id). A dead
+    worker ends the wait at once (the others would only time out waiting for it); failures raise
+    a WorkerError naming them."""
     deadline = time.perf_counter() + timeout
     pending = {ref: r for r, ref in refs.items()}
     out, bad = {}, {}
@@ -164,13 +165,7 @@ class WorkerPool:
             return
         occupied = collections.Counter(w.node for w in self.workers.values())
         occupied.update(node for _, _, node in self.joining.values())
-        free = free_slots(self.cfg.scaling, occupied)
-        nodes = [n for n in sorted(free) for _ in range(free[n])][:want]
-        if len(nodes) < want and may_pack(self.cfg.scaling):
-            # No node left without a worker of ours: pack the rest, as the start did.
-            occupied.update(nodes)
-            packed = free_slots(self.cfg.scaling, occupied, pack=True)
-            nodes += [n for n in sorted(packed) for _ in range(packed[n])][:want - len(nodes)]
+        nodes = pick_nodes(self.cfg.scaling, want, occupied)   # as the start placed them
         if nodes:
             log.info("[%s] starting %d worker(s) on free nodes", self.run_name, len(nodes))
             self.spawn(nodes)

@@ -146,12 +146,14 @@ class TrainWorker:
         topo = Topology(dp, pp)
         device = torch.device("cuda", 0) if cfg.scaling.uses_gpu and torch.cuda.is_available() else torch.device("cpu")
         t.append(time.perf_counter())
+
+        def aborted() -> bool:   # the controller gave this set-up up (abort_setup)
+            return self._aborted_upto >= generation > 0
+
         groups = init_groups(cfg.scaling.resolved_backend(), master_addr, master_port, topo, rank,
-                             collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s,
-                             aborted=lambda: self._aborted_upto >= generation > 0)
+                             collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s, aborted=aborted)
         t.append(time.perf_counter())
-        shards, moved = (self._fetch(sources, lambda: self._aborted_upto >= generation > 0) if sources
-                         else ([], {"bytes": 0, "seconds": 0.0}))
+        shards, moved = self._fetch(sources, aborted) if sources else ([], {"bytes": 0, "seconds": 0.0})
         t.append(time.perf_counter())
         trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
                                held=held)
