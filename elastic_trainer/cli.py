@@ -1,4 +1,4 @@
-"""Command line: ``elastic-trainer run | plan | bench-comm | status | prepare-data``."""
+"""Command line: ``elastic-trainer run | plan | bench-comm | status | prepare-data | export``."""
 
 from __future__ import annotations
 
@@ -184,10 +184,35 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_prepare(args) -> int:
-    from .data.corpus import prepare_stdlib_corpus
+    from .errors import DataError
 
-    rows = prepare_stdlib_corpus(args.out, args.seq_len, int(args.max_mb * (1 << 20)))
-    print(f"wrote {rows} rows of {args.seq_len + 1} byte tokens to {args.out}")
+    if args.tokenizer is None:
+        if args.input is not None:
+            raise DataError(f"--input({args.input!r}) is tokenized with --tokenizer FILE; none was given "
+                            "(without --tokenizer, prepare-data writes the stdlib byte corpus)")
+        from .data.corpus import prepare_stdlib_corpus
+
+        rows = prepare_stdlib_corpus(args.out, args.seq_len, int(args.max_mb * (1 << 20)))
+        print(f"wrote {rows} rows of {args.seq_len + 1} byte tokens to {args.out}")
+        return 0
+    if args.input is None:
+        raise DataError(f"--tokenizer({args.tokenizer!r}) needs --input PATH: the Parquet, .txt or .jsonl "
+                        "text to tokenize")
+    from .data.prepare import prepare_tokenized
+
+    res = prepare_tokenized(args.input, args.out, args.tokenizer, column=args.column, out_column=args.out_column,
+                            eos=not args.no_eos, eos_token=args.eos_token)
+    if "note" in res:
+        print(f"note: {res['note']}", file=sys.stderr)
+    print(f"wrote {res['rows']} rows, {res['tokens']} tokens ({res['files']} files) to {res['path']}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from .hf_export import export
+
+    out = export(args.source, args.hf)
+    print(f"wrote a Hugging Face folder to {out} (AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
 
@@ -246,12 +271,32 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--run", help="only this run")
     st.add_argument("--json", action="store_true", help="print the raw status as JSON")
     st.set_defaults(fn=_cmd_status)
-    p = sub.add_parser("prepare-data", help="Write the Python-stdlib byte corpus as Parquet.",
-                       description="Write the Python-stdlib byte corpus as Parquet token rows.")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (rows hold seq_len + 1)")
-    p.add_argument("--max-mb", type=float, default=8.0, help="corpus size cap in MiB")
+    p = sub.add_parser("prepare-data", help="Write Parquet token rows: the Python-stdlib byte corpus, or "
+                                            "text tokenized with --tokenizer.",
+                       description="Write the Python-stdlib byte corpus as Parquet token rows; with --tokenizer "
+                                   "FILE --input PATH, tokenize that text instead (one list<int32> row per "
+                                   "document, ending with the tokenizer's EOS).")
+    p.add_argument("--out", required=True, help="output directory (must not exist yet with --tokenizer)")
+    p.add_argument("--seq-len", type=int, default=128, help="stdlib corpus: tokens per training sequence "
+                                                             "(rows hold seq_len + 1)")
+    p.add_argument("--max-mb", type=float, default=8.0, help="stdlib corpus: size cap in MiB")
+    p.add_argument("--tokenizer", metavar="FILE", help="a `tokenizers` tokenizer.json (local)")
+    p.add_argument("--input", metavar="PATH", help="with --tokenizer: Parquet file or directory (local or a "
+                                                   "pyarrow URI), .txt (a document per line) or .jsonl")
+    p.add_argument("--column", default="text", help="the text column (Parquet) or key (.jsonl); default text")
+    p.add_argument("--out-column", default="tokens", help="the token column written; default tokens")
+    p.add_argument("--no-eos", action="store_true", help="do not end each row with the EOS token")
+    p.add_argument("--eos-token", metavar="TOKEN", help="the EOS token (default: the first of </s>, "
+                                                        "<|endoftext|>, <eos>, ... in the vocabulary)")
     p.set_defaults(fn=_cmd_prepare)
+    ex = sub.add_parser("export", help="Write a run's weights as a Hugging Face folder (model.kind hf).",
+                        description="Write config.json and model.safetensors that AutoModelForCausalLM."
+                                    "from_pretrained loads, from a run's model.safetensors (or its output "
+                                    "folder, or a failed run's model-step-N.safetensors) or a durable "
+                                    "checkpoint directory (step-N-<run id>).")
+    ex.add_argument("source", help="weights file, run output folder, or durable checkpoint directory")
+    ex.add_argument("--hf", required=True, metavar="OUT", help="the folder to write")
+    ex.set_defaults(fn=_cmd_export)
     return parser
 
 

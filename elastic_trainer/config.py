@@ -51,9 +51,10 @@ class RunSection(_Strict):
 
 
 class ModelSection(_Strict):
-    """The model: the built-in byte-level GPT, or a user factory returning (blocks, loss_fn)."""
+    """The model: the built-in byte-level GPT, a Hugging Face causal LM, or a user factory
+    returning (blocks, loss_fn)."""
 
-    kind: Literal["gpt", "factory"] = "gpt"
+    kind: Literal["gpt", "factory", "hf"] = "gpt"
     n_layer: int = Field(4, ge=1)
     n_head: int = Field(4, ge=1)
     d_model: int = Field(128, ge=1)
@@ -62,9 +63,27 @@ class ModelSection(_Strict):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     factory: str | None = Field(None, description='"package.module:function" returning (blocks, loss_fn).')
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+    hf_config: dict[str, Any] | str | None = Field(
+        None, description="kind hf: a transformers config, as a dict (with model_type, e.g. 'llama', 'gpt2') "
+                          "or the path of a config.json or of a folder holding one. Nothing is fetched from a hub.")
+    init_from: str | None = Field(
+        None, description="kind hf: a local save_pretrained folder whose weights the run starts from "
+                          "(fine-tuning); its config is used where hf_config is not set.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSection":
+        if self.kind == "hf":
+            if self.hf_config is None and self.init_from is None:
+                raise ValueError("model.kind 'hf' needs model.hf_config (a config dict or config.json path) "
+                                 "or model.init_from (a save_pretrained folder)")
+            if isinstance(self.hf_config, dict) and "model_type" not in self.hf_config:
+                raise ValueError("model.hf_config needs a model_type (e.g. 'llama' or 'gpt2'); "
+                                 f"given keys: {sorted(self.hf_config)}")
+            if self.factory is not None:
+                raise ValueError("model.factory is for kind 'factory'; kind 'hf' builds from model.hf_config")
+            return self
+        if self.hf_config is not None or self.init_from is not None:
+            raise ValueError(f"model.hf_config and model.init_from need model.kind 'hf', not {self.kind!r}")
         if self.factory is not None:
             if not _FACTORY_RE.match(self.factory):
                 raise ValueError(
@@ -90,7 +109,39 @@ class DataSection(_Strict):
     prepare: Literal["stdlib"] | None = Field(
         None, description="'stdlib': build the byte corpus of Python's standard library at path if it is missing."
     )
-    shuffle: bool = True
+    shuffle: bool = Field(
+        True, description="Shuffle windows per epoch: blocks of shuffle_block consecutive windows in a "
+                          "seeded order, and the windows of every shuffle_mix blocks mixed together "
+                          "(so a step reads a few row groups, not one per sample).")
+    shuffle_block: int = Field(64, ge=1, description="Consecutive windows kept together by the shuffle.")
+    shuffle_mix: int = Field(16, ge=1, description="Blocks whose windows the shuffle mixes with each other.")
+    read_ahead_mb: float = Field(
+        256.0, gt=0, description="Decoded row groups a reading rank keeps (and reads ahead into), MiB: "
+                                 "its memory for data is bounded by this, not by the corpus.")
+
+
+class EvalSection(_Strict):
+    """Validation loss, on held-out data, every ``every`` steps on the current plan."""
+
+    path: str | None = Field(None, description="Parquet of validation rows (same column and format as data.path).")
+    fraction: float | None = Field(
+        None, gt=0, lt=1, description="Hold out this share of data.path's windows instead (the last ones "
+                                      "of the stream): training never reads them.")
+    every: int | None = Field(None, ge=1, description="Evaluate after every N steps (and after the last); "
+                                                       "None: no evaluation.")
+    batches: int = Field(4, ge=1, description="Global batches (train.global_batch_size windows each) per evaluation.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalSection":
+        if self.path is not None and self.fraction is not None:
+            raise ValueError(f"eval.path({self.path!r}) and eval.fraction({self.fraction}) both given; set one")
+        if self.every is not None and self.path is None and self.fraction is None:
+            raise ValueError(f"eval.every({self.every}) needs eval.path or eval.fraction")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.every is not None
 
 
 class TrainSection(_Strict):
@@ -99,7 +150,12 @@ class TrainSection(_Strict):
     steps: int = Field(100, ge=1)
     global_batch_size: int = Field(16, ge=1)
     micro_batch_size: int = Field(4, ge=1)
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (after warm-up).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="After warm-up: constant at lr, or cosine / linear decay from lr to min_lr "
+                                "at the last step. A pure function of the step (train.lr_at).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from lr / warmup_steps to lr.")
+    min_lr: float = Field(0.0, ge=0, description="cosine / linear: the rate at the last step.")
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] | None = None
     eps: float | None = Field(None, gt=0)
@@ -112,6 +168,15 @@ class TrainSection(_Strict):
     loss_scale_growth_interval: int = Field(
         2000, ge=1, description="fp16: good steps in a row after which the loss scale doubles (a step with "
                                 "an inf or NaN gradient is skipped on every rank and halves it).")
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "TrainSection":
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr({self.min_lr}) > train.lr({self.lr})")
+        if self.warmup_steps >= self.steps and self.lr_schedule != "constant":
+            raise ValueError(f"train.warmup_steps({self.warmup_steps}) leaves no decay in train.steps({self.steps}) "
+                             f"for lr_schedule {self.lr_schedule!r}")
+        return self
+
     activation_checkpointing: Literal["none", "blocks"] = Field(
         "none", description="blocks: keep only each block's input in forward and recompute the block in "
                             "backward (torch's non-reentrant checkpoint): less activation memory, one more "
@@ -267,6 +332,7 @@ class TrainerConfig(_Strict):
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     comm: CommSection = Field(default_factory=CommSection)

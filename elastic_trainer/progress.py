@@ -74,6 +74,9 @@ class ProgressPrinter:
                        f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s"
                        + (f", {ev['attempts'] - 1} failed attempt(s) {ev['failed_attempts_s']:.2f}s"
                           if ev.get("attempts", 1) > 1 else ""))
+        elif kind == "eval":
+            self._line(f"   eval after step {ev['step']}: loss {ev['loss']:.4f} ({ev['seconds']:.2f}s, "
+                       f"dp={ev['dp']} pp={ev['pp']})")
         elif kind == "placement":
             self._line(f"placement: {ev['detail']}")
         elif kind == "snapshot_dropped":

@@ -79,8 +79,21 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
     fig.suptitle(_title(history, events, title), fontsize=11)
 
     ax = axes[0]
-    ax.plot(steps, [r.get("loss", float("nan")) for r in history], color="tab:blue", linewidth=1.2)
+    ax.plot(steps, [r.get("loss", float("nan")) for r in history], color="tab:blue", linewidth=1.2, label="train")
+    evals = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals), color="tab:green", marker="o", markersize=3, linewidth=1.2, label="validation")
     ax.set_ylabel("loss")
+    lrs = [r.get("lr") for r in history]
+    if any(v is not None for v in lrs):
+        # The rate on its own axis, faint: the schedule beside the curve it shapes.
+        lr_ax = ax.twinx()
+        lr_ax.plot(steps, [float("nan") if v is None else v for v in lrs], color="tab:gray", linewidth=0.9,
+                   linestyle=":", label="learning rate")
+        lr_ax.set_ylabel("learning rate", color="tab:gray", fontsize=8)
+        lr_ax.tick_params(axis="y", labelsize=7, colors="tab:gray")
+        lr_ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=8)
 
     ax = axes[1]
     ax.plot(steps, [r.get("tokens_per_s", float("nan")) for r in history], color="tab:purple", linewidth=1.2)

@@ -41,11 +41,15 @@ def format_status(st: dict) -> str:
     step_line = f"  step {st['step']}/{st['steps']}"
     if st.get("last"):
         step_line += f", loss {st['last']['loss']:.4f}"
+        if st["last"].get("lr") is not None:
+            step_line += f", lr {st['last']['lr']:.3g}"
     if st.get("tokens_per_s"):
         step_line += f", {st['tokens_per_s']:,.0f} tok/s, {st['step_time_s'] * 1000:.1f} ms/step"
         left = (st["steps"] - st["step"]) * st["step_time_s"]
         step_line += f", ~{left / 60:.1f} min left"
     lines.append(step_line)
+    if st.get("eval"):
+        lines.append(f"  validation loss {st['eval']['loss']:.4f} after step {st['eval']['step']}")
     plan = st.get("plan")
     if plan:
         stages = ", ".join(f"stage {s['stage']}: blocks {s['blocks'][0]}..{s['blocks'][1] - 1}"

@@ -15,7 +15,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .config import TrainerConfig
 from .controller.controller import Controller
 from .controller.saving import SaveError
-from .data.dataset import TokenDataset, ensure_prepared
+from .data.dataset import ensure_prepared
+from .data.splits import open_datasets
+from .models.hf import load_hf_config
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
 from .planning.constants import run_constants
@@ -36,6 +38,7 @@ class Result:
     report_path: str | None = None  # the run report PNG, if written
     model_path: str | None = None   # the final weights (model.safetensors), written and read back
     durable_path: str | None = None  # the final durable checkpoint, where checkpoint.storage is set
+    hf_path: str | None = None       # model.kind hf: a folder AutoModelForCausalLM.from_pretrained loads
     run_id: str | None = None        # the id its durable checkpoints carry
 
     @property
@@ -99,19 +102,25 @@ class Trainer:
     def _check_inputs(self, cfg: TrainerConfig) -> TrainerConfig:
         """Fail before any worker starts: bad data and bad factories are cheap to find here."""
         resolve_factory(cfg.model)
-        data = cfg.data
-        if "://" not in data.path:
-            # Workers do not share the driver's working directory.
-            data = data.model_copy(update={"path": os.path.abspath(os.path.expanduser(data.path))})
+        model = cfg.model
+        if model.kind == "hf":
+            # Workers do not share the driver's working directory: local paths become absolute.
+            paths = {k: _absolute(getattr(model, k)) for k in ("hf_config", "init_from")
+                     if isinstance(getattr(model, k), str)}
+            model = model.model_copy(update=paths)
+            load_hf_config(model.hf_config, model.init_from)  # a bad config fails here, not on every worker
+        data = cfg.data.model_copy(update={"path": _absolute(cfg.data.path)})
+        ev = cfg.eval.model_copy(update={"path": _absolute(cfg.eval.path)}) if cfg.eval.path else cfg.eval
         ensure_prepared(data)
-        self._data = TokenDataset.open(data).fingerprint()
+        checked = cfg.model_copy(update={"data": data, "eval": ev, "model": model})
+        self._data = open_datasets(checked, cfg.failure.storage_retries)[0].fingerprint()
         run = cfg.run.model_copy(update={"output_dir": output_dir(cfg)})
         comm = cfg.comm
         if comm.constants is not None:
             # Read by the controller (on this node, in another directory) when it re-plans.
             comm = comm.model_copy(update={"constants": os.path.abspath(os.path.expanduser(comm.constants))})
             run_constants(cfg.model_copy(update={"comm": comm}))
-        return cfg.model_copy(update={"data": data, "comm": comm, "run": run})
+        return checked.model_copy(update={"comm": comm, "run": run})
 
     def _connect(self, cfg: TrainerConfig) -> bool:
         if ray.is_initialized():
@@ -174,12 +183,14 @@ class Trainer:
         if printer:
             printer.done(out["history"])
             print(f"weights: {out['model_path']}", flush=True)
+            if out.get("hf_path"):
+                print(f"hugging face folder: {out['hf_path']}", flush=True)
         self.report_path = None
         self._report(cfg, run_name, out["history"], out["events"])
         return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
                       workers=out["workers"], plans=out["plans"], model_state=out["model_state"],
                       report_path=self.report_path, model_path=out["model_path"],
-                      durable_path=out["durable_path"], run_id=out["run_id"])
+                      durable_path=out["durable_path"], run_id=out["run_id"], hf_path=out.get("hf_path"))
 
 
 def output_dir(cfg: TrainerConfig) -> str:
@@ -191,3 +202,8 @@ def output_dir(cfg: TrainerConfig) -> str:
         base = cfg.checkpoint.storage or cfg.run.report_dir or "elastic_trainer_reports"
         out = f"{base.rstrip('/')}/{cfg.run.name}"
     return out if "://" in out else os.path.abspath(os.path.expanduser(out))
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute (workers run elsewhere); filesystem URIs as given."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))

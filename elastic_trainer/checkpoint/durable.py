@@ -31,7 +31,7 @@ import torch
 
 from ..data.dataset import resolve_filesystem
 from ..errors import ElasticTrainerError
-from .retry import StorageError, with_retries
+from ..retry import StorageError, with_retries
 
 FORMAT = 1
 MANIFEST = "manifest.json"

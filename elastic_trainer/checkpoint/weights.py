@@ -19,7 +19,7 @@ from safetensors.torch import save as st_save
 from ..data.dataset import resolve_filesystem
 from ..errors import ElasticTrainerError
 from .dtypes import as_tensor
-from .retry import with_retries
+from ..retry import with_retries
 
 WEIGHTS = "model.safetensors"
 
@@ -77,3 +77,24 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
     fs, p = resolve_filesystem(path)
     with fs.open_input_stream(p) as f:
         return st_load(f.read())
+
+
+def read_metadata(path: str) -> dict:
+    """The JSON header values of a weights file written by :func:`save_weights` (``{}`` if none):
+    read from the file's header alone, not its tensors."""
+    fs, p = resolve_filesystem(path)
+    try:
+        with fs.open_input_file(p) as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n < 100 << 20:
+                raise WeightsError(f"{path} is not a safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: unreadable safetensors header: {e}") from None
+    out = {}
+    for k, v in (header.get("__metadata__") or {}).items():
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out

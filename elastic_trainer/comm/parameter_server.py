@@ -39,6 +39,8 @@ import numpy as np
 import torch
 
 from ..checkpoint.state import block_of, export_shard, load_into, merge_shards
+from ..config import TrainSection
+from ..lr_schedule import lr_at, set_lr
 from .stats import CommStats
 
 
@@ -102,6 +104,8 @@ class ParameterServerShard:
         self._params = {n: torch.nn.Parameter(torch.tensor(np.asarray(params[n]), dtype=torch.float32))
                         for n in names}
         self._optimizer = torch.optim.AdamW(list(self._params.values()), **_adamw_kwargs(train))
+        # The rate of each step comes from the schedule, as on the workers (lr_schedule.lr_at).
+        self._train = train if isinstance(train, TrainSection) else TrainSection.model_validate(dict(train))
         self._version = {n: step for n in names}  # last step applied to each name
         self._base_step = step                     # the step of a shard that owns no names
         self._pending: dict[str, dict[int, torch.Tensor]] = {n: {} for n in names}  # name -> replica -> grad
@@ -157,6 +161,7 @@ class ParameterServerShard:
                     total += parts[r]
                 self._params[n].grad = total.div_(self.n_workers)
         # AdamW skips parameters whose grad is None, so only these names step.
+        set_lr(self._optimizer, lr_at(self._train, step))
         self._optimizer.step()
         for n in names:
             self._params[n].grad = None

@@ -40,6 +40,7 @@ from ..naming import worker_name
 from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
 from .durable_writer import DurableWriter
+from .evaluation import Evaluator
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
 from .recovery import Recovery
@@ -82,6 +83,7 @@ class Controller:
         self.resume_point: tuple | None = None   # the durable restore of --resume, until the first set-up took it
         self.writer: DurableWriter | None = None
         self.recovery = Recovery(self)
+        self.evaluator = Evaluator(self)
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self.setup_timings: dict = {}
         self.restore_moved: dict = {}         # the last set-up's state transfer: bytes, seconds, rate
@@ -122,7 +124,8 @@ class Controller:
                     "snapshots": self.schedule.describe(),
                     "workers": self.pool.table(),
                     "failures": [e for e in self.events if e["kind"] == "failure"][-5:],
-                    "recoveries": sum(1 for e in self.events if e["kind"] == "recovery")}
+                    "recoveries": sum(1 for e in self.events if e["kind"] == "recovery"),
+                    "eval": next((e for e in reversed(self.events) if e["kind"] == "eval"), None)}
 
     def stop(self) -> None:
         """Stop at the next step boundary."""
@@ -246,7 +249,12 @@ class Controller:
         return self.saver.unsaved
 
     def _loop(self) -> None:
-        while self.step < self.cfg.train.steps and not self._stop.is_set():
+        while not self._stop.is_set():
+            if self.evaluator.due():
+                self.evaluator.run()
+                continue
+            if self.step >= self.cfg.train.steps:
+                break
             self.recovery.maybe_grow()
             step = self.step + 1
             if self._error_at is not None and self._error_at in (step, 0):
@@ -337,6 +345,7 @@ class Controller:
             # Steps after the restored one were rolled back: they will be run again.
             self.rolled_back = self.step - restored if restore else 0
             self.history = [h for h in self.history if h["step"] <= restored]
+            self.evaluator.rolled_back(restored)
             self.step = restored
         self.driver.steps_since_setup = 0
         desc = plan.describe()

@@ -20,7 +20,7 @@ import ray
 
 from ..checkpoint.compat import resume_differences
 from ..checkpoint.durable import CheckpointError
-from ..checkpoint.retry import StorageError
+from ..retry import StorageError
 from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan

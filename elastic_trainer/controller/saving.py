@@ -17,6 +17,7 @@ import ray
 
 from ..checkpoint.weights import WeightsError, save_weights, weights_from_shards
 from ..errors import RunError
+from ..hf_export import recorded_config, write_hf_folder
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -33,11 +34,16 @@ class RunSaver:
         self.ctl = ctl
         self.unsaved: dict | None = None   # weights gathered for a save that failed, for the driver
         self.emergency_done = False
+        # kind hf: the resolved transformers config, recorded with the weights for the export.
+        self.hf_config = recorded_config(ctl.cfg.model)
 
     def _meta(self, step: int) -> dict:
         ctl = self.ctl
-        return {"run": ctl.run_name, "run_id": ctl.run_id, "step": step, "format": "elastic_trainer",
+        meta = {"run": ctl.run_name, "run_id": ctl.run_id, "step": step, "format": "elastic_trainer",
                 "model": ctl.cfg.model.model_dump(mode="json")}
+        if self.hf_config is not None:
+            meta["hf_config"] = self.hf_config
+        return meta
 
     def gather_state(self) -> dict:
         """Full model state from replica 0's ranks (every replica holds the same weights)."""
@@ -55,7 +61,7 @@ class RunSaver:
 
         Raises :class:`SaveError` naming what was not saved."""
         ctl = self.ctl
-        missing, out = [], {"durable_path": None, "model_path": None}
+        missing, out = [], {"durable_path": None, "model_path": None, "hf_path": None}
         if ctl.writer:
             try:
                 out["durable_path"] = self._final_durable()
@@ -71,11 +77,26 @@ class RunSaver:
             log.info("[%s] weights of step %d saved to %s", ctl.run_name, ctl.step, out["model_path"])
         except WeightsError as e:
             missing.append(f"the weights ({e})")
+        if ctl.cfg.model.kind == "hf" and not missing:
+            out["hf_path"] = self._hf_folder(state, where)
         if missing:
             self.unsaved = state
             raise SaveError(f"run {ctl.run_name} trained {ctl.step} steps but did not save " + "; ".join(missing)
                             + ". The driver keeps the weights it could gather (error.model_state).")
         return out
+
+    def _hf_folder(self, state: dict, where: str) -> str | None:
+        """The Hugging Face folder beside the weights (``<output_dir>/hf``). Not a condition of
+        FINISHED: the weights file holds the same tensors and ``export --hf`` makes it again."""
+        ctl = self.ctl
+        try:
+            path = write_hf_folder(state, ctl.cfg.model, f"{where.rstrip('/')}/hf", self.hf_config)
+        except Exception as e:  # noqa: BLE001 - reported; the weights file is saved
+            ctl.event("checkpoint_problem", step=ctl.step, detail=f"the Hugging Face folder was not written: "
+                                                                 f"{type(e).__name__}: {e}")
+            return None
+        log.info("[%s] Hugging Face folder at %s", ctl.run_name, path)
+        return path
 
     def _final_durable(self) -> str:
         ctl = self.ctl

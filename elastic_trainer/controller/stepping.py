@@ -78,7 +78,17 @@ class StepDriver:
             # Asked for at once: the part comes back once the step has begun it, on a
             # thread of its own, and its write into the object store overlaps the next step.
             out.shard_refs[w] = actor.snapshot_part.remote(step, blocks) if blocks else None
-        deadline = started + self.step_timeout()
+        return self._collect(out, refs, actors, started + self.step_timeout())
+
+    def evaluate(self, step: int, actors: dict[int, object], batches: int) -> StepOutcome:
+        """Run the evaluation after ``step`` on every rank; it fails like a step (``StepOutcome``).
+        Forward only over ``batches`` global batches: given that many step timeouts."""
+        started = time.perf_counter()
+        out = StepOutcome(step, started)
+        refs = {actor.evaluate.remote(step): w for w, actor in actors.items()}
+        return self._collect(out, refs, actors, started + self.step_timeout() * max(1, batches))
+
+    def _collect(self, out: StepOutcome, refs: dict, actors: dict[int, object], deadline: float) -> StepOutcome:
         pending = dict(refs)
         pings: dict = {}
         while pending:
@@ -146,7 +156,7 @@ class StepDriver:
             "comm_bytes": sent,
             "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sent)
                                   if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),
-            "loss_scale": results[0]["loss_scale"], "skipped": skipped.pop(),
+            "loss_scale": results[0]["loss_scale"], "skipped": skipped.pop(), "lr": results[0].get("lr"),
             "snapshot": out.snapshot,
             # The longest any rank's update waited for the previous snapshot's copy or write.
             "snapshot_wait_s": max(o.get("snapshot_wait_s", 0.0) for o in results),

@@ -38,6 +38,7 @@ _ROW_TITLES = {
 _GRAFANA_UNITS = {
     "steps": "none",
     "loss": "none",
+    "rate": "none",
     "bool": "none",
     "tokens/s": "short",
     "s": "s",
@@ -56,6 +57,8 @@ _TITLES = {
     "comm_bytes": "comm bytes per step",
     "comm_time_s": "comm time per step",
     "exposed_comm_s": "exposed comm time per step",
+    "eval_loss": "validation loss",
+    "lr": "learning rate",
     "recovery_seconds": "recovery time (p50, p95 over the run)",
     "last_recovery_seconds": "last recovery, by phase",
     "snapshot_seconds": "snapshot time",

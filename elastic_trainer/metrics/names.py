@@ -99,6 +99,9 @@ METRICS: tuple[MetricSpec, ...] = (
     # progress
     _step("step", "Last step every rank finished; drops when a recovery rolls back.", "steps", "progress"),
     _step("loss", "Training loss of the last step, averaged over the ranks that compute it.", "loss", "progress"),
+    _step("eval_loss", "Validation loss of the last evaluation (eval.every), on the held-out windows.", "loss",
+          "progress"),
+    _step("lr", "Learning rate of the last step's update (train.lr_schedule).", "rate", "progress"),
     MetricSpec(PREFIX + "controller_state", GAUGE,
                "1 for the state the run's controller is in, 0 for the others.", "bool", "progress", "state",
                tag_keys=("run", "state")),

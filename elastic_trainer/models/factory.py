@@ -12,6 +12,7 @@ from torch import nn
 from ..config import ModelSection
 from ..errors import ModelError
 from .gpt import build_gpt
+from .hf import build_hf_blocks
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,8 @@ def resolve_factory(model: ModelSection) -> Callable[..., tuple[list[nn.Module],
     """Import the factory named by ``model.factory`` (or the GPT builder)."""
     if model.kind == "gpt":
         return build_gpt
+    if model.kind == "hf":
+        return build_hf_blocks
     module_name, _, fn_name = model.factory.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -34,14 +37,18 @@ def resolve_factory(model: ModelSection) -> Callable[..., tuple[list[nn.Module],
 def build_blocks(model: ModelSection, seed: int) -> tuple[list[nn.Module], Callable]:
     """Build every block with the run's seed, so each rank sees identical initial weights."""
     fn = resolve_factory(model)
-    kwargs = (
-        dict(n_layer=model.n_layer, n_head=model.n_head, d_model=model.d_model,
-             seq_len=model.seq_len, vocab_size=model.vocab_size, dropout=model.dropout)
-        if model.kind == "gpt" else dict(model.kwargs)
-    )
+    if model.kind == "gpt":
+        kwargs = dict(n_layer=model.n_layer, n_head=model.n_head, d_model=model.d_model,
+                      seq_len=model.seq_len, vocab_size=model.vocab_size, dropout=model.dropout)
+    elif model.kind == "hf":
+        kwargs = dict(hf_config=model.hf_config, init_from=model.init_from)
+    else:
+        kwargs = dict(model.kwargs)
     torch.manual_seed(seed)
     try:
         out = fn(**kwargs)
+    except ModelError:
+        raise
     except Exception as e:
         raise ModelError(f"model factory {model.factory or 'gpt'} failed with kwargs {kwargs}: {e!r}") from e
     if not (isinstance(out, tuple) and len(out) == 2):

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 SNAPSHOT_DELAY_ENV = "ELASTIC_TRAINER_SNAPSHOT_DELAY_S"
 # Seconds a worker's first set-up holds (a start-up long enough for a chaos test to hit).
 SETUP_DELAY_ENV = "ELASTIC_TRAINER_SETUP_DELAY_S"
+# A chaos hook: raise inside the evaluation after this step (once per worker process).
+EVAL_FAULT_ENV = "ELASTIC_TRAINER_EVAL_FAULT_STEP"
 
 
 def _build_key(cfg: TrainerConfig, device) -> tuple:
@@ -63,6 +65,8 @@ class TrainWorker:
             self._faults["slow_snapshot"] = float(os.environ[SNAPSHOT_DELAY_ENV])
         if allow_faults and os.environ.get(SETUP_DELAY_ENV):
             self._faults["setup"] = float(os.environ[SETUP_DELAY_ENV])
+        if allow_faults and os.environ.get(EVAL_FAULT_ENV):
+            self._faults[("raise_eval", int(os.environ[EVAL_FAULT_ENV]))] = True
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
         self._setup_lock = threading.Lock()
@@ -268,9 +272,25 @@ class TrainWorker:
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
-                "snapshot_wait_s": r.snapshot_wait_s,
+                "snapshot_wait_s": r.snapshot_wait_s, "lr": r.lr,
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
                 "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes}
+
+    def evaluate(self, step: int) -> dict:
+        """The held-out loss after ``step`` on this plan (``StageTrainer.evaluate``); a failure
+        leaves the groups like a failed step does."""
+        t0 = time.perf_counter()
+        try:
+            if self._faults.pop(("raise_eval", step), None) or self._faults.pop(("raise_eval", None), None):
+                raise InjectedFault(f"injected fault in the evaluation after step {step} on worker {self.worker_id}")
+            loss = self.trainer.evaluate(step)
+        except BaseException as e:
+            log.warning("[%s] worker %d: evaluation after step %d failed on rank %s: %s: %s", self.run_name,
+                        self.worker_id, step, self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            traceback.clear_frames(e.__traceback__)
+            self.reset()
+            raise
+        return {"rank": self.rank, "loss": loss, "seconds": time.perf_counter() - t0}
 
     def _begin_snapshot(self, step: int, put_blocks: list[int] | None):
         # A rank that writes its whole state lends it: the object-store part is its only copy.
@@ -346,7 +366,8 @@ class TrainWorker:
 
     # -- fault injection, for chaos tests and demos --------------------------------
     def inject_fault(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
-        """Chaos hooks: ``raise`` an exception inside ``step`` (without one: the next step); hold the next ``setup``
+        """Chaos hooks: ``raise`` an exception inside ``step`` (without one: the next step), or
+        ``raise_eval`` inside the evaluation after it; hold the next ``setup``
         for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
         snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it).
         ``slow_pin`` without a step holds every pin. Only where the run's config sets
@@ -356,11 +377,11 @@ class TrainWorker:
                                   "set failure.allow_fault_injection true in its config to inject faults")
         if kind == "slow_snapshot":
             self._faults["slow_snapshot"] = seconds
-        elif kind == "raise":
-            self._faults[("raise", step)] = True
+        elif kind in ("raise", "raise_eval"):
+            self._faults[(kind, step)] = True
         elif kind == "slow_setup":
             self._faults["setup"] = seconds
         elif kind == "slow_pin":
             self._faults[("pin", step)] = seconds
         else:
-            raise ValueError(f"unknown fault kind {kind!r}; use raise, slow_setup, slow_pin or slow_snapshot")
+            raise ValueError(f"unknown fault kind {kind!r}; use raise, raise_eval, slow_setup, slow_pin or slow_snapshot")

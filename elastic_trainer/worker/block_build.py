@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import ModelSection
 from ..models.factory import build_blocks, build_blocks_for_shapes
+from ..models.hf import block_ties
 
 
 def _has_state_outside_params(m) -> bool:
@@ -31,13 +32,14 @@ def build_rank_blocks(model: ModelSection, seed: int, own: list[int], device: to
                       restoring: bool, held: dict[int, nn.Module] | None = None
                       ) -> tuple[dict[int, nn.Module], Callable, dict]:
     """This rank's blocks on ``device`` and the loss, plus what was done: ``{"reused": [..],
-    "built": [..], "init": "seed" | "empty"}``. ``held``: blocks of the rank's previous
+    "built": [..], "init": "seed" | "empty", "ties": [(leader, follower) global names]}``. ``held``: blocks of the rank's previous
     plan, still on ``device``, reused when ``restoring`` (their values are overwritten by the load)."""
     held = held if restoring and held else {}
     need = [i for i in own if i not in held]
     if not restoring:
         blocks, loss_fn = build_blocks(model, seed)
-        return {i: blocks[i].to(device) for i in own}, loss_fn, {"reused": [], "built": list(own), "init": "seed"}
+        return ({i: blocks[i].to(device) for i in own}, loss_fn,
+                {"reused": [], "built": list(own), "init": "seed", "ties": block_ties(blocks)})
     blocks, loss_fn, on_meta = build_blocks_for_shapes(model, seed)
     if not on_meta or _has_state_outside_params(loss_fn) or any(_has_state_outside_params(blocks[i]) for i in need):
         if on_meta:
@@ -48,4 +50,5 @@ def build_rank_blocks(model: ModelSection, seed: int, own: list[int], device: to
         init = "empty"
         out = {i: blocks[i].to_empty(device=device) for i in need}
     out.update({i: held[i] for i in own if i in held})
-    return out, loss_fn, {"reused": sorted(held.keys() & set(own)), "built": need, "init": init}
+    return out, loss_fn, {"reused": sorted(held.keys() & set(own)), "built": need, "init": init,
+                          "ties": block_ties(blocks)}

@@ -22,15 +22,17 @@ from ..comm.grad_sync import GradSync
 from ..comm.local_sgd import ModelAverager
 from ..comm.parameter_server import PSClient
 from ..config import TrainerConfig, TrainSection
-from ..data.dataset import TokenDataset, ensure_prepared
-from ..data.sampler import GlobalSampler
+from ..data.dataset import ensure_prepared
+from ..lr_schedule import lr_at, set_lr
 from ..parallel.partition import stage_indices_for_rank
 from ..parallel.topology import Topology
 from .block_build import build_rank_blocks
 from .block_forward import AUTOCAST_DTYPES, autocast_call, wrap_block
+from .inputs import StageInputs
 from .loss_scale import LossScaler
 from .process_group import Groups
 from .snapshot_taker import SnapshotJob, SnapshotTaker
+from .ties import TiedGrads
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -58,6 +60,7 @@ class StepResult:
     skipped: bool = False            # fp16: a gradient overflowed on some rank, so no rank applied the step
     dense_bytes: int = 0   # what an uncompressed all-reduce of every gradient would have sent
     snapshot_wait_s: float = 0.0  # the update waited this long for the previous step's snapshot
+    lr: float = 0.0               # the learning rate of this step's update (lr_schedule.lr_at)
 
 
 class StageTrainer:
@@ -123,14 +126,12 @@ class StageTrainer:
                    if comm.sync == "parameter_server" else None)
         self.dense_bytes = sum(ring_allreduce_bytes(b.numel * 4, topo.dp) for b in self.sync.buckets) if topo.dp > 1 else 0
 
+        self.ties = TiedGrads(self.build_info["ties"], dict(named), stage_bounds, topo, self.replica, groups.pp)
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
-        self.dataset = None
         if self.has_first or self.has_last:
             ensure_prepared(cfg.data)
-            self.dataset = TokenDataset.open(cfg.data)
-        n_rows = len(self.dataset) if self.dataset is not None else 1
-        self.sampler = GlobalSampler(n_rows, cfg.train.seed, cfg.data.shuffle)
+        self.inputs = StageInputs(cfg, topo, self.replica, self.has_first, self.has_last, groups.pp, device)
         self.schedule = self._build_schedule() if topo.pp > 1 else None
 
     def _build_schedule(self):
@@ -231,23 +232,15 @@ class StageTrainer:
         """Stop the comm and copy threads and drop the gradient hooks (they reference the groups)."""
         self.sync.close()
         self.snapshots.close()
+        self.inputs.close()
 
     # -- one step -------------------------------------------------------------
-    def _batch(self, step: int):
-        train = self.cfg.train
-        cursor = (step - 1) * train.global_batch_size
-        if self.dataset is None:
-            return None, None
-        rows = self.sampler.replica_rows(cursor, train.global_batch_size, self.topo.dp, self.replica)
-        x, y = self.dataset.sample(rows)
-        return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
-
     def train_step(self, step: int) -> StepResult:
         """Forward and backward over the micro-batches, average grads over DP, clip, apply.
 
         ``step`` counts from 1; step s reads global samples [(s-1)*B, s*B).
         """
-        x, y = self._batch(step)
+        x, y = self.inputs.train_batch(step)
         stats = CommStats()
         scale = self.scaler.scale if self.scaler is not None else None
         if scale is not None:
@@ -271,6 +264,8 @@ class StageTrainer:
                     return_outputs=False,
                 )
             exposed = self.sync.finish(stats)
+            if self.ties:
+                exposed += self.ties.sync(stats)
         except BaseException:
             self.sync.abort()
             raise
@@ -287,6 +282,8 @@ class StageTrainer:
             self.scaler.update(skipped)
         # The update below writes the state the previous step's snapshot may still be reading.
         waited = self.snapshots.wait()
+        lr = lr_at(self.cfg.train, step)
+        set_lr(self.optimizer, lr)
         # On an overflow every rank found it alike (found_inf agrees over the world): none clips or steps.
         if not skipped:
             if self.cfg.train.grad_clip is not None:
@@ -308,7 +305,35 @@ class StageTrainer:
         gb = self.cfg.train.global_batch_size
         return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, (step - 1) * gb,
                           exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped,
-                          snapshot_wait_s=waited)
+                          snapshot_wait_s=waited, lr=lr)
+
+    def evaluate(self, step: int) -> float | None:
+        """Mean loss of ``eval.batches`` held-out batches, forward only, in eval mode (no dropout),
+        on this plan: the last stage's ranks return it (None elsewhere). Every layout reads the same
+        windows and averages equal shares, so the figure does not depend on dp x pp."""
+        losses: list[torch.Tensor] = []
+        mult, self._loss_mult = self._loss_mult, 1.0  # fp16's loss scale is for backward only
+        for m in self.modules.values():
+            m.eval()
+        try:
+            with torch.no_grad():
+                for b in range(self.cfg.eval.batches):
+                    x, y = self.inputs.eval_batch(step, b)
+                    if self.schedule is None:
+                        n_micro = self.cfg.micro_batches
+                        losses += [self.loss_fn(self.modules[0](xm), ym).detach()
+                                   for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro))]
+                    else:
+                        # The schedule clears the list it is given: one per batch.
+                        batch: list[torch.Tensor] = []
+                        self.schedule.eval(*([x] if self.has_first else []), target=y if self.has_last else None,
+                                           losses=batch if self.has_last else None)
+                        losses += batch
+        finally:
+            self._loss_mult = mult
+            for m in self.modules.values():
+                m.train()
+        return float(torch.stack([l.detach().float() for l in losses]).mean()) if self.has_last and losses else None
 
     def _clip(self, max_norm: float, stats: CommStats) -> None:
         """Clip by the norm over the whole model: after DP averaging every replica holds
@@ -316,8 +341,10 @@ class StageTrainer:
         (With local SGD / DiLoCo each replica clips its own gradients.)"""
         grads = [p.grad for p in self.params if p.grad is not None]
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for g in grads:
-            sq += g.detach().float().pow(2).sum()
+        # A tied pair is one tensor in the norm: its second copy is left out.
+        for name, p in self.named_parameters():
+            if p.grad is not None and name not in self.ties.followers:
+                sq += p.grad.detach().float().pow(2).sum()
         if self.topo.pp > 1:
             t0 = time.perf_counter()
             dist.all_reduce(sq, group=self.groups.pp)

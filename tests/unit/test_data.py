@@ -15,9 +15,10 @@ from ..conftest import SEQ_LEN
 def test_corpus_is_real_stdlib_bytes(corpus_dir):
     ds = TokenDataset.open(DataSection(path=corpus_dir, seq_len=SEQ_LEN))
     assert len(ds) > 1000
-    assert ds.rows.shape[1] == SEQ_LEN + 1
-    assert ds.rows.min() >= 0 and ds.rows.max() < 256
-    text = bytes(ds.rows[:50].reshape(-1).astype(np.uint8)).decode("utf-8", errors="replace")
+    x, y = ds.sample(np.arange(len(ds)))
+    assert x.shape == (len(ds), SEQ_LEN) and x.dtype == np.int64
+    assert x.min() >= 0 and y.max() < 256
+    text = bytes(x[:50].reshape(-1).astype(np.uint8)).decode("utf-8", errors="replace")
     assert "import" in text or "def " in text
     x, y = ds.sample(np.array([0, 3]))
     assert x.shape == (2, SEQ_LEN) and (x[:, 1:] == y[:, :-1]).all()
@@ -26,9 +27,10 @@ def test_corpus_is_real_stdlib_bytes(corpus_dir):
 def test_corpus_preparation_is_deterministic(tmp_path):
     prepare_stdlib_corpus(tmp_path / "a", 32, max_bytes=64 << 10)
     prepare_stdlib_corpus(tmp_path / "b", 32, max_bytes=64 << 10)
-    a = TokenDataset.open(DataSection(path=str(tmp_path / "a"), seq_len=32)).rows
-    b = TokenDataset.open(DataSection(path=str(tmp_path / "b"), seq_len=32)).rows
-    assert (a == b).all()
+    a = TokenDataset.open(DataSection(path=str(tmp_path / "a"), seq_len=32))
+    b = TokenDataset.open(DataSection(path=str(tmp_path / "b"), seq_len=32))
+    assert len(a) == len(b) and a.fingerprint()["tokens"] == b.fingerprint()["tokens"]
+    assert (a.sample(np.arange(len(a)))[1] == b.sample(np.arange(len(b)))[1]).all()
 
 
 def test_prepare_on_demand(tmp_path):
@@ -37,11 +39,12 @@ def test_prepare_on_demand(tmp_path):
     assert len(TokenDataset.open(cfg)) > 0
 
 
-def test_longer_rows_are_cut(tmp_path):
+def test_longer_rows_are_packed_not_cut(tmp_path):
     write_token_parquet(np.arange(100) % 256, tmp_path / "d", row_len=20)
     ds = TokenDataset.open(DataSection(path=str(tmp_path / "d"), seq_len=9))
-    assert ds.rows.shape == (5, 10)
-    assert list(ds.rows[1]) == list(range(20, 30))
+    assert len(ds) == 10  # 100 tokens in windows of 10, across the rows of 20
+    x, y = ds.sample(np.array([2, 3]))
+    assert list(x[0]) == list(range(20, 29)) and list(y[1]) == list(range(31, 40))
 
 
 def test_missing_path():
@@ -79,8 +82,11 @@ def test_wrong_column_and_type_and_short_rows(tmp_path):
     with pytest.raises(DataError, match="expected a list of token ids"):
         TokenDataset.open(DataSection(path=str(tmp_path / "t.parquet"), column="text"))
     pq.write_table(pa.table({"tokens": [[1, 2, 3], [1, 2, 3, 4, 5]]}), tmp_path / "s.parquet")
-    with pytest.raises(DataError, match=r"1 of 2 rows .* shorter than seq_len\(4\) \+ 1 = 5 \(shortest has 3\)"):
-        TokenDataset.open(DataSection(path=str(tmp_path / "s.parquet"), seq_len=4))
+    # Short rows are packed with the next: 8 tokens make one window of 4 + 1, none of 8 + 1.
+    ds = TokenDataset.open(DataSection(path=str(tmp_path / "s.parquet"), seq_len=4))
+    assert len(ds) == 1 and list(ds.sample([0])[0][0]) == [1, 2, 3, 1]
+    with pytest.raises(DataError, match=r"holds 8 tokens in 2 rows, fewer than one window of seq_len\(8\) \+ 1 = 9"):
+        TokenDataset.open(DataSection(path=str(tmp_path / "s.parquet"), seq_len=8))
 
 
 def test_sampler_is_a_pure_function_of_seed_and_index():

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Callable, TypeVar
 
-from ..errors import ElasticTrainerError
+from .errors import ElasticTrainerError
 
 log = logging.getLogger(__name__)
 
