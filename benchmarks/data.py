@@ -19,6 +19,11 @@ The corpus is deleted afterwards (``--keep`` to keep it). Run on a quiet machine
     python benchmarks/data.py --gb 0.25 --steps 50  # smoke
     python benchmarks/data.py --out results.json
 
+``--train`` also trains a small GPT (dp=1 x pp=2, local Ray cluster) on each corpus, in a
+fresh process per run, ``--train-rounds`` times alternating: time from ``fit()`` to the first
+step, each worker's peak RSS, and steady tokens/s (``benchmarks/_data_train.py``). The small
+corpus fits in the read-ahead, so after its first pass it is read from memory.
+
 Prints a markdown table; ``--out FILE`` writes the figures as JSON.
 """
 
@@ -52,7 +57,8 @@ def rss_mib(key: str = "VmHWM") -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def generate(out: Path, gb: float, row_group_mb: float, seed: int, file_mb: float = 256.0) -> dict:
+def generate(out: Path, gb: float, row_group_mb: float, seed: int, file_mb: float = 256.0,
+             vocab: int = 8192) -> dict:
     """Write ~``gb`` GB of int32 token rows; returns what was written."""
     import numpy as np
     import pyarrow as pa
@@ -72,7 +78,7 @@ def generate(out: Path, gb: float, row_group_mb: float, seed: int, file_mb: floa
         lengths = lengths[: cut + 1]
         lengths[-1] -= int(lengths.sum()) - n
         lengths = lengths[lengths > 0]
-        tokens = rng.integers(0, 50257, n, dtype=np.int32)
+        tokens = rng.integers(0, vocab, n, dtype=np.int32)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens))
         pq.write_table(pa.table({"tokens": col}), out / f"part-{files:05d}.parquet", row_group_size=rows_per_group)
@@ -152,6 +158,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def train_table(rows: list[dict]) -> str:
+    lines = ["| training on | round | fit() to first step s | steady tokens/s | step ms | peak RSS per worker MiB |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        rss = ", ".join(f"rank {k}: {v:.0f}" for k, v in r["worker_peak_rss_mib"].items())
+        lines.append(f"| {r['corpus']} | {r['round']} | {r['first_step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['step_ms']:.1f} | {rss} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=2.0, help="size of the large corpus in GB (default 2)")
@@ -160,11 +176,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="timed steps after the first batch (default 300)")
     ap.add_argument("--batch", type=int, default=64, help="global batch, windows (default 64)")
     ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=8192, help="token ids are drawn from range(vocab) (default 8192)")
     ap.add_argument("--read-ahead-mb", type=float, default=256.0, help="the streaming reader's cache cap")
     ap.add_argument("--dir", help="where to write the corpora (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the generated corpora")
     ap.add_argument("--baseline-big", action="store_true",
                     help="also load the large corpus in memory (needs ~4x --gb of RAM): the old reader's cost")
+    ap.add_argument("--train", action="store_true", help="also train on each corpus (see the docstring)")
+    ap.add_argument("--train-steps", type=int, default=150, help="--train: steps per run (default 150)")
+    ap.add_argument("--train-rounds", type=int, default=2, help="--train: runs per corpus, alternating (default 2)")
+    ap.add_argument("--only-train", action="store_true", help="skip the reader-only cases")
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--case", choices=["stream", "memory"], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -178,19 +199,37 @@ def main() -> None:
     try:
         print(f"generating corpora in {work}", file=sys.stderr)
         big, small = work / f"big-{args.gb:g}gb", work / f"small-{args.small_mb:g}mb"
-        doc["corpora"]["big"] = generate(big, args.gb, args.row_group_mb, seed=1)
-        doc["corpora"]["small"] = generate(small, args.small_mb / 1000, args.row_group_mb, seed=2)
+        doc["corpora"]["big"] = generate(big, args.gb, args.row_group_mb, seed=1, vocab=args.vocab)
+        doc["corpora"]["small"] = generate(small, args.small_mb / 1000, args.row_group_mb, seed=2, vocab=args.vocab)
         big_name, small_name = f"{args.gb:g} GB", f"{args.small_mb:g} MB"
         cases = [("stream", big, big_name), ("stream", small, small_name), ("memory", small, small_name)]
-        for kind, path, name in cases + ([("memory", big, big_name)] if args.baseline_big else []):
+        for kind, path, name in ([] if args.only_train else
+                                 cases + ([("memory", big, big_name)] if args.baseline_big else [])):
             print(f"  measuring {kind} on {name} ...", file=sys.stderr)
             r = case_subprocess(kind, path, args)
             r["case"] = "streaming" if kind == "stream" else "in-memory"
             r["corpus"] = name
             doc["rows"].append(r)
+        if args.train:
+            doc["train"] = []
+            for rnd in range(args.train_rounds):
+                for path, name in ((big, big_name), (small, small_name)):
+                    print(f"  training on {name}, round {rnd + 1} ...", file=sys.stderr)
+                    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_data_train.py"), str(path),
+                                          str(args.train_steps), str(args.read_ahead_mb), str(args.vocab)],
+                                         check=True, capture_output=True, text=True, cwd=ROOT)
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    r.update(corpus=name, round=rnd + 1)
+                    doc["train"].append(r)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    if doc.get("train"):
+        print(train_table(doc["train"]) + "\n")
+    if args.only_train:
+        if args.out:
+            Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
+        return
     print(table(doc["rows"]))
     st, mem = doc["rows"][0], doc["rows"][2]
     print(f"\nstreaming {big_name} reads at {st['samples_per_s'] / mem['samples_per_s']:.1%} of the in-memory "

@@ -17,6 +17,7 @@ from .controller.controller import Controller
 from .controller.saving import SaveError
 from .data.dataset import ensure_prepared
 from .data.splits import open_datasets
+from .errors import DataError
 from .models.hf import load_hf_config
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
@@ -113,7 +114,9 @@ class Trainer:
         ev = cfg.eval.model_copy(update={"path": _absolute(cfg.eval.path)}) if cfg.eval.path else cfg.eval
         ensure_prepared(data)
         checked = cfg.model_copy(update={"data": data, "eval": ev, "model": model})
-        self._data = open_datasets(checked, cfg.failure.storage_retries)[0].fingerprint()
+        train, evald = open_datasets(checked, cfg.failure.storage_retries)
+        _check_vocab(checked, [d for d in (train, evald) if d is not None])
+        self._data = train.fingerprint()
         run = cfg.run.model_copy(update={"output_dir": output_dir(cfg)})
         comm = cfg.comm
         if comm.constants is not None:
@@ -207,3 +210,20 @@ def output_dir(cfg: TrainerConfig) -> str:
 def _absolute(path: str) -> str:
     """A local path made absolute (workers run elsewhere); filesystem URIs as given."""
     return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def _check_vocab(cfg: TrainerConfig, datasets: list) -> None:
+    """Token ids the model has no embedding for fail here, named, not as an IndexError on a worker."""
+    model = cfg.model
+    if model.kind == "gpt":
+        vocab = model.vocab_size
+    elif model.kind == "hf":
+        vocab = getattr(load_hf_config(model.hf_config, model.init_from), "vocab_size", None)
+    else:
+        return
+    for ds in datasets:
+        top = getattr(ds, "max_token_id", None)
+        if vocab is not None and top is not None and top >= vocab:
+            raise DataError(f"{ds.source!r} holds token ids up to {top}, but the model's vocabulary has {vocab} "
+                            f"(ids 0..{vocab - 1}): raise the model's vocab_size to at least {top + 1}, or "
+                            "tokenize with a matching tokenizer")

@@ -4,7 +4,7 @@ the sample order must be the same; the layout (dp, pp, placement) and the rest m
 from __future__ import annotations
 
 # Fields that decide what the stored tensors mean and which samples come next.
-_DATA_KEYS = ("path", "column", "seq_len", "shuffle")
+_DATA_KEYS = ("path", "column", "seq_len", "shuffle", "shuffle_block", "shuffle_mix")
 _TRAIN_KEYS = ("seed", "global_batch_size")
 
 

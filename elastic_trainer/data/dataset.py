@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -25,11 +24,9 @@ from ..config import DataSection
 from ..errors import DataError
 from ..retry import with_retries
 from .corpus import prepare_stdlib_corpus
+from .parquet_layout import group_max_id, group_tokens, list_files, read_footer, read_row_group, token_field
 
 log = logging.getLogger(__name__)
-
-_REWRITE = "drop empty and null rows (or rewrite the corpus with `elastic-trainer prepare-data`)"
-
 
 def resolve_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """Return the filesystem and the path inside it; plain paths are local and may be relative."""
@@ -61,53 +58,6 @@ def split_windows(n_windows: int, fraction: float) -> tuple[tuple[int, int], tup
                         f"{n_windows - held} to train on and {held} to evaluate; both need at least one "
                         f"(choose a fraction between {1 / max(n_windows, 1):.3g} and {1 - 1 / max(n_windows, 1):.3g})")
     return (0, n_windows - held), (n_windows - held, n_windows)
-
-
-def _read_footer(fs: pafs.FileSystem, path: str) -> pq.FileMetaData:
-    with fs.open_input_file(path) as f, pq.ParquetFile(f) as pf:
-        return pf.metadata
-
-
-def _read_row_group(fs: pafs.FileSystem, path: str, metadata: pq.FileMetaData, group: int, column: str,
-                    tokens: int, dtype: np.dtype) -> np.ndarray:
-    """The tokens of one row group as a compact array: the only place row data is read (tests fail it).
-
-    Decoded a batch of rows at a time into an array sized from the metadata, so Arrow holds one
-    page and one batch, not the row group plus its reader's buffers (2-3x the row group).
-    """
-    out = np.empty(tokens, dtype=dtype)
-    rows = metadata.row_group(group).num_rows
-    batch = int(np.clip(rows * (1 << 18) // max(tokens, 1), 16, 1 << 16))  # ~256 Ki tokens a batch
-    pos = 0
-    # The footer read at open saves a round trip. Closing the reader matters: left to the
-    # garbage collector, its buffers outlive the read.
-    with fs.open_input_file(path) as f, pq.ParquetFile(f, metadata=metadata, pre_buffer=False,
-                                                              buffer_size=1 << 20) as pf:
-        for b in pf.iter_batches(batch_size=batch, row_groups=[group], columns=[column], use_threads=False):
-            flat = pc.list_flatten(b.column(0))
-            if flat.null_count:
-                raise DataError(f"{path} row group {group} holds {flat.null_count} null token ids; {_REWRITE}")
-            n = len(flat)
-            if pos + n > tokens:
-                pos += n
-                break
-            out[pos:pos + n] = flat.to_numpy()
-            pos += n
-    if pos != tokens:
-        raise DataError(f"{path} row group {group}: its metadata counts {tokens} token values but its rows hold "
-                        f"{'more' if pos > tokens else pos} tokens (empty or null rows make the two disagree); "
-                        f"{_REWRITE}")
-    return out
-
-
-def _leaf_count(t: pa.DataType) -> int:
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return _leaf_count(t.value_type)
-    if pa.types.is_struct(t):
-        return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
-    if pa.types.is_map(t):
-        return _leaf_count(t.key_type) + _leaf_count(t.item_type)
-    return 1
 
 
 class TokenDataset:
@@ -156,25 +106,26 @@ class TokenDataset:
         keeps windows ``[start, stop)`` only, so sample index ``i`` is window ``start + i``.
         Storage calls are retried ``retries`` times on transient errors."""
         fs, where = resolve_filesystem(cfg.path)
-        files = _list_files(fs, where, cfg, retries)
+        files = list_files(fs, where, cfg, retries)
 
         def footer(path: str) -> pq.FileMetaData:
             try:
-                return with_retries(lambda: _read_footer(fs, path), f"reading the Parquet footer of {path}", retries)
+                return with_retries(lambda: read_footer(fs, path), f"reading the Parquet footer of {path}", retries)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, FileNotFoundError, PermissionError) as e:
                 raise DataError(f"data.path({cfg.path!r}) is not readable Parquet: {path}: {e}") from None
 
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(files)))) as pool:
             footers = list(pool.map(footer, files))
-        groups, tokens, dtypes, fields = [], [], [], []
+        groups, tokens, dtypes, fields, max_ids = [], [], [], [], []
         for fi, (path, md) in enumerate(zip(files, footers)):
-            field, leaf = _token_field(md, path, cfg, len(files))
+            field, leaf = token_field(md, path, cfg, len(files))
             fields.append(field)
             dtypes.append(np.dtype(field.type.value_type.to_pandas_dtype()))
-            counts = [_group_tokens(md, rg, leaf, field.type, path) for rg in range(md.num_row_groups)]
+            counts = [group_tokens(md, rg, leaf, field.type, path) for rg in range(md.num_row_groups)]
             # An empty row group holds no tokens and needs no read.
             groups += [(fi, rg) for rg, n in enumerate(counts) if n]
             tokens += [n for n in counts if n]
+            max_ids += [group_max_id(md, rg, leaf) for rg, n in enumerate(counts) if n]
         rows, total = sum(md.num_rows for md in footers), int(sum(tokens))
         if rows == 0:
             raise DataError(f"data.path({cfg.path!r}) holds no rows")
@@ -182,8 +133,11 @@ class TokenDataset:
             raise DataError(f"data.path({cfg.path!r}) holds {total} tokens in {rows} rows, fewer than one window "
                             f"of seq_len({cfg.seq_len}) + 1 = {cfg.seq_len + 1}; lower data.seq_len or give more data")
         field = fields[0]
-        return cls(cfg, fs, files, footers, groups, np.asarray(tokens, dtype=np.int64), dtypes, field,
-                   retries, window_range)
+        ds = cls(cfg, fs, files, footers, groups, np.asarray(tokens, dtype=np.int64), dtypes, field,
+                 retries, window_range)
+        # From the statistics alone: a corpus whose writer left them out has no known bound.
+        ds.max_token_id = None if None in max_ids else max(max_ids)
+        return ds
 
     # -- public API ---------------------------------------------------------
     def __len__(self) -> int:
@@ -372,7 +326,7 @@ class TokenDataset:
         dtype = np.dtype(self._dtypes[fi])
         # One decode at a time: Arrow's transient buffers then stay those of a single row group.
         with self._read_lock:
-            return with_retries(lambda: _read_row_group(self._fs, path, self._footers[fi], rg, self.column,
+            return with_retries(lambda: read_row_group(self._fs, path, self._footers[fi], rg, self.column,
                                                         tokens, dtype),
                                 f"reading row group {rg} of {path}", self._retries)
 
@@ -399,56 +353,3 @@ def _span_union(g0: np.ndarray, g1: np.ndarray) -> np.ndarray:
     return np.unique(np.repeat(g0, spans) + offsets)
 
 
-def _list_files(fs: pafs.FileSystem, where: str, cfg: DataSection, retries: int) -> list[str]:
-    info = with_retries(lambda: fs.get_file_info(where), f"looking up {cfg.path}", retries)
-    if info.type == pafs.FileType.NotFound:
-        hint = " (set data.prepare: stdlib to build the demo corpus there)" if cfg.prepare is None else ""
-        raise DataError(f"data.path({cfg.path!r}) does not exist{hint}")
-    if info.type != pafs.FileType.Directory:
-        return [where]
-    found = with_retries(lambda: fs.get_file_info(pafs.FileSelector(where, recursive=True)),
-                         f"listing {cfg.path}", retries)
-    root = where.rstrip("/") + "/"
-
-    def visible(path: str) -> bool:
-        # Like pyarrow's dataset discovery, and also for folders: _temporary/, .staging/ are not data.
-        return not any(part.startswith((".", "_")) for part in path[len(root):].split("/"))
-
-    files = sorted(f.path for f in found if f.type == pafs.FileType.File and visible(f.path))
-    if not files:
-        raise DataError(f"data.path({cfg.path!r}) is a directory with no Parquet files (names starting with "
-                        f"'.' or '_' are skipped)")
-    return files
-
-
-def _token_field(md: pq.FileMetaData, path: str, cfg: DataSection, n_files: int) -> tuple[pa.Field, int]:
-    """The token column's Arrow field and the index of its leaf column chunk in the file."""
-    try:
-        schema = md.schema.to_arrow_schema()
-    except (pa.ArrowException, ValueError) as e:
-        raise DataError(f"data.path({cfg.path!r}): cannot read the schema of {path}: {e}") from None
-    where = repr(cfg.path) if n_files == 1 else f"{path} (of data.path {cfg.path!r})"
-    if cfg.column not in schema.names:
-        raise DataError(f"data.column({cfg.column!r}) is not in {where}; columns there: {schema.names}")
-    field = schema.field(cfg.column)
-    t = field.type
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
-        raise DataError(f"data.column({cfg.column!r}) in {where} has type {t}; expected a list of token ids")
-    if not pa.types.is_integer(t.value_type):
-        raise DataError(f"data.column({cfg.column!r}) in {where} holds {t.value_type}, not integer token ids")
-    leaf = sum(_leaf_count(schema.field(i).type) for i in range(schema.get_field_index(cfg.column)))
-    return field, leaf
-
-
-def _group_tokens(md: pq.FileMetaData, rg: int, leaf: int, t: pa.DataType, path: str) -> int:
-    group = md.row_group(rg)
-    if pa.types.is_fixed_size_list(t):
-        return group.num_rows * t.list_size
-    chunk = group.column(leaf)
-    stats = chunk.statistics if chunk.is_stats_set else None
-    # Empty and null rows count as one value each in num_values; the statistics, when written,
-    # reveal them before any row is read.
-    if stats is not None and stats.has_null_count and stats.null_count:
-        raise DataError(f"{path} row group {rg} holds {stats.null_count} empty or null rows (or null token "
-                        f"ids); {_REWRITE}")
-    return chunk.num_values

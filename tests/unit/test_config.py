@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from elastic_trainer.config import TrainerConfig, apply_overrides
@@ -139,3 +141,25 @@ def test_a_run_name_that_cannot_be_an_actor_or_file_name_is_refused(name):
 def test_run_names_of_letters_digits_dots_and_dashes_pass():
     for name in ("et-20261201-124623", "gpt_small.run1", "overlapTrue"):
         assert TrainerConfig.from_dict({"data": {"path": "/tmp/x"}, "run": {"name": name}}).run.name == name
+
+
+@pytest.mark.parametrize("ev, message", [
+    ({"path": "v", "fraction": 0.1}, "eval.path('v') and eval.fraction(0.1) both given"),
+    ({"every": 5}, "eval.every(5) needs eval.path or eval.fraction"),
+    ({"fraction": 1.5, "every": 5}, "eval.fraction"),
+])
+def test_eval_sections_that_cannot_run_say_why(ev, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TrainerConfig.from_dict({"data": {"path": "x"}, "eval": ev})
+
+
+def test_an_eval_set_too_small_for_its_batches_is_a_data_error(corpus_dir):
+    from elastic_trainer.data.splits import open_datasets
+    from elastic_trainer.errors import DataError
+
+    cfg = TrainerConfig.from_dict({"data": {"path": corpus_dir, "seq_len": 16},
+                                   "eval": {"fraction": 0.001, "every": 2, "batches": 8}})
+    with pytest.raises(DataError, match=r"eval.fraction\(0.001\) .* holds \d+ windows .* = 128"):
+        open_datasets(cfg)
+    train, evald = open_datasets(cfg.with_overrides(["eval.fraction=0.1"]))
+    assert len(train) + len(evald) == len(open_datasets(cfg.with_overrides(["eval.every=null"]))[0])

@@ -132,3 +132,38 @@ def test_init_from_a_save_pretrained_folder(tmp_path):
     torch.testing.assert_close(blocks[1].layer.self_attn.q_proj.weight, ref.model.layers[0].self_attn.q_proj.weight)
     blocks2, _ = build_hf_blocks(hf_config=str(tmp_path / "pre" / "config.json"))
     assert blocks2[1].layer.self_attn.q_proj.weight.shape == ref.model.layers[0].self_attn.q_proj.weight.shape
+
+
+def test_export_sources_that_cannot_be_exported_say_why(tmp_path, capsys):
+    from elastic_trainer.checkpoint.weights import save_weights
+    from elastic_trainer.cli import main
+
+    assert main(["export", str(tmp_path / "none"), "--hf", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    gpt = ModelSection(kind="gpt", n_layer=1, n_head=1, d_model=8)
+    save_weights(str(tmp_path / "run"), {"blocks.0.tok.weight": torch.zeros(2, 2)},
+                 {"model": gpt.model_dump(mode="json"), "step": 1})
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "o")]) == 2
+    assert "--hf needs a run of model.kind 'hf'; this one is 'gpt'" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty"), "--hf", str(tmp_path / "o")]) == 2
+    assert "holds neither model.safetensors" in capsys.readouterr().err
+
+
+def test_export_from_a_durable_checkpoint(tmp_path):
+    import numpy as np
+
+    from elastic_trainer.checkpoint.durable import DurableStore
+    from elastic_trainer.hf_export import export
+
+    model = ModelSection(kind="hf", hf_config=LLAMA)
+    blocks, _ = build_blocks(model, seed=2)
+    shards = [{"step": 3, "blocks": [i], "extra": {}, "optim": {},
+               "params": {f"blocks.{i}.{n}": p.detach().numpy().copy() for n, p in b.named_parameters()}}
+              for i, b in enumerate(blocks)]
+    store = DurableStore(str(tmp_path / "ck"), run_id="abc123")
+    path = store.save(3, shards, {"config": {"model": model.model_dump(mode="json")}})
+    out = export(path, str(tmp_path / "hf"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    np.testing.assert_array_equal(loaded.model.layers[1].mlp.up_proj.weight.detach().numpy(),
+                                  blocks[2].layer.mlp.up_proj.weight.detach().numpy())

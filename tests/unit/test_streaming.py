@@ -105,7 +105,7 @@ def test_streams_a_corpus_several_times_its_memory_cap(tmp_path, monkeypatch):
     ds = TokenDataset.open(DataSection(path=str(tmp_path / "big"), seq_len=seq_len, read_ahead_mb=4))
     assert max(ds._size) < MiB and len(ds._size) > 24
     reads, arrow, held, stop = [], [0], [0], threading.Event()
-    read = dataset_mod._read_row_group
+    read = dataset_mod.read_row_group
 
     def counted(*a):
         reads.append(a[3])
@@ -117,7 +117,7 @@ def test_streams_a_corpus_several_times_its_memory_cap(tmp_path, monkeypatch):
             arrow[0], held[0] = max(arrow[0], now), max(held[0], now + ds.cached_bytes)
             stop.wait(0.0002)
 
-    monkeypatch.setattr(dataset_mod, "_read_row_group", counted)
+    monkeypatch.setattr(dataset_mod, "read_row_group", counted)
     watcher = threading.Thread(target=watch)
     watcher.start()
     sampler = GlobalSampler(len(ds), seed=5, block=256, mix=2)
@@ -188,7 +188,7 @@ def test_concurrent_samples_and_prefetches_are_right(tmp_path):
 def test_transient_read_error_is_retried_and_a_persistent_one_raises(tmp_path, monkeypatch):
     rng = np.random.default_rng(6)
     ref = windows(random_corpus(tmp_path / "c", rng, files=2), 9)
-    read, calls = dataset_mod._read_row_group, []
+    read, calls = dataset_mod.read_row_group, []
 
     def flaky(*a):
         calls.append(a)
@@ -196,7 +196,7 @@ def test_transient_read_error_is_retried_and_a_persistent_one_raises(tmp_path, m
             raise OSError("connection reset")
         return read(*a)
 
-    monkeypatch.setattr(dataset_mod, "_read_row_group", flaky)
+    monkeypatch.setattr(dataset_mod, "read_row_group", flaky)
     ds = TokenDataset.open(DataSection(path=str(tmp_path / "c"), seq_len=9), retries=2)
     x, _ = ds.sample([3, 70])
     assert (x == ref[[3, 70], :-1]).all() and len(calls) >= 2
@@ -204,7 +204,7 @@ def test_transient_read_error_is_retried_and_a_persistent_one_raises(tmp_path, m
     def down(*a):
         raise OSError("connection reset")
 
-    monkeypatch.setattr(dataset_mod, "_read_row_group", down)
+    monkeypatch.setattr(dataset_mod, "read_row_group", down)
     ds = TokenDataset.open(DataSection(path=str(tmp_path / "c"), seq_len=9), retries=2)
     with pytest.raises(StorageError, match=r"reading row group \d+ of .*part-000.parquet failed after 3 attempts"):
         ds.sample([0])

@@ -45,3 +45,14 @@ def test_a_missing_or_bad_constants_file_fails_before_ray_starts(corpus_dir, tmp
     cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, comm={"constants": str(tmp_path / "bad.json")}))
     with pytest.raises(ConfigError, match="no 'ring' entry"):
         Trainer(cfg, verbose=False).fit()
+
+
+def test_token_ids_beyond_the_vocabulary_fail_before_ray_starts(tmp_path, corpus_dir):
+    # The byte corpus holds ids up to 255 or so; a 64-token vocabulary has no embedding for them.
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, model={"vocab_size": 64}))
+    with pytest.raises(DataError, match=r"holds token ids up to \d+, but the model's vocabulary has 64"):
+        Trainer(cfg, verbose=False).fit()
+    hf = {"model_type": "gpt2", "vocab_size": 100, "n_embd": 8, "n_layer": 1, "n_head": 2}
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, model={"kind": "hf", "hf_config": hf}))
+    with pytest.raises(DataError, match="vocabulary has 100"):
+        Trainer(cfg, verbose=False).fit()
