@@ -43,7 +43,7 @@ def _train_loop(config: dict) -> None:
 
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.data.dataset import TokenDataset
-    from elastic_trainer.data.sampler import GlobalSampler
+    from elastic_trainer.data.splits import make_sampler
     from elastic_trainer.models.factory import build_blocks
     from elastic_trainer.worker.stage import build_optimizer
 
@@ -72,7 +72,7 @@ def _train_loop(config: dict) -> None:
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     data = TokenDataset.open(cfg.data)
-    sampler = GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle)
+    sampler = make_sampler(cfg, data)
     gb, n_micro = cfg.train.global_batch_size, cfg.micro_batches
 
     def log(rec: dict) -> None:

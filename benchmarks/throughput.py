@@ -53,7 +53,7 @@ def baseline_loop(cfg_raw: dict, rank: int, world: int, wrap) -> list[float]:
 
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.data.dataset import TokenDataset
-    from elastic_trainer.data.sampler import GlobalSampler
+    from elastic_trainer.data.splits import make_sampler
     from elastic_trainer.models.factory import build_blocks
     from elastic_trainer.worker.stage import build_optimizer
 
@@ -63,7 +63,7 @@ def baseline_loop(cfg_raw: dict, rank: int, world: int, wrap) -> list[float]:
     model = wrap(nn.Sequential(*blocks))
     opt = build_optimizer(model.parameters(), cfg.train)
     data = TokenDataset.open(cfg.data)
-    sampler = GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle)
+    sampler = make_sampler(cfg, data)
     gb, n_micro = cfg.train.global_batch_size, cfg.micro_batches
     times = []
     for step in range(1, cfg.train.steps + 1):

@@ -110,11 +110,15 @@ class DataSection(_Strict):
         None, description="'stdlib': build the byte corpus of Python's standard library at path if it is missing."
     )
     shuffle: bool = Field(
-        True, description="Shuffle windows per epoch: blocks of shuffle_block consecutive windows in a "
-                          "seeded order, and the windows of every shuffle_mix blocks mixed together "
-                          "(so a step reads a few row groups, not one per sample).")
-    shuffle_block: int = Field(64, ge=1, description="Consecutive windows kept together by the shuffle.")
-    shuffle_mix: int = Field(16, ge=1, description="Blocks whose windows the shuffle mixes with each other.")
+        True, description="Shuffle windows per epoch, seeded. A corpus whose decoded tokens fit in read_ahead_mb "
+                          "is fully permuted; a larger one by blocks of shuffle_block consecutive windows in a "
+                          "seeded order, the windows of every shuffle_mix blocks mixed together (so a step reads "
+                          "a few row groups, not one per sample).")
+    shuffle_block: int = Field(16, ge=1, description="Consecutive windows kept together by the shuffle of a corpus "
+                                                     "larger than read_ahead_mb.")
+    shuffle_mix: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Blocks whose windows the shuffle mixes with each other; auto: as many as the "
+                            "read-ahead holds row groups of (at least 16).")
     read_ahead_mb: float = Field(
         256.0, gt=0, description="Decoded row groups a reading rank keeps (and reads ahead into), MiB: "
                                  "its memory for data is bounded by this, not by the corpus.")

@@ -16,7 +16,7 @@ from .config import TrainerConfig
 from .controller.controller import Controller
 from .controller.saving import SaveError
 from .data.dataset import ensure_prepared
-from .data.splits import open_datasets
+from .data.splits import data_order, open_datasets
 from .errors import DataError
 from .models.hf import load_hf_config
 from .models.factory import resolve_factory
@@ -116,7 +116,8 @@ class Trainer:
         checked = cfg.model_copy(update={"data": data, "eval": ev, "model": model})
         train, evald = open_datasets(checked, cfg.failure.storage_retries)
         _check_vocab(checked, [d for d in (train, evald) if d is not None])
-        self._data = train.fingerprint()
+        # The order is recorded too: a resume that would read the samples in another order is refused.
+        self._data = {**train.fingerprint(), "order": list(data_order(checked.data, train))}
         run = cfg.run.model_copy(update={"output_dir": output_dir(cfg)})
         comm = cfg.comm
         if comm.constants is not None:

@@ -28,7 +28,7 @@ def reference_run(cfg, steps: int, micro_batches: int = 1):
     from torch import nn
 
     from elastic_trainer.data.dataset import TokenDataset
-    from elastic_trainer.data.sampler import GlobalSampler
+    from elastic_trainer.data.splits import make_sampler
     from elastic_trainer.models.factory import build_blocks
     from elastic_trainer.worker.stage import build_optimizer
 
@@ -36,7 +36,7 @@ def reference_run(cfg, steps: int, micro_batches: int = 1):
     model = nn.Sequential(*blocks)
     opt = build_optimizer(model.parameters(), cfg.train)
     data = TokenDataset.open(cfg.data)
-    sampler = GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle)
+    sampler = make_sampler(cfg, data)
     gb = cfg.train.global_batch_size
     t = cfg.train
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)

@@ -4,7 +4,7 @@ the sample order must be the same; the layout (dp, pp, placement) and the rest m
 from __future__ import annotations
 
 # Fields that decide what the stored tensors mean and which samples come next.
-_DATA_KEYS = ("path", "column", "seq_len", "shuffle", "shuffle_block", "shuffle_mix")
+_DATA_KEYS = ("path", "column", "seq_len", "shuffle")
 _TRAIN_KEYS = ("seed", "global_batch_size")
 
 
@@ -25,7 +25,7 @@ def resume_differences(stored_cfg: dict, cfg: dict, stored_data: dict | None, da
                      if k in stored_cfg.get(section, {})})
         have.update({f"{section}.{k}": cfg.get(section, {}).get(k) for k in keys})
     if stored_data and data:
-        for k in ("rows", "schema"):
+        for k in ("rows", "schema", "order"):
             if k in stored_data:
                 want[f"data ({k})"] = stored_data[k]
                 have[f"data ({k})"] = data.get(k)

@@ -80,6 +80,8 @@ class TokenDataset:
         self._starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
         self._size = [int(n) * np.dtype(dtypes[f]).itemsize for n, (f, _) in zip(tokens, groups)]
         self.total_tokens = int(self._starts[-1])
+        self.decoded_bytes = int(sum(self._size))               # every row group, decoded
+        self.largest_group_bytes = int(max(self._size, default=0))
         self.total_windows = self.total_tokens // (cfg.seq_len + 1)
         first, stop = window_range if window_range is not None else (0, self.total_windows)
         if not (isinstance(first, int | np.integer) and isinstance(stop, int | np.integer)

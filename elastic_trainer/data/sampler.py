@@ -11,7 +11,9 @@ windows are cut into blocks of ``block`` consecutive windows, the blocks are put
 a seeded order, and the windows of every ``mix`` consecutive blocks of that order
 are shuffled together. A step then reads from about ``mix`` blocks (when
 ``block * mix`` is a multiple of the global batch), and each block's row groups
-are read once per mix rather than once per sample.
+are read once per mix rather than once per sample. With blocks of one window and
+one mix for the whole epoch (``data_order`` picks it for a corpus that fits the
+read-ahead) the order is the plain seeded permutation of every window.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class GlobalSampler:
         return self._mixes[key]
 
     def _epoch_rows(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        if self.block == 1 and self._span >= self.num_rows:
+            # One mix of single windows is a plain permutation: drawn as the in-memory reader drew
+            # it, so a corpus that fits the read-ahead keeps the order (and the figures) it had.
+            return self._block_order(epoch)[pos]
         order = self._block_order(epoch)
         mixes = pos // self._span
         out = np.empty(len(pos), dtype=np.int64)

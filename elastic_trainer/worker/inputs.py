@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainerConfig
-from ..data.sampler import GlobalSampler
-from ..data.splits import open_datasets
+from ..data.splits import make_sampler, open_datasets
 from ..errors import DataError
 from ..parallel.topology import Topology
 
@@ -36,9 +35,7 @@ class StageInputs:
         self.train = self.eval = None
         if has_first or has_last:
             self.train, self.eval = open_datasets(cfg, cfg.failure.storage_retries)
-        d = cfg.data
-        self.sampler = (GlobalSampler(len(self.train), cfg.train.seed, d.shuffle, d.shuffle_block, d.shuffle_mix)
-                        if self.train is not None else None)
+        self.sampler = make_sampler(cfg, self.train) if self.train is not None else None
         self.first_rank = topo.rank(replica, 0)
         self.last_rank = topo.rank(replica, topo.pp - 1)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.cli import main as cli_main
 from elastic_trainer.checkpoint.weights import load_weights
-from elastic_trainer.data.sampler import GlobalSampler
+from elastic_trainer.data.splits import make_sampler
 from elastic_trainer.data.splits import open_datasets
 from elastic_trainer.lr_schedule import lr_at, set_lr
 from elastic_trainer.models.factory import build_blocks
@@ -60,8 +60,7 @@ def reference(cfg):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     opt = build_optimizer(model.parameters(), cfg.train)
     train, evald = open_datasets(cfg)
-    d = cfg.data
-    sampler = GlobalSampler(len(train), cfg.train.seed, d.shuffle, d.shuffle_block, d.shuffle_mix)
+    sampler = make_sampler(cfg, train)
     gb = cfg.train.global_batch_size
 
     def loss_of(x, y):

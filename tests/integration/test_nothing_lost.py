@@ -13,7 +13,7 @@ from elastic_trainer import RunError, Trainer
 from elastic_trainer.checkpoint.weights import load_weights
 from elastic_trainer.controller.saving import SaveError
 from elastic_trainer.data.dataset import TokenDataset
-from elastic_trainer.data.sampler import GlobalSampler
+from elastic_trainer.data.splits import make_sampler
 from elastic_trainer.models.factory import build_blocks
 from elastic_trainer.naming import NAMESPACE
 from elastic_trainer.simulate import object_store_bytes
@@ -31,7 +31,7 @@ def _loss_of(weights: dict, cfg, step: int) -> float:
     model.load_state_dict({k[len("blocks."):]: v for k, v in weights.items()})
     data = TokenDataset.open(cfg.data)
     gb = cfg.train.global_batch_size
-    x, y = data.sample(GlobalSampler(len(data), cfg.train.seed, cfg.data.shuffle).rows((step - 1) * gb, gb))
+    x, y = data.sample(make_sampler(cfg, data).rows((step - 1) * gb, gb))
     with torch.no_grad():
         return loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y)).item()
 

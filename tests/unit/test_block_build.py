@@ -14,7 +14,7 @@ CPU = torch.device("cpu")
 def test_the_start_builds_from_the_seed_like_a_single_process():
     blocks, _, info = build_rank_blocks(GPT, 3, [1, 2], CPU, restoring=False)
     ref, _ = build_blocks(GPT, 3)
-    assert info == {"reused": [], "built": [1, 2], "init": "seed"}
+    assert info == {"reused": [], "built": [1, 2], "init": "seed", "ties": []}
     for i in (1, 2):
         for a, b in zip(blocks[i].parameters(), ref[i].parameters()):
             assert torch.equal(a, b)
@@ -25,7 +25,7 @@ def test_a_restore_reuses_held_blocks_and_builds_the_others_uninitialised(monkey
     inits = []
     monkeypatch.setattr(nn.init, "normal_", lambda t, *a, **k: inits.append(t.device.type) or t)
     blocks, _, info = build_rank_blocks(GPT, 0, [1, 2, 3], CPU, restoring=True, held=held)
-    assert info == {"reused": [1], "built": [2, 3], "init": "empty"}
+    assert info == {"reused": [1], "built": [2, 3], "init": "empty", "ties": []}
     assert blocks[1] is held[1]
     assert all(p.device.type == "cpu" for i in (2, 3) for p in blocks[i].parameters())
     assert set(inits) == {"meta"}  # initialisers ran on shapes only, never on real memory

@@ -108,3 +108,24 @@ def test_replica_slices_tile_the_global_batch_for_any_dp():
     for dp in (1, 2, 4, 8):
         parts = np.concatenate([s.replica_rows(64, 32, dp, r) for r in range(dp)])
         assert (parts == whole).all()
+
+
+def test_the_order_permutes_a_corpus_that_fits_the_read_ahead_and_mixes_blocks_of_a_larger_one(corpus_dir):
+    from elastic_trainer.data.splits import data_order
+
+    small = DataSection(path=corpus_dir, seq_len=SEQ_LEN)  # 256 KiB of bytes, read-ahead 256 MiB
+    ds = TokenDataset.open(small)
+    assert data_order(small, ds) == (1, len(ds))  # a full permutation: nothing more to read
+    tight = small.model_copy(update={"read_ahead_mb": ds.decoded_bytes / (1 << 20) / 2})
+    block, mix = data_order(tight, ds)
+    assert block == 16 and mix >= 16
+    assert data_order(small.model_copy(update={"shuffle_mix": 4}), ds) == (16, 4)
+    assert data_order(small.model_copy(update={"shuffle": False}), ds) == (1, 1)
+
+
+def test_resume_refuses_another_sample_order():
+    from elastic_trainer.checkpoint.compat import resume_differences
+
+    cfg = {"data": {"path": "p"}, "model": {}, "train": {}}
+    diff = resume_differences(cfg, cfg, {"rows": 10, "order": [1, 10]}, {"rows": 10, "order": [16, 32]})
+    assert diff == ["data (order): checkpoint [1, 10], this run [16, 32]"]
