@@ -6,7 +6,8 @@ of ``--small-mb`` MB, then measures, with the dataset alone (no Ray, no model), 
 case in a fresh subprocess so its peak RSS (VmHWM) is the reader's own:
 
   stream      TokenDataset.open + sample, read_ahead_mb ``--read-ahead-mb``, in the
-              order of the GlobalSampler (block 64, mix 16), prefetching the next step
+              run's order (``data_order``: full permutation where the corpus fits the read-ahead,
+              else blocks of 16 mixed as widely as it holds row groups), prefetching the next step
   in-memory   the old way: the whole small corpus read into one int64 array and sliced
               (``--baseline-big``: the large one too)
 
@@ -99,6 +100,7 @@ def run_case(kind: str, path: str, steps: int, batch: int, seq_len: int, read_ah
     from elastic_trainer.config import DataSection
     from elastic_trainer.data.dataset import TokenDataset
     from elastic_trainer.data.sampler import GlobalSampler
+    from elastic_trainer.data.splits import data_order
 
     rss_base = rss_mib("VmRSS")  # the interpreter and its libraries, before any data
 
@@ -120,7 +122,11 @@ def run_case(kind: str, path: str, steps: int, batch: int, seq_len: int, read_ah
         def prefetch(idx):
             pass
     t_open = time.perf_counter() - t0
-    sampler = GlobalSampler(n, seed=0)
+    if ds is not None:
+        block, mix = data_order(DataSection(path=path, seq_len=seq_len, read_ahead_mb=read_ahead_mb), ds)
+    else:
+        block, mix = 1, n  # the in-memory baseline: a full permutation
+    sampler = GlobalSampler(n, seed=0, block=block, mix=mix)
     x, _ = sample(sampler.rows(0, batch))
     prefetch(sampler.rows(batch, batch))
     t_first = time.perf_counter() - t0
@@ -131,7 +137,7 @@ def run_case(kind: str, path: str, steps: int, batch: int, seq_len: int, read_ah
         prefetch(sampler.rows((step + 1) * batch, batch))
         int(x[0, 0]) + int(y[-1, -1])  # touch the batch as a trainer would
     dt = time.perf_counter() - t1
-    res = {"case": kind, "windows": n, "open_s": t_open, "first_batch_s": t_first,
+    res = {"case": kind, "windows": n, "order": [block, mix], "open_s": t_open, "first_batch_s": t_first,
            "samples_per_s": steps * batch / dt, "step_ms": 1000 * dt / steps,
            "rss_base_mib": rss_base, "peak_rss_mib": rss_mib()}
     if ds is not None:

@@ -67,7 +67,8 @@ def ray_head(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=60)
+            # A graceful stop of the head takes ~30 s; nothing of it is kept, so 5 s, then SIGKILL.
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=30)
