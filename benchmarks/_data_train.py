@@ -17,15 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def vm_hwm_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+from data import rss_mib  # noqa: E402 - benchmarks/data.py, beside this file
 
 
 def main(path: str, steps: int, read_ahead_mb: float, vocab: int) -> None:
@@ -53,7 +45,7 @@ def main(path: str, steps: int, read_ahead_mb: float, vocab: int) -> None:
         if rec["step"] >= steps - 5:
             st = ray.get(ray.get_actor(f"{name}-controller", namespace=NAMESPACE).status.remote())
             for w in st["workers"]:
-                v = vm_hwm_mib(w["pid"])
+                v = rss_mib("VmHWM", w["pid"])
                 if v is not None:
                     peaks[w["rank"]] = max(peaks.get(w["rank"], 0.0), v)
 

@@ -45,14 +45,17 @@ sys.path.insert(0, str(ROOT))
 ROWS_MEAN = 600  # tokens per row (document) on average; lengths vary from 1 to ~6000
 
 
-def rss_mib(key: str = "VmHWM") -> float:
-    """VmHWM (the most resident memory this process has had) or VmRSS (now), MiB."""
+def rss_mib(key: str = "VmHWM", pid: int | str = "self") -> float | None:
+    """VmHWM (the most resident memory a process has had) or VmRSS (now) of ``pid``, MiB;
+    None where /proc does not have it."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
+    if pid != "self":
+        return None
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

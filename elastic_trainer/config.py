@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .config_parsing import apply_overrides, format_validation_error
 from .errors import ConfigError
 
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -435,57 +436,7 @@ class TrainerConfig(_Strict):
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, source)) from None
+            raise ConfigError(format_validation_error(e, source, cls)) from None
 
     def with_overrides(self, overrides: list[str]) -> "TrainerConfig":
         return self.from_dict(apply_overrides(self.model_dump(mode="json"), overrides))
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` strings; values are parsed as YAML scalars (``3`` -> int, ``true`` -> bool)."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        parts = key.strip().split(".")
-        node = out
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
-            else:
-                child = node[part] = dict(child)
-            node = child
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
-    return out
-
-
-def format_validation_error(e: ValidationError, source: str) -> str:
-    lines = [f"invalid {source}:"]
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key{_allowed_keys(err['loc'])}")
-        elif err["type"] == "missing":
-            lines.append(f"  {loc}: required but not given")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            given = err.get("input")
-            shown = "" if isinstance(given, dict) or given is None else f" (given {given!r})"
-            lines.append(f"  {loc}: {msg}{shown}")
-    return "\n".join(lines)
-
-
-def _allowed_keys(loc: tuple) -> str:
-    model: type[BaseModel] = TrainerConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return ""
-        model = ann
-    names = ", ".join(model.model_fields)
-    return f" (allowed: {names})" if names else " (this section takes no keys yet)"

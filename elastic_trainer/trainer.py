@@ -109,13 +109,16 @@ class Trainer:
             paths = {k: _absolute(getattr(model, k)) for k in ("hf_config", "init_from")
                      if isinstance(getattr(model, k), str)}
             model = model.model_copy(update=paths)
-            load_hf_config(model.hf_config, model.init_from)  # a bad config fails here, not on every worker
+            # A bad config fails here, not on every worker; its vocabulary bounds the data's ids.
+            vocab = getattr(load_hf_config(model.hf_config, model.init_from), "vocab_size", None)
+        else:
+            vocab = model.vocab_size if model.kind == "gpt" else None  # a factory's is its own
         data = cfg.data.model_copy(update={"path": _absolute(cfg.data.path)})
         ev = cfg.eval.model_copy(update={"path": _absolute(cfg.eval.path)}) if cfg.eval.path else cfg.eval
         ensure_prepared(data)
         checked = cfg.model_copy(update={"data": data, "eval": ev, "model": model})
         train, evald = open_datasets(checked, cfg.failure.storage_retries)
-        _check_vocab(checked, [d for d in (train, evald) if d is not None])
+        _check_vocab(vocab, [d for d in (train, evald) if d is not None])
         # The order is recorded too: a resume that would read the samples in another order is refused.
         self._data = {**train.fingerprint(), "order": list(data_order(checked.data, train))}
         run = cfg.run.model_copy(update={"output_dir": output_dir(cfg)})
@@ -213,17 +216,10 @@ def _absolute(path: str) -> str:
     return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
-def _check_vocab(cfg: TrainerConfig, datasets: list) -> None:
+def _check_vocab(vocab: int | None, datasets: list) -> None:
     """Token ids the model has no embedding for fail here, named, not as an IndexError on a worker."""
-    model = cfg.model
-    if model.kind == "gpt":
-        vocab = model.vocab_size
-    elif model.kind == "hf":
-        vocab = getattr(load_hf_config(model.hf_config, model.init_from), "vocab_size", None)
-    else:
-        return
     for ds in datasets:
-        top = getattr(ds, "max_token_id", None)
+        top = ds.max_token_id
         if vocab is not None and top is not None and top >= vocab:
             raise DataError(f"{ds.source!r} holds token ids up to {top}, but the model's vocabulary has {vocab} "
                             f"(ids 0..{vocab - 1}): raise the model's vocab_size to at least {top + 1}, or "

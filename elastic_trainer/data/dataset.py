@@ -70,8 +70,11 @@ class TokenDataset:
 
     def __init__(self, cfg: DataSection, fs: pafs.FileSystem, files: list[str], footers: list[pq.FileMetaData],
                  groups: list[tuple[int, int]], tokens: np.ndarray, dtypes: list[np.dtype], field: pa.Field,
-                 retries: int, window_range: tuple[int, int] | None):
+                 retries: int, window_range: tuple[int, int] | None, max_token_id: int | None = None):
+        self._cfg, self._field = cfg, field
         self.source = cfg.path
+        # From the column statistics alone: None where a writer left them out.
+        self.max_token_id = max_token_id
         self.column = cfg.column
         self.seq_len = cfg.seq_len
         self.schema = str(field)
@@ -134,12 +137,14 @@ class TokenDataset:
         if total < cfg.seq_len + 1:
             raise DataError(f"data.path({cfg.path!r}) holds {total} tokens in {rows} rows, fewer than one window "
                             f"of seq_len({cfg.seq_len}) + 1 = {cfg.seq_len + 1}; lower data.seq_len or give more data")
-        field = fields[0]
-        ds = cls(cfg, fs, files, footers, groups, np.asarray(tokens, dtype=np.int64), dtypes, field,
-                 retries, window_range)
-        # From the statistics alone: a corpus whose writer left them out has no known bound.
-        ds.max_token_id = None if None in max_ids else max(max_ids)
-        return ds
+        return cls(cfg, fs, files, footers, groups, np.asarray(tokens, dtype=np.int64), dtypes, fields[0],
+                   retries, window_range, None if None in max_ids else max(max_ids))
+
+    def subset(self, window_range: tuple[int, int]) -> "TokenDataset":
+        """Windows ``[start, stop)`` of the whole stream as a dataset of their own (sample index
+        ``i`` is window ``start + i``), from the footers already read: nothing is read again."""
+        return TokenDataset(self._cfg, self._fs, self._files, self._footers, self._where, self._tokens,
+                            self._dtypes, self._field, self._retries, window_range, self.max_token_id)
 
     # -- public API ---------------------------------------------------------
     def __len__(self) -> int:

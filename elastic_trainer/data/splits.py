@@ -20,8 +20,7 @@ def open_datasets(cfg: TrainerConfig, retries: int = 3) -> tuple[TokenDataset, T
         return train, None
     if ev.fraction is not None:
         train_range, eval_range = split_windows(len(train), ev.fraction)
-        evald = TokenDataset.open(cfg.data, retries=retries, window_range=eval_range)
-        train = TokenDataset.open(cfg.data, retries=retries, window_range=train_range)
+        train, evald = train.subset(train_range), train.subset(eval_range)
     else:
         section = cfg.data.model_copy(update={"path": ev.path, "prepare": None, "shuffle": False})
         evald = TokenDataset.open(section, retries=retries)

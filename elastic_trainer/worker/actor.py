@@ -247,7 +247,7 @@ class TrainWorker:
         copy: the part written is it."""
         job = None
         try:
-            if self._faults.pop(("raise", step), None) or self._faults.pop(("raise", None), None):
+            if self._injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             r = self.trainer.train_step(step)
             if snapshot:
@@ -258,12 +258,7 @@ class TrainWorker:
                 if not self._overlap:
                     self.trainer.snapshots.wait()  # synchronous: the step ends once the state is out
         except BaseException as e:
-            log.warning("[%s] worker %d: step %d failed on rank %s: %s: %s", self.run_name, self.worker_id, step,
-                        self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            # Abandon the step: the traceback's frames hold the stage and its
-            # groups, so clear them before leaving the groups (see reset()).
-            traceback.clear_frames(e.__traceback__)
-            self.reset()
+            self._abandon(e, f"step {step}")
             raise
         finally:
             with self._snap_cv:
@@ -281,16 +276,25 @@ class TrainWorker:
         leaves the groups like a failed step does."""
         t0 = time.perf_counter()
         try:
-            if self._faults.pop(("raise_eval", step), None) or self._faults.pop(("raise_eval", None), None):
+            if self._injected("raise_eval", step):
                 raise InjectedFault(f"injected fault in the evaluation after step {step} on worker {self.worker_id}")
             loss = self.trainer.evaluate(step)
         except BaseException as e:
-            log.warning("[%s] worker %d: evaluation after step %d failed on rank %s: %s: %s", self.run_name,
-                        self.worker_id, step, self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            traceback.clear_frames(e.__traceback__)
-            self.reset()
+            self._abandon(e, f"the evaluation after step {step}")
             raise
         return {"rank": self.rank, "loss": loss, "seconds": time.perf_counter() - t0}
+
+    def _injected(self, kind: str, step: int) -> bool:
+        """Whether a fault of ``kind`` was injected for ``step`` (or for the next one); it is used up."""
+        return bool(self._faults.pop((kind, step), None) or self._faults.pop((kind, None), None))
+
+    def _abandon(self, e: BaseException, what: str) -> None:
+        """Leave the groups after ``what`` failed with ``e``: the traceback's frames hold the
+        stage and its groups, so they are cleared first (see reset())."""
+        log.warning("[%s] worker %d: %s failed on rank %s: %s: %s", self.run_name, self.worker_id, what,
+                    self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        traceback.clear_frames(e.__traceback__)
+        self.reset()
 
     def _begin_snapshot(self, step: int, put_blocks: list[int] | None):
         # A rank that writes its whole state lends it: the object-store part is its only copy.

@@ -127,6 +127,8 @@ class StageTrainer:
         self.dense_bytes = sum(ring_allreduce_bytes(b.numel * 4, topo.dp) for b in self.sync.buckets) if topo.dp > 1 else 0
 
         self.ties = TiedGrads(self.build_info["ties"], dict(named), stage_bounds, topo, self.replica, groups.pp)
+        # What the clip norm sums: a tied pair is one tensor, so its second copy is left out.
+        self._norm_params = [p for n, p in named if n not in self.ties.followers]
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
         if self.has_first or self.has_last:
@@ -341,9 +343,8 @@ class StageTrainer:
         (With local SGD / DiLoCo each replica clips its own gradients.)"""
         grads = [p.grad for p in self.params if p.grad is not None]
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        # A tied pair is one tensor in the norm: its second copy is left out.
-        for name, p in self.named_parameters():
-            if p.grad is not None and name not in self.ties.followers:
+        for p in self._norm_params:
+            if p.grad is not None:
                 sq += p.grad.detach().float().pow(2).sum()
         if self.topo.pp > 1:
             t0 = time.perf_counter()
