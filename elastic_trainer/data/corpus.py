@@ -6,9 +6,12 @@ sorted order, so the corpus is the same on every node running the same Python.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sysconfig
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +44,26 @@ def stdlib_bytes(max_bytes: int) -> bytes:
     return b"\n".join(chunks)[:max_bytes]
 
 
+@contextlib.contextmanager
+def staged_dir(out_dir: Path) -> Iterator[Path]:
+    """A temporary directory beside ``out_dir``, renamed to it when the block ends, removed if
+    the block raises: a reader never sees half a corpus. Where ``out_dir`` appeared meanwhile
+    (another preparer finished first) that one is kept and this one dropped."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out_dir.exists():
+            raise
+
+
 def write_token_parquet(tokens: np.ndarray, out_dir: str | Path, row_len: int, column: str = "tokens") -> int:
     """Cut a 1-D token array into rows of ``row_len`` and write them as Parquet shards.
 
@@ -53,19 +76,11 @@ def write_token_parquet(tokens: np.ndarray, out_dir: str | Path, row_len: int, c
     if n_rows == 0:
         raise ValueError(f"{len(tokens)} tokens make no row of {row_len}")
     rows = tokens[: n_rows * row_len].astype(np.int32).reshape(n_rows, row_len)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    for shard, start in enumerate(range(0, n_rows, ROWS_PER_FILE)):
-        block = rows[start:start + ROWS_PER_FILE]
-        arr = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), row_len)
-        pq.write_table(pa.table({column: arr}), tmp / f"part-{shard:05d}.parquet")
-    try:
-        os.rename(tmp, out_dir)
-    except OSError:
-        # Someone else finished first; theirs is identical.
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+    with staged_dir(out_dir) as tmp:
+        for shard, start in enumerate(range(0, n_rows, ROWS_PER_FILE)):
+            block = rows[start:start + ROWS_PER_FILE]
+            arr = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), row_len)
+            pq.write_table(pa.table({column: arr}), tmp / f"part-{shard:05d}.parquet")
     return n_rows
 
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import DataError
+from .corpus import staged_dir
 from .dataset import resolve_filesystem
 
 EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<|eos|>")
@@ -178,9 +176,7 @@ def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer_file: str 
               "dropped": 0}
     if eos and eos_id is None:
         result["note"] = f"the tokenizer has none of {list(EOS_NAMES)}: rows end without an EOS token"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         writer = _ShardWriter(tmp, out_column, rows_per_group, rows_per_file)
         for texts in iter_texts(str(input_path), column, batch_rows):
             ids = [e.ids for e in tok.encode_batch(texts)]
@@ -194,10 +190,6 @@ def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer_file: str 
         result["files"] = writer.files
         if result["rows"] == 0:
             raise DataError(f"input({str(input_path)!r}) gave no non-empty documents in column({column!r})")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return result
 
 

@@ -197,10 +197,10 @@ def build_hf_blocks(hf_config: dict | str | None = None, init_from: str | None =
         blocks[-1].lm_head.weight = nn.Parameter(embed_weight.detach().clone())
         setattr(blocks[-1], TIED_ATTR, {"lm_head.weight": (0, "embed_tokens.weight")})
     for block in blocks:
-        names = {}
-        for local, p in block.named_parameters():
-            names[local] = hf_names.get(id(p), "lm_head.weight" if local == "lm_head.weight" else local)
-        setattr(block, HF_NAMES_ATTR, names)
+        setattr(block, HF_NAMES_ATTR, {local: hf_names[id(p)] for local, p in block.named_parameters()
+                                       if id(p) in hf_names})
+    if tied:
+        getattr(blocks[-1], HF_NAMES_ATTR)["lm_head.weight"] = "lm_head.weight"  # the copy made above
     model.train()
     return blocks, TokenCrossEntropy()
 
