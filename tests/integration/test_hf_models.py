@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+import transformers
 import torch.nn.functional as F
 
 from elastic_trainer import Trainer, TrainerConfig
@@ -30,7 +31,6 @@ from elastic_trainer.worker.stage import build_optimizer
 from ..conftest import tiny_config
 from .conftest import start_cluster, stop_cluster
 
-transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 STEPS = 8

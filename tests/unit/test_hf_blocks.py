@@ -3,6 +3,7 @@ names map back, and the export folder loads with from_pretrained."""
 
 import pytest
 import torch
+import transformers
 
 from elastic_trainer.config import ModelSection
 from elastic_trainer.errors import ConfigError, ModelError
@@ -13,7 +14,6 @@ from elastic_trainer.models.hf import block_ties, build_hf_blocks, hf_name_map
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.worker.ties import TiedGrads
 
-transformers = pytest.importorskip("transformers")
 
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
