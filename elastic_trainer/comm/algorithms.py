@@ -20,13 +20,13 @@ rarely global rank 1.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from .stats import CommStats
+from .timing import start_timer
 
 ALGORITHMS = ("ring", "tree", "chunked")
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -64,13 +64,14 @@ def _run(fn: Callable[..., int], op: str, tensor: torch.Tensor, group, stats: Co
     group, p, rank = _group_info(group)
     if p == 1:
         return
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    t0 = time.perf_counter()
+    copied = not tensor.is_contiguous()
+    flat = tensor.contiguous().view(-1) if copied else tensor.view(-1)
+    timer = start_timer(tensor.device)
     sent = fn(flat, group, p, rank, **kwargs)
-    if flat.data_ptr() != tensor.data_ptr():
+    if copied:
         tensor.copy_(flat.view_as(tensor))
     if stats is not None:
-        stats.add(op, sent, time.perf_counter() - t0)
+        stats.add(op, sent, timer.stop())
 
 
 def ring_allreduce(tensor: torch.Tensor, group=None, stats: CommStats | None = None) -> None:
@@ -78,11 +79,10 @@ def ring_allreduce(tensor: torch.Tensor, group=None, stats: CommStats | None = N
     group, p, _ = _group_info(group)
     if p == 1:
         return
-    t0 = time.perf_counter()
+    timer = start_timer(tensor.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     if stats is not None:
-        stats.add("all_reduce", ring_allreduce_bytes(tensor.numel() * tensor.element_size(), p),
-                  time.perf_counter() - t0)
+        stats.add("all_reduce", ring_allreduce_bytes(tensor.numel() * tensor.element_size(), p), timer.stop())
 
 
 def _fold(p: int) -> tuple[int, int]:
@@ -127,7 +127,7 @@ def _tree(flat: torch.Tensor, group, p: int, rank: int) -> int:
         mid = lo + (hi - lo) // 2
         keep, give = ((lo, mid), (mid, hi)) if vrank < partner else ((mid, hi), (lo, mid))
         history.append((lo, hi, give, partner))
-        buf = torch.empty(keep[1] - keep[0], dtype=flat.dtype)
+        buf = torch.empty(keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
         sent += _exchange([(flat[give[0]:give[1]], real(partner))], [(buf, real(partner))], group)
         flat[keep[0]:keep[1]].add_(buf)
         lo, hi = keep
@@ -176,7 +176,8 @@ def _chunked(flat: torch.Tensor, group, p: int, rank: int, chunk_bytes: int = DE
                 # Reduce-scatter: pass on the segment summed last step, add the one arriving.
                 out_lo, out_hi = chunks[(rank - step) % p][c]
                 in_lo, in_hi = chunks[(rank - step - 1) % p][c]
-                recvs.append((torch.empty(in_hi - in_lo, dtype=flat.dtype), left, flat[in_lo:in_hi], c))
+                recvs.append((torch.empty(in_hi - in_lo, dtype=flat.dtype, device=flat.device), left,
+                              flat[in_lo:in_hi], c))
             else:
                 # All-gather: finished segments arrive straight into place.
                 s = step - (p - 1)

@@ -5,7 +5,6 @@ See ``compression`` for the codecs and what their bytes count.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .stats import CommStats
+from .timing import start_timer
 
 Shapes = Sequence[tuple[int, Sequence[int]]]
 
@@ -21,11 +21,12 @@ def group_size(group) -> int:
     return dist.get_world_size(dist.group.WORLD if group is None else group)
 
 
-def timed(stats: CommStats | None, op: str, nbytes: int, fn, *args, **kwargs):
-    t0 = time.perf_counter()
+def timed(stats: CommStats | None, op: str, nbytes: int, device: torch.device, fn, *args, **kwargs):
+    """Run the collective ``fn(*args, **kwargs)`` on tensors of ``device``, counting ``nbytes`` and its time."""
+    timer = start_timer(device) if stats is not None else None
     out = fn(*args, **kwargs)
     if stats is not None:
-        stats.add(op, nbytes, time.perf_counter() - t0)
+        stats.add(op, nbytes, timer.stop())
     return out
 
 
@@ -35,6 +36,8 @@ class Codec(ABC):
     name = ""
     options: tuple[str, ...] = ()
     state_kinds: tuple[str, ...] = ()
+    # State that lives beside the bucket (on its device); the rest are host-side counters.
+    device_kinds: tuple[str, ...] = ("residual",)
 
     def __init__(self) -> None:
         self._state: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in self.state_kinds}
@@ -53,6 +56,7 @@ class Codec(ABC):
             raise ValueError(f"{self.name} codec averages a 1-D float32 bucket; got a {flat.dim()}-D "
                              f"{flat.dtype} tensor of shape {tuple(flat.shape)}")
         p = group_size(group)
+        self._to_device(bucket, flat.device)
         residual = self._state.get("residual", {}).get(bucket)
         if residual is not None and residual.numel() != flat.numel():
             raise ValueError(f"{self.name} codec state for bucket {bucket} holds {residual.numel()} elements but "
@@ -65,6 +69,14 @@ class Codec(ABC):
                 residual.zero_()
             return
         self._average(flat, group, stats, p, bucket, shapes, step)
+
+    def _to_device(self, bucket: int, device: torch.device) -> None:
+        """Move ``bucket``'s tensor state onto ``device``: state loaded from a snapshot arrives on
+        the host, and a codec runs on the device of the bucket it is given."""
+        for kind, per in self._state.items():
+            t = per.get(bucket)
+            if t is not None and t.device != device and kind in self.device_kinds:
+                per[bucket] = t.to(device)
 
     @abstractmethod
     def _average(self, flat, group, stats, p, bucket, shapes, step) -> None:

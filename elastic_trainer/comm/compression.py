@@ -44,7 +44,8 @@ class AllReduceCodec(Codec):
 
     def _average(self, flat, group, stats, p, bucket, shapes, step):
         low = flat if self.dtype == torch.float32 else flat.div(p).to(self.dtype)
-        timed(stats, "all_reduce", self.expected_bytes(flat.numel(), p), dist.all_reduce, low, group=group)
+        timed(stats, "all_reduce", self.expected_bytes(flat.numel(), p), flat.device, dist.all_reduce, low,
+              group=group)
         if low is flat:
             flat.div_(p)
         else:
@@ -76,7 +77,7 @@ def _dequantize(packed: torch.Tensor, part: int, chunk: int) -> torch.Tensor:
     """Packed rows back to fp32, each padded to whole chunks (the padding is 0): (rows, chunks * chunk)."""
     rows = packed.shape[0]
     scales = packed[:, part:].contiguous().view(torch.float32)
-    out = torch.zeros(rows, scales.shape[1] * chunk)
+    out = torch.zeros(rows, scales.shape[1] * chunk, device=packed.device)
     out[:, :part].copy_(packed[:, :part].view(torch.int8))
     out.view(rows, -1, chunk).mul_(scales.unsqueeze(2))
     return out
@@ -118,7 +119,7 @@ class Int8Codec(Codec):
         chunk = self.chunk
         owed = self._state["residual"].get(bucket) if self.error_feedback else None
         # Rank r's part is elements [r * part, (r + 1) * part), padded with zeros to whole chunks.
-        v = torch.zeros(p, nch * chunk)
+        v = torch.zeros(p, nch * chunk, device=flat.device)
         rows = [(r, r * part, min(n, (r + 1) * part)) for r in range(p) if r * part < n]
         for r, lo, hi in rows:
             if owed is None:
@@ -126,12 +127,12 @@ class Int8Codec(Codec):
             else:
                 torch.add(flat[lo:hi], owed[lo:hi], out=v[r, :hi - lo])
         q, scales = _quantize_(v.view(p, nch, chunk))
-        residual = torch.empty(n)
+        residual = torch.empty(n, device=flat.device)
         for r, lo, hi in rows:
             residual[lo:hi].copy_(v[r, :hi - lo])
-        recv = torch.empty(p, width, dtype=torch.uint8)
-        timed(stats, "all_to_all", (p - 1) * width, dist.all_to_all_single, recv, _pack(q, scales, part),
-               group=group)
+        recv = torch.empty(p, width, dtype=torch.uint8, device=flat.device)
+        timed(stats, "all_to_all", (p - 1) * width, flat.device, dist.all_to_all_single, recv,
+              _pack(q, scales, part), group=group)
         # This rank now holds every rank's copy of its own part.
         avg = _dequantize(recv, part, chunk).sum(dim=0, keepdim=True).div_(p)
         q2, scales2 = _quantize_(avg.view(1, nch, chunk))  # avg now holds its rounding error
@@ -142,7 +143,7 @@ class Int8Codec(Codec):
             residual[lo:hi].add_(avg[0, :hi - lo], alpha=p)
         mine = _pack(q2, scales2, part).view(-1)
         gathered = [torch.empty_like(mine) for _ in range(p)]
-        timed(stats, "all_gather", (p - 1) * width, dist.all_gather, gathered, mine, group=group)
+        timed(stats, "all_gather", (p - 1) * width, flat.device, dist.all_gather, gathered, mine, group=group)
         out = _dequantize(torch.stack(gathered), part, chunk)
         for r, lo, hi in rows:
             flat[lo:hi].copy_(out[r, :hi - lo])
@@ -209,7 +210,8 @@ class TopKCodec(Codec):
         # Indices first: the 4-byte ones stay aligned whatever k and the value width are.
         message = torch.cat([idx.to(torch.int32).view(torch.uint8), sent.view(torch.uint8)])
         gathered = [torch.empty_like(message) for _ in range(p)]
-        timed(stats, "all_gather", (p - 1) * message.numel(), dist.all_gather, gathered, message, group=group)
+        timed(stats, "all_gather", (p - 1) * message.numel(), flat.device, dist.all_gather, gathered, message,
+              group=group)
         flat.zero_()
         for m in gathered:
             flat.index_add_(0, m[:4 * k].view(torch.int32).long(), m[4 * k:].view(self.value_dtype).float())

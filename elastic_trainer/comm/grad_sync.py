@@ -11,12 +11,19 @@ the next buckets. ``finish`` waits for the rest; that wait is the step's
 
 Buckets are averaged strictly in index order, so every replica runs the same
 sequence of collectives whatever the timing of its hooks.
+
+On CUDA the comm thread queues its work on a stream of its own, so the
+all-reduce runs beside backward's kernels instead of behind them on the
+compute stream. Events order the two: a bucket's averaging waits for the
+event recorded after its gradients were copied out, and the compute stream
+waits for the event recorded after the last bucket before the averages are
+written into ``.grad``. The exposed communication is then the compute
+stream's stall at that wait, timed by CUDA events (``comm.timing``).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import torch
@@ -26,6 +33,8 @@ from .algorithms import get_algorithm
 from .buckets import make_buckets
 from .stats import CommStats
 from .compression import make_codec
+from .timing import start_timer
+from .host import host_array
 
 # Own algorithms replace the all-reduce inside these codecs; the others are built
 # from all-to-all / all-gather and keep the backend's.
@@ -73,6 +82,9 @@ class GradSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params] if self.overlap else []
+        self.device = named_params[0][1].device if named_params else torch.device("cpu")
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda and self.overlap else None
         self._reset_step(0)
 
     # -- per step -----------------------------------------------------------------
@@ -80,6 +92,8 @@ class GradSync:
         self._step = step
         self._counts = {b.index: 0 for b in self.buckets}
         self._flats: dict[int, torch.Tensor] = {}
+        self._copied: dict[int, object] = {}  # bucket -> CUDA event after its copy (comm stream only)
+        self._done = None                     # CUDA event after the comm stream's last bucket
         self._ready = {b.index: threading.Event() for b in self.buckets}
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -104,17 +118,35 @@ class GradSync:
         # that later code (a schedule's scaling, the optimizer) may change.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         self._flats[b.index] = torch.cat([g.detach().reshape(-1).float() for g in grads])
+        if self._stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))  # the stream backward copied it on
+            self._copied[b.index] = ev
         self._ready[b.index].set()
 
     def _comm_loop(self) -> None:
         try:
-            for b in self.buckets:
-                self._ready[b.index].wait()
-                if self._error is not None or b.index not in self._flats:
-                    return  # aborted
-                self._average(b, self._flats[b.index], self._stats)
+            if self._stream is None:
+                self._average_all()
+                return
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                self._average_all()
+                done = torch.cuda.Event()
+                done.record(self._stream)
+                self._done = done
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by finish()
             self._error = e
+
+    def _average_all(self) -> None:
+        for b in self.buckets:
+            self._ready[b.index].wait()
+            if self._error is not None or b.index not in self._flats:
+                return  # aborted
+            flat = self._flats[b.index]
+            if self._stream is not None:
+                self._stream.wait_event(self._copied[b.index])
+                flat.record_stream(self._stream)  # made on the compute stream, used on this one
+            self._average(b, flat, self._stats)
 
     def _average(self, b: _Bucket, flat: torch.Tensor, stats: CommStats) -> None:
         if self.algorithm is not None and self.comm.compression in _ALLREDUCE_CODECS:
@@ -128,10 +160,11 @@ class GradSync:
         else:
             self.codec.average(flat, self.group, stats, bucket=b.index, shapes=b.shapes, step=self._step)
 
-    def finish(self, stats: CommStats) -> float:
+    def finish(self, stats: CommStats):
         """Average whatever backward has not handed over yet, wait for the comm thread,
-        write the averages into ``.grad``; returns the seconds this waited (exposed comm)."""
-        t0 = time.perf_counter()
+        write the averages into ``.grad``; returns a stopped timer of that wait (exposed comm:
+        on CUDA the compute stream's stall, read with ``.seconds()`` once the step's work is done)."""
+        timer = start_timer(self.device)
         if self.p > 1:
             for b in self.buckets:
                 if b.index not in self._flats:  # no hook (overlap off), or a parameter got no gradient
@@ -144,12 +177,10 @@ class GradSync:
                     self._average(b, self._flats[b.index], self._stats)
             if self._error is not None:
                 raise self._error
-        exposed = time.perf_counter() - t0
-        for op, n in self._stats.by_op.items():
-            stats.by_op[op] = stats.by_op.get(op, 0) + n
-        stats.bytes += self._stats.bytes
-        stats.seconds += self._stats.seconds
-        stats.calls += self._stats.calls
+            if self._done is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._done)
+        timer.stop()
+        stats.merge(self._stats)
         for b in self.buckets:
             flat = self._flats.get(b.index)
             for p, (offset, shape) in zip(b.params, b.shapes):
@@ -165,7 +196,7 @@ class GradSync:
                 else:
                     p.grad.copy_(avg)
         self._flats = {}
-        return exposed
+        return timer
 
     def abort(self) -> None:
         """Stop a step's comm thread (the step failed): it must not hold the groups."""
@@ -192,8 +223,8 @@ class GradSync:
             res = state.get(f"residual.{b.index}")
             if res is not None:
                 for name, p, (offset, _) in zip(b.names, b.params, b.shapes):
-                    out["residual"][name] = res[offset:offset + p.numel()].numpy().copy()
-            extras = {k.rpartition(".")[0]: v.numpy().copy() for k, v in state.items()
+                    out["residual"][name] = host_array(res[offset:offset + p.numel()])
+            extras = {k.rpartition(".")[0]: host_array(v) for k, v in state.items()
                       if k.endswith(f".{b.index}") and not k.startswith("residual.")}
             if extras:
                 out["buckets"][",".join(b.names)] = extras
@@ -207,10 +238,10 @@ class GradSync:
         state, restored = {}, 0
         for b in self.buckets:
             if any(n in saved["residual"] for n in b.names):
-                res = torch.zeros(b.numel)
+                res = torch.zeros(b.numel, device=b.params[0].device)
                 for name, p, (offset, _) in zip(b.names, b.params, b.shapes):
                     if name in names and name in saved["residual"]:
-                        res[offset:offset + p.numel()] = torch.from_numpy(np.array(saved["residual"][name]))
+                        res[offset:offset + p.numel()] = torch.from_numpy(np.array(saved["residual"][name])).to(res.device)
                         restored += 1
                 state[f"residual.{b.index}"] = res
             for kind, value in saved["buckets"].get(",".join(b.names), {}).items():

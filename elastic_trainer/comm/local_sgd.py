@@ -13,8 +13,6 @@ times fewer bytes.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -22,6 +20,8 @@ import torch.distributed as dist
 from ..config import CommSection
 from .algorithms import ring_allreduce_bytes
 from .stats import CommStats
+from .host import host_array
+from .timing import start_timer
 
 
 class ModelAverager:
@@ -47,18 +47,18 @@ class ModelAverager:
         """At a meeting step, average (local SGD) or take the outer step (DiLoCo); returns seconds."""
         if not self.is_sync_step(step):
             return 0.0
-        t0 = time.perf_counter()
         params = [p for _, p in self.named]
+        whole = start_timer(params[0].device) if params else None
         with torch.no_grad():
             if self.diloco:
                 flat = torch.cat([(self.outer[n] - p.detach()).reshape(-1) for n, p in self.named])
             else:
                 flat = torch.cat([p.detach().reshape(-1) for p in params])
             if self.p > 1:
-                t1 = time.perf_counter()
+                timer = start_timer(flat.device)
                 dist.all_reduce(flat, group=self.group)
                 stats.add("all_reduce", ring_allreduce_bytes(flat.numel() * flat.element_size(), self.p),
-                          time.perf_counter() - t1)
+                          timer.stop())
                 flat.div_(self.p)
             offset = 0
             for name, p in self.named:
@@ -72,14 +72,14 @@ class ModelAverager:
                     p.copy_(self.outer[name])
                 else:
                     p.copy_(part)
-        return time.perf_counter() - t0
+        return whole.stop().seconds() if whole is not None else 0.0
 
     # -- state carried by snapshots (taken at meeting steps, where replicas agree) --
     def export_state(self) -> dict:
         if not self.diloco:
             return {}
-        return {"outer": {n: t.numpy().copy() for n, t in self.outer.items()},
-                "momentum": {n: t.numpy().copy() for n, t in self.momentum.items()}}
+        return {"outer": {n: host_array(t) for n, t in self.outer.items()},
+                "momentum": {n: host_array(t) for n, t in self.momentum.items()}}
 
     def load_state(self, saved: dict | None) -> None:
         if not self.diloco:

@@ -16,6 +16,13 @@ def _orthogonalize(m: torch.Tensor) -> None:
     m.copy_(torch.linalg.qr(m).Q)
 
 
+def initial_q(n: int, seed: int) -> torch.Tensor:
+    """The cold-start ``Q`` (``n`` values): every rank draws the same one, since the seed depends
+    only on what all ranks agree on. It is drawn on the host on purpose, so a codec on any device
+    starts from the Q the CPU does (device generators draw other numbers)."""
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
 class PowerSGDCodec(Codec):
     """Rank-``rank`` PowerSGD (Vogels et al. 2019), after torch's ``powerSGD_hook``.
 
@@ -34,6 +41,7 @@ class PowerSGDCodec(Codec):
     name = "powersgd"
     options = ("rank", "start_step", "min_compression_rate", "warm_start", "error_feedback", "seed")
     state_kinds = ("residual", "q", "step")
+    device_kinds = ("residual", "q")  # "step" is a host-side count
 
     def __init__(self, rank: int = 4, start_step: int = 0, min_compression_rate: float = 2.0,
                  warm_start: bool = True, error_feedback: bool = True, seed: int = 0):
@@ -42,13 +50,13 @@ class PowerSGDCodec(Codec):
         super().__init__()
         self.rank, self.start_step, self.min_compression_rate = rank, start_step, min_compression_rate
         self.warm_start, self.error_feedback, self.seed = warm_start, error_feedback, seed
+        self._plans: dict = {}  # (numel, shapes, device) -> _plan's answer, which depends on nothing else
 
-    def _plan(self, numel: int, shapes: Shapes | None) -> tuple[list[tuple[int, int, int, int]], torch.Tensor]:
-        """([(offset, n, m, r)] of the matrices to compress, indices of every other element)."""
+    def _plan(self, numel: int, shapes: Shapes | None) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
+        """([(offset, n, m, r)] of the matrices to compress, [(lo, hi)] ranges of every other element)."""
         if shapes is None:
             raise ValueError("powersgd needs the bucket's parameter shapes: pass shapes=[(offset, shape), ...]")
         matrices, end = [], 0
-        keep = torch.ones(numel, dtype=torch.bool)
         for offset, shape in sorted((int(o), tuple(int(d) for d in s)) for o, s in shapes):
             size = math.prod(shape)
             if offset < end or offset + size > numel:
@@ -59,16 +67,35 @@ class PowerSGDCodec(Codec):
             r = min(n, m, self.rank)
             if len(shape) >= 2 and (n + m) * r * self.min_compression_rate < n * m:
                 matrices.append((offset, n, m, r))
-                keep[offset:end] = False
-        return matrices, keep.nonzero().view(-1)
+        rest, at = [], 0
+        for offset, n, m, _ in matrices:
+            if offset > at:
+                rest.append((at, offset))
+            at = offset + n * m
+        if numel > at:
+            rest.append((at, numel))
+        return matrices, rest
+
+    def _plan_on(self, numel: int, shapes: Shapes | None, device: torch.device):
+        """:meth:`_plan` with the uncompressed elements' indices as a tensor on ``device``, made once
+        per bucket layout (on the device itself: no host mask to copy over every step)."""
+        key = (numel, None if shapes is None else tuple((int(o), tuple(s)) for o, s in shapes), str(device))
+        if key not in self._plans:
+            matrices, ranges = self._plan(numel, shapes)
+            parts = [torch.arange(lo, hi, device=device) for lo, hi in ranges]
+            rest = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+            self._plans[key] = (matrices, rest)
+        return self._plans[key]
 
     def _average(self, flat, group, stats, p, bucket, shapes, step):
-        matrices, rest = self._plan(flat.numel(), shapes)
+        dev = flat.device
+        matrices, rest = self._plan_on(flat.numel(), shapes, dev)
         count = int(self._state["step"].get(bucket, torch.tensor(0)))
         self._state["step"][bucket] = torch.tensor(count + 1)
         step = count if step is None else step
         if step < self.start_step:
-            timed(stats, "all_reduce", ring_allreduce_bytes(flat.numel() * 4, p), dist.all_reduce, flat, group=group)
+            timed(stats, "all_reduce", ring_allreduce_bytes(flat.numel() * 4, p), dev, dist.all_reduce, flat,
+                  group=group)
             flat.div_(p)
             return
         if self.error_feedback and bucket in self._state["residual"]:
@@ -77,11 +104,9 @@ class PowerSGDCodec(Codec):
         n_p, n_q = sum(n * r for _, n, _, r in matrices), sum(m * r for _, _, m, r in matrices)
         q_all = self._state["q"].get(bucket)
         if not (self.warm_start and q_all is not None and q_all.numel() == n_q):
-            # Every rank draws the same Q: the seed depends only on what all ranks agree on.
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + bucket * 7919 + step)
-            q_all = torch.randn(n_q, generator=gen)
+            q_all = initial_q(n_q, self.seed * 1_000_003 + bucket * 7919 + step).to(dev)
         # The uncompressed elements ride in the same all-reduce as P.
-        first = torch.empty(rest.numel() + n_p)
+        first = torch.empty(rest.numel() + n_p, device=dev)
         first[:rest.numel()] = flat[rest]
         ms, ps, qs, at, qat = [], [], [], rest.numel(), 0
         for offset, n, m, r in matrices:
@@ -93,15 +118,15 @@ class PowerSGDCodec(Codec):
             _orthogonalize(qm)
             torch.matmul(mat, qm, out=pm)
         if first.numel():
-            timed(stats, "all_reduce", ring_allreduce_bytes(first.numel() * 4, p), dist.all_reduce, first,
-                   group=group)
+            timed(stats, "all_reduce", ring_allreduce_bytes(first.numel() * 4, p), dev, dist.all_reduce, first,
+                  group=group)
         flat[rest] = first[:rest.numel()] / p
         if matrices:
             for mat, pm, qm in zip(ms, ps, qs):
                 # P is a sum, not an average: orthogonalizing removes the scale anyway.
                 _orthogonalize(pm)
                 torch.matmul(mat.T, pm, out=qm)
-            timed(stats, "all_reduce", ring_allreduce_bytes(n_q * 4, p), dist.all_reduce, q_all, group=group)
+            timed(stats, "all_reduce", ring_allreduce_bytes(n_q * 4, p), dev, dist.all_reduce, q_all, group=group)
             q_all.div_(p)
             for mat, pm, qm in zip(ms, ps, qs):
                 torch.matmul(pm, qm.T, out=mat)
@@ -118,6 +143,7 @@ class PowerSGDCodec(Codec):
             return 0
         if step is not None and step < self.start_step:
             return ring_allreduce_bytes(numel * 4, p)
-        matrices, rest = self._plan(numel, shapes)
+        matrices, ranges = self._plan(numel, shapes)
         n_p, n_q = sum(n * r for _, n, _, r in matrices), sum(m * r for _, _, m, r in matrices)
-        return ring_allreduce_bytes((rest.numel() + n_p) * 4, p) + ring_allreduce_bytes(n_q * 4, p)
+        n_rest = sum(hi - lo for lo, hi in ranges)
+        return ring_allreduce_bytes((n_rest + n_p) * 4, p) + ring_allreduce_bytes(n_q * 4, p)

@@ -277,8 +277,10 @@ class Controller:
         raw["scaling"]["max_workers"] = None
         return raw
 
-    def apply_plan(self, plan: Plan, restore: tuple | None, ranks: dict[int, int] | None = None) -> dict:
-        """Give every rank of ``plan`` a worker, set them up, load ``restore`` = (step, block sources, tiers)."""
+    def apply_plan(self, plan: Plan, restore: tuple | None, ranks: dict[int, int] | None = None,
+                   reuse_world: int | None = None) -> dict:
+        """Give every rank of ``plan`` a worker, set them up, load ``restore`` = (step, block sources, tiers).
+        ``reuse_world``: the id of the survivors' shrunk world that ``ranks`` keeps (``survivors``)."""
         topo, pool = plan.topology, self.pool
         wids = sorted(pool.workers)
         if len(wids) < topo.world_size:
@@ -307,7 +309,7 @@ class Controller:
         ps = (self.ps.handles, self.ps.assignment) if self.ps else None
         refs = {r: pool[w].actor.setup.remote(
                     cfg_json, topo.dp, topo.pp, plan.stage_bounds, r, master.ip, port, sources[r],
-                    coll_timeout, rendezvous, self._generation, ps)
+                    coll_timeout, rendezvous, self._generation, ps, reuse_world)
                 for r, w in ranks.items()}
         self._setup_refs = [(ranks[r], ref) for r, ref in refs.items()]
         with self._lock:
@@ -326,7 +328,10 @@ class Controller:
         self.restore_moved = {"restore_bytes": moved, "restore_fetch_s": fetch_s,
                               "restore_rate_bytes_s": moved / fetch_s if moved and fetch_s > 0 else None,
                               "blocks_built": sum(len(o["build"]["built"]) for o in outs.values()),
-                              "blocks_reused": sum(len(o["build"]["reused"]) for o in outs.values())}
+                              "blocks_reused": sum(len(o["build"]["reused"]) for o in outs.values()),
+                              # How the ranks joined: in the survivors' shrunk world, or by rendezvous.
+                              "groups": "shrunk" if all(o.get("world") == "shrunk" for o in outs.values())
+                              else "rendezvous"}
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
             raise WorkerError(f"ranks restored different steps {sorted(steps)}")

@@ -28,6 +28,7 @@ from .failures import Diagnosis, diagnose
 from .restore import Load, choose_restore, plan_loads
 from .run_state import RunState
 from .stepping import StepOutcome
+from .survivors import ShrunkWorld, end_collectives, shrunk_ranks
 from .workers import failed
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class Recovery:
         self._last_grow_check = time.monotonic()
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
         self._abandoned: list = []  # snapshot parts of failed steps, read once they end (else Ray logs them)
+        self.shrunk: ShrunkWorld | None = None  # the survivors' shrunk world, for the next plan to keep
+        self._shrinks = 0
 
     # -- detect ----------------------------------------------------------------------------
     def recover(self, out: StepOutcome) -> None:
@@ -69,9 +72,11 @@ class Recovery:
             self.failures += 1
         ctl.pool.kill_hung(diag.hung)
         self._abandoned += [ref for ref in out.shard_refs.values() if ref is not None]
+        lost_ranks = [r for r, w in ctl.ranks.items() if w in diag.dead + diag.hung]
         ctl.pool.drop(diag.dead + diag.hung)
         if ctl.ps:
             ctl.ps.abandon_step()
+        self._end_collectives(lost_ranks)
         self._quiesce(out)
         self._check_limits(diag)
         self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
@@ -131,6 +136,15 @@ class Recovery:
                            detail=diag.detail)
         log.warning("[%s] step %d failed (%s): %s", self.ctl.run_name, step, diag.kind, diag.detail)
 
+    def _end_collectives(self, lost_ranks: list[int]) -> None:
+        """Survivors end the collectives they wait in (NCCL; see ``survivors``), and the world they
+        shrank to, if they did, is kept for the next plan."""
+        ctl = self.ctl
+        self._shrinks += 1
+        self.shrunk = end_collectives(
+            ctl.pool, self.cfg.scaling.resolved_backend(), ctl.plan.topology if ctl.plan else None, dict(ctl.ranks),
+            lost_ranks, ctl.plan.stage_bounds if ctl.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s)
+
     def _quiesce(self, out: StepOutcome) -> None:
         """Let survivors abandon the failed step: with the lost workers killed, their
         collectives fail at once; any survivor still inside one after a bound is dropped."""
@@ -168,10 +182,16 @@ class Recovery:
             pool.await_joining(0, required=False)
             self._wait_for_min_workers()
             plan, ranks, why = self._next_plan(keep=out is not None)
+            reuse = None
+            kept = shrunk_ranks(self.shrunk, plan) if ranks is None else None
+            if kept is not None:
+                ranks, reuse = kept, self.shrunk.id
+                why += "; the survivors keep their shrunk world (no rendezvous)"
+            self.shrunk = None   # a failed attempt below leaves it in no known state
             t1 = time.perf_counter()
             restore = self.restore_point()
             try:
-                desc = ctl.apply_plan(plan, restore, ranks)
+                desc = ctl.apply_plan(plan, restore, ranks, reuse_world=reuse)
             except WorkerError as e:
                 failed_workers = getattr(e, "failed_workers", [])
                 ctl.event("failure", failure="during_recovery", worker=failed_workers, rank=None, node=None,

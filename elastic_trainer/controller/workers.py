@@ -20,6 +20,7 @@ from ..config import TrainerConfig
 from ..errors import ElasticTrainerError, WorkerError
 from ..naming import NAMESPACE, spare_name
 from ..worker.actor import TrainWorker
+from ..worker.device import SHARE_GPUS_ENV
 from .placement import pick_nodes
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,10 @@ class WorkerPool:
             )
             if "memory" in res:
                 opts["memory"] = res["memory"]
-            if self.cfg.scaling.env_vars:
-                opts["runtime_env"] = {"env_vars": dict(self.cfg.scaling.env_vars)}
+            env = dict(SHARE_GPUS_ENV) if self.cfg.scaling.uses_gpu else {}
+            env.update(self.cfg.scaling.env_vars)   # the run's own settings win
+            if env:
+                opts["runtime_env"] = {"env_vars": env}
             actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads,
                                                          self.cfg.failure.allow_fault_injection)
             self.joining[wid] = (actor, actor.info.remote(), node)

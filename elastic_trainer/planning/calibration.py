@@ -37,6 +37,7 @@ import torch.distributed as dist
 from . import cost_model
 from ..comm.algorithms import ALGORITHMS, get_algorithm
 from ..comm.stats import CommStats
+from ..comm.timing import start_timer
 
 # A loopback stream this long runs for well over the connection's slow start.
 LOOPBACK_BYTES = 256 << 20
@@ -59,14 +60,15 @@ def parse_size(text: str | int) -> int:
 
 
 def sweep(group=None, sizes: Sequence[int] | None = None, algorithms: Sequence[str] = ("ring", "tree", "chunked"),
-          iters: int = 5, warmup: int = 1) -> list[dict]:
+          iters: int = 5, warmup: int = 1, device: torch.device | str = "cpu") -> list[dict]:
     """Time each all-reduce algorithm at each size on ``group``; every member must call it.
 
     Each timed iteration starts after a barrier; a row's time is the median
     over ``iters`` of this rank's times, then the maximum over ranks (the
     slowest rank is when the step can go on), so every rank returns the same
     rows: ``algorithm, size, count, p, time_s, algbw, busbw`` (bandwidths
-    in bytes/s). ``sizes`` default to :func:`size_range` (1 KiB .. 256 MiB).
+    in bytes/s). ``sizes`` default to :func:`size_range` (1 KiB .. 256 MiB). ``device``: where
+    the buffers live (CUDA times come from events, see ``comm.timing``).
     """
     if iters < 1 or warmup < 0:
         raise ValueError(f"sweep needs iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
@@ -76,15 +78,15 @@ def sweep(group=None, sizes: Sequence[int] | None = None, algorithms: Sequence[s
     for name, fn in fns:
         for size in cost_model.size_range() if sizes is None else sizes:
             count = max(1, size // 4)
-            buf = torch.ones(count)
+            buf = torch.ones(count, device=device)
             times = []
             for i in range(warmup + iters):
                 dist.barrier(group=group)
-                t0 = time.perf_counter()
+                timer = start_timer(buf.device)
                 fn(buf, group, CommStats())
                 if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+                    times.append(timer.stop().seconds())
+            slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
             t = slowest.item()
             algbw = count * 4 / t if t > 0 else math.inf

@@ -61,7 +61,7 @@ def _latency_steps(name: str, p: int, bucket: list[tuple[int, tuple[int, ...]]],
         return p - 1
     # PowerSGD: an all-reduce of P with the uncompressed entries, and one of Q if any matrix is compressed.
     matrices, rest = make_codec("powersgd", **opts)._plan(numel, bucket)
-    first = rest.numel() + sum(n * r for _, n, _, r in matrices)
+    first = sum(hi - lo for lo, hi in rest) + sum(n * r for _, n, _, r in matrices)
     return 2 * (p - 1) * ((first > 0) + bool(matrices))
 
 

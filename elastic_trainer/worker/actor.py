@@ -20,12 +20,15 @@ import traceback
 import ray
 import torch
 
-from ..checkpoint.state import select_blocks, shard_nbytes
+from ..checkpoint.state import select_blocks
 from ..config import TrainerConfig
 from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
 from .copies import HeldCopies
-from .process_group import SetupAborted, destroy_groups, free_port, init_groups
+from .restore_fetch import fetch_sources
+from .device import bind, current_visible, worker_device
+from .group_keeper import GroupKeeper
+from .process_group import free_port
 from .stage import StageTrainer
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ class TrainWorker:
         self.rank: int | None = None
         if torch_threads is not None and not torch.cuda.is_available():
             torch.set_num_threads(torch_threads)
+        # The GPU Ray gave this worker, bound before anything touches CUDA (see worker.device).
+        self.gpu = worker_device(ray.get_gpu_ids(), current_visible(), torch.cuda.is_available())
+        bind(self.gpu)
         self.trainer: StageTrainer | None = None
         self.copies = HeldCopies()
         self._faults: dict = {}
@@ -82,6 +88,7 @@ class TrainWorker:
         self._snapshot_wait_s = 60.0
         self._build_key = None
         self._kept = None   # (build key, blocks, device) of the last stage, until the next set-up
+        self.groups = GroupKeeper(f"[{run_name}] worker {worker_id}")
         # Everything imported so far lives as long as the process: keep it out of
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()
@@ -107,6 +114,13 @@ class TrainWorker:
         return True
 
     @ray.method(concurrency_group="control")
+    def abort_comms(self, excluded: list[int], shrink_id: int | None = None) -> dict:
+        """A peer failed: end what this rank's collectives wait for, at once (``GroupKeeper.fail``):
+        nothing on gloo; on NCCL, shrink the world past the ``excluded`` ranks where the backend
+        can, else abort. The training thread's step then fails and its ``reset`` follows."""
+        return self.groups.fail(excluded, shrink_id)
+
+    @ray.method(concurrency_group="control")
     def abort_setup(self, generation: int) -> None:
         """Abandon set-ups of ``generation`` and older that still wait for other ranks."""
         self._aborted_upto = max(self._aborted_upto, generation)
@@ -114,19 +128,21 @@ class TrainWorker:
     def setup(self, cfg_json: dict, dp: int, pp: int, stage_bounds: list[tuple[int, int]], rank: int,
               master_addr: str, master_port: int, sources: list | None = None,
               collective_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None,
-              generation: int = 0, ps: tuple | None = None) -> dict:
+              generation: int = 0, ps: tuple | None = None, reuse_world: int | None = None) -> dict:
         """Join the process groups of a plan as ``rank`` and build its stage(s).
 
         ``sources``: object refs (nested in a list, so Ray does not resolve them
         on the way in) of shards from one step covering this rank's blocks, or
         None to start from the seed. ``generation`` numbers the controller's
         attempts, so ``abort_setup`` can end this one without touching a later one.
-        ``ps``: (shard handles, parameter -> shard) in parameter-server mode.
+        ``ps``: (shard handles, parameter -> shard) in parameter-server mode. ``reuse_world``:
+        the id of a shrink (``abort_comms``) whose world this plan keeps, instead of a rendezvous.
         """
+        bind(self.gpu)  # CUDA's current device is per thread, and Ray's calls come on several
         with self._setup_lock:
             try:
                 return self._setup(cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-                                   collective_timeout_s, rendezvous_timeout_s, generation, ps)
+                                   collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world)
             except BaseException as e:
                 log.warning("[%s] worker %d: set-up as rank %d of dp=%d x pp=%d failed: %s: %s", self.run_name,
                             self.worker_id, rank, dp, pp, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
@@ -135,7 +151,7 @@ class TrainWorker:
                 raise
 
     def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-               collective_timeout_s, rendezvous_timeout_s, generation, ps) -> dict:
+               collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world) -> dict:
         t = [time.perf_counter()]
         cfg = TrainerConfig.model_validate(cfg_json)
         self.reset()
@@ -148,16 +164,17 @@ class TrainWorker:
         self._overlap = cfg.checkpoint.overlap
         self._snapshot_wait_s = cfg.failure.startup_timeout_s + cfg.comm.timeout_s
         topo = Topology(dp, pp)
-        device = torch.device("cuda", 0) if cfg.scaling.uses_gpu and torch.cuda.is_available() else torch.device("cpu")
+        device = self.gpu if cfg.scaling.uses_gpu else torch.device("cpu")
         t.append(time.perf_counter())
 
         def aborted() -> bool:   # the controller gave this set-up up (abort_setup)
             return self._aborted_upto >= generation > 0
 
-        groups = init_groups(cfg.scaling.resolved_backend(), master_addr, master_port, topo, rank,
-                             collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s, aborted=aborted)
+        groups, joined = self.groups.join(cfg.scaling.resolved_backend(), master_addr, master_port, topo, rank,
+                                          collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s,
+                                          aborted, device, reuse_world)
         t.append(time.perf_counter())
-        shards, moved = self._fetch(sources, aborted) if sources else ([], {"bytes": 0, "seconds": 0.0})
+        shards, moved = fetch_sources(sources, self.copies, aborted, self.worker_id) if sources else ([], {"bytes": 0, "seconds": 0.0})
         t.append(time.perf_counter())
         trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
                                held=held)
@@ -175,6 +192,7 @@ class TrainWorker:
                  self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
         return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
+                "world": joined,
                 "timings": dict(zip(("reset", "groups", "fetch", "build", "load"), (b - a for a, b in zip(t, t[1:])))),
                 "moved": moved, "build": trainer.build_info}
 
@@ -184,35 +202,6 @@ class TrainWorker:
         if kept is None or kept[0] != _build_key(cfg, kept[2]):
             return None
         return kept[1]
-
-    def _fetch(self, sources: list, aborted=lambda: False) -> tuple[list[dict], dict]:
-        """The shards to load: local copies as they are, the others fetched at once (in
-        parallel). ``moved``: bytes that came from other workers' copies, and the seconds
-        that took (``("own", ref)`` is this worker's own object-store part: not moved).
-
-        An object whose node just died can block a fetch for tens of seconds, until Ray
-        declares it lost; the wait is in short slices so that ``aborted()`` (the controller
-        gave this set-up up) ends it at once."""
-        out: list = [None] * len(sources)
-        remote = {}
-        for i, s in enumerate(sources):
-            if isinstance(s, tuple) and s[0] == "local":
-                out[i] = self.copies.local_copy(s[1])
-            elif isinstance(s, tuple) and s[0] == "own":
-                out[i] = ray.get(s[1])
-            else:
-                remote[i] = s
-        t0 = time.perf_counter()
-        pending = list(remote.values())
-        while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=True)
-            if pending and aborted():
-                raise SetupAborted(f"worker {self.worker_id} stopped fetching its restore sources: "
-                                   "the controller abandoned this plan")
-        for i, shard in zip(remote, ray.get(list(remote.values()))):
-            out[i] = shard
-        moved = {"bytes": sum(shard_nbytes(out[i]) for i in remote), "seconds": time.perf_counter() - t0}
-        return out, moved
 
     def reset(self) -> None:
         """Leave the process groups and drop the stage; keep local copies.
@@ -236,7 +225,7 @@ class TrainWorker:
         self.rank = None
         if had_stage:
             gc.collect()  # the stage's reference cycles hold the groups
-        destroy_groups()
+        self.groups.leave()
 
     @ray.method(concurrency_group="train")
     def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None) -> dict:
@@ -246,10 +235,12 @@ class TrainWorker:
         all its blocks lends its live state for the object store to copy, and keeps no other
         copy: the part written is it."""
         job = None
+        bind(self.gpu)
         try:
             if self._injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
-            r = self.trainer.train_step(step)
+            with self.groups.guarded(f"step {step}"):
+                r = self.trainer.train_step(step)
             if snapshot:
                 delay = self._faults.get("slow_snapshot")
                 if delay:
@@ -275,10 +266,12 @@ class TrainWorker:
         """The held-out loss after ``step`` on this plan (``StageTrainer.evaluate``); a failure
         leaves the groups like a failed step does."""
         t0 = time.perf_counter()
+        bind(self.gpu)
         try:
             if self._injected("raise_eval", step):
                 raise InjectedFault(f"injected fault in the evaluation after step {step} on worker {self.worker_id}")
-            loss = self.trainer.evaluate(step)
+            with self.groups.guarded(f"the evaluation after step {step}"):
+                loss = self.trainer.evaluate(step)
         except BaseException as e:
             self._abandon(e, f"the evaluation after step {step}")
             raise
@@ -347,6 +340,7 @@ class TrainWorker:
 
     def export_snapshot(self, step: int) -> dict:
         """A local copy of the current state as ``step`` (for a final snapshot off the schedule)."""
+        bind(self.gpu)
         shard = self.trainer.export(step)
         self.copies.add_local(step, shard)
         return shard

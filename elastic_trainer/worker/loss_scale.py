@@ -29,11 +29,10 @@ class LossScaler:
 
     def found_inf(self, grads: list[torch.Tensor], device: torch.device) -> bool:
         """Whether any rank of the default group has a non-finite gradient (every rank must call it)."""
-        flag = torch.zeros((), device=device, dtype=torch.float32)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+        # On the device, with no host sync per gradient: one for the whole check, at .item().
+        finite = [torch.isfinite(g).all() for g in grads]
+        flag = (~torch.stack(finite).all()).float() if finite else torch.zeros((), device=device)
+        flag = flag.to(device=device, dtype=torch.float32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 # Public API has no way to change a group's timeout after it is built, nor to
 # reset the default group's name counter after a failed join (see destroy_groups).
@@ -15,6 +16,7 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..parallel.topology import Topology
+from .group_failure import leave_groups, watchdog_env
 
 
 @dataclass
@@ -38,6 +40,7 @@ def free_port(host: str = "") -> int:
 def init_groups(
     backend: str, master_addr: str, master_port: int, topo: Topology, rank: int, timeout_s: float,
     rendezvous_timeout_s: float | None = None, aborted: Callable[[], bool] | None = None,
+    device: torch.device | None = None,
 ) -> Groups:
     """Join the world group and build every DP and PP subgroup.
 
@@ -49,18 +52,29 @@ def init_groups(
     themselves. ``aborted`` is polled while waiting for the other ranks: when
     it turns true (the controller abandoned this plan) the join ends at once
     with :class:`SetupAborted` instead of holding this rank until the timeout.
+    ``device``: this rank's CUDA device, bound to the groups (``device_id``) so NCCL
+    creates its communicators at once and splits the subgroups off the world's.
     """
     destroy_groups()
+    if backend == "nccl":
+        watchdog_env(timeout_s)
     # Joining waits for the other ranks (rendezvous timeout); after that every
     # collective gets the (possibly tightened) collective timeout.
     join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
     store = _meet(master_addr, master_port, topo.world_size, rank, join, aborted or (lambda: False))
-    dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join)
+    bound = device if backend == "nccl" and device is not None and device.type == "cuda" else None
+    dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join,
+                            device_id=bound)
+    return subgroups(topo, rank, join, timedelta(seconds=timeout_s))
+
+
+def subgroups(topo: Topology, rank: int, join: timedelta, collective: timedelta) -> Groups:
+    """Build this rank's DP and PP subgroups of the default group, then give every group the
+    collective timeout (``join`` bounds the building)."""
     replica, stage = topo.coords(rank)
     # Only a group's members meet to build it; the others do not wait on it.
     dp = dist.new_group(topo.dp_group_ranks(stage), timeout=join, use_local_synchronization=True)
     pp = dist.new_group(topo.pp_group_ranks(replica), timeout=join, use_local_synchronization=True)
-    collective = timedelta(seconds=timeout_s)
     for group in (None, dp, pp):
         _set_pg_timeout(collective, group)
     return Groups(dp=dp, pp=pp)
@@ -100,7 +114,8 @@ def _meet(addr: str, port: int, world: int, rank: int, join: timedelta, aborted:
 
 
 def destroy_groups() -> None:
-    """Leave every group, and forget any join that failed half-way.
+    """Leave every group (the backend's own way, see ``group_failure``), and forget any join
+    that failed half-way.
 
     The default group is named after a process-wide counter that
     ``init_process_group`` bumps before it meets the other ranks, and only a
@@ -109,6 +124,6 @@ def destroy_groups() -> None:
     another name than its peers, wait for keys nobody writes, and fail again.
     """
     if dist.is_initialized():
-        dist.destroy_process_group()
+        leave_groups(dist.get_backend())
     elif dist.get_pg_count():
         _c10d._world.group_count = 0

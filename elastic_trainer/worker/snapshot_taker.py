@@ -111,7 +111,8 @@ class SnapshotTaker:
         ready = None
         if self._stream is not None:
             ready = torch.cuda.Event()
-            ready.record()  # after the update on the compute stream; the copy starts behind it
+            # After the update on the compute stream (named: a thread's current device is its own).
+            ready.record(torch.cuda.current_stream(self.device))
 
         def copy() -> dict:
             if ready is None:

@@ -18,6 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..checkpoint.state import load_into, merge_shards, pick_comm
 from ..comm.algorithms import ring_allreduce_bytes
 from ..comm.stats import CommStats
+from ..comm.timing import start_timer
 from ..comm.grad_sync import GradSync
 from ..comm.local_sgd import ModelAverager
 from ..comm.parameter_server import PSClient
@@ -265,7 +266,8 @@ class StageTrainer:
                     losses=losses if self.has_last else None,
                     return_outputs=False,
                 )
-            exposed = self.sync.finish(stats)
+            waited_comm = self.sync.finish(stats)  # a timer: read at the end of the step
+            exposed = 0.0
             if self.ties:
                 exposed += self.ties.sync(stats)
         except BaseException:
@@ -300,6 +302,7 @@ class StageTrainer:
                 self.optimizer.step()
         if self.model_avg is not None:
             exposed += self.model_avg.maybe_sync(step, stats)
+        exposed += waited_comm.seconds()
         compute_s = time.perf_counter() - t0 - exposed - waited
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
         if loss is not None and scale is not None:
@@ -347,9 +350,9 @@ class StageTrainer:
             if p.grad is not None:
                 sq += p.grad.detach().float().pow(2).sum()
         if self.topo.pp > 1:
-            t0 = time.perf_counter()
+            timer = start_timer(sq.device)
             dist.all_reduce(sq, group=self.groups.pp)
-            stats.add("all_reduce", sq.element_size(), time.perf_counter() - t0)
+            stats.add("all_reduce", sq.element_size(), timer.stop())
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

@@ -12,11 +12,10 @@ over the replica's pipeline group, as Megatron's embedding group does.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
+from ..comm.timing import start_timer
 from ..parallel.topology import Topology
 
 
@@ -58,7 +57,7 @@ class TiedGrads:
                 b.grad.copy_(total)
                 continue
             g = _grad(params[0])
-            t0 = time.perf_counter()
+            timer = start_timer(g.device)
             buf = torch.empty_like(g)
             # The leader receives first and the follower sends first, so the pair never deadlocks.
             if leads:
@@ -68,7 +67,7 @@ class TiedGrads:
             else:
                 dist.send(g, dst=peer, group=self.group)
                 dist.recv(g, src=peer, group=self.group)
-            dt = time.perf_counter() - t0
+            dt = timer.stop().seconds()
             stats.add("tied_grads", g.numel() * g.element_size(), dt)
             spent += dt
         return spent

@@ -1,0 +1,100 @@
+"""One worker's process groups across plans: joining, leaving by backend, and a failure's abort or shrink.
+
+The training thread joins and leaves (``setup``, ``reset``); the controller's
+``abort_comms`` reaches the control thread while the training thread may be
+blocked inside a collective, and the step guard's thread may abort on a
+timeout. A lock keeps those changes one at a time. See ``group_failure`` for
+what each backend needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.topology import Topology
+from .group_failure import abort_needed, can_shrink, leave_groups, shrink_world
+from .process_group import Groups, destroy_groups, init_groups, subgroups
+from .step_guard import StepGuard
+
+log = logging.getLogger(__name__)
+
+
+class GroupKeeper:
+    def __init__(self, name: str):
+        self.name = name                     # for logs: "[run] worker N"
+        self.backend: str | None = None
+        self.timeout_s = 300.0               # the collective timeout of the current plan
+        self._shrunk: tuple[int, int, int] | None = None  # (shrink id, rank, world size) held for the next plan
+        self._guard: StepGuard | None = None
+        self._lock = threading.RLock()
+
+    def join(self, backend: str, addr: str, port: int, topo: Topology, rank: int, timeout_s: float,
+             rendezvous_timeout_s: float | None, aborted, device: torch.device,
+             reuse_world: int | None = None) -> tuple[Groups, str]:
+        """Join a plan's groups: in the world a shrink kept (``reuse_world``, when it matches this
+        rank and size), else by rendezvous. Returns the groups and which way (``shrunk`` or
+        ``rendezvous``)."""
+        self.timeout_s = timeout_s
+        with self._lock:
+            kept = self._shrunk
+            self._shrunk = None
+            if kept is not None and reuse_world == kept[0] and kept[1:] == (rank, topo.world_size):
+                join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
+                groups, how = subgroups(topo, rank, join, timedelta(seconds=timeout_s)), "shrunk"
+            else:
+                if reuse_world is not None:
+                    log.warning("%s: the plan keeps shrunk world %s as rank %d of %d, this worker holds %s: "
+                                "joining by rendezvous", self.name, reuse_world, rank, topo.world_size, kept)
+                groups = init_groups(backend, addr, port, topo, rank, timeout_s, rendezvous_timeout_s,
+                                     aborted=aborted, device=device)
+                how = "rendezvous"
+            self.backend = backend
+        return groups, how
+
+    def leave(self) -> None:
+        """Leave every group, except a world a shrink kept for the next plan."""
+        with self._lock:
+            if self._shrunk is None:
+                destroy_groups()
+
+    def fail(self, excluded: list[int], shrink_id: int | None) -> dict:
+        """A peer failed (the controller says so): end whatever this rank's collectives wait for.
+        gloo's fail on their own, so nothing is done there. NCCL's are shrunk past the
+        ``excluded`` ranks where the backend can (keeping the world), else aborted."""
+        with self._lock:
+            if self.backend is None or not dist.is_initialized() or not abort_needed(self.backend):
+                return {"shrunk": False, "aborted": False}
+            if excluded and shrink_id is not None and can_shrink():
+                try:
+                    rank, size = shrink_world(excluded)
+                    self._shrunk = (shrink_id, rank, size)
+                    log.info("%s: shrank the world past ranks %s: now rank %d of %d", self.name, excluded, rank, size)
+                    return {"shrunk": True, "rank": rank, "world_size": size}
+                except Exception as e:  # noqa: BLE001 - the abort below is the fallback
+                    log.warning("%s: shrinking past ranks %s failed (%s: %s); aborting instead", self.name,
+                                excluded, type(e).__name__, e)
+            if dist.is_initialized():
+                leave_groups(self.backend)
+            return {"shrunk": False, "aborted": True}
+
+    def guarded(self, what: str):
+        """A context that bounds ``what`` by the collective timeout where the backend needs it
+        (``step_guard``); gloo's own timeouts raise, so there it is a no-op."""
+        if self.backend is None or not abort_needed(self.backend):
+            return nullcontext()
+        if self._guard is None:
+            self._guard = StepGuard(self._expire)
+        return self._guard.watch(what, self.timeout_s)
+
+    def _expire(self, what: str) -> None:
+        log.warning("%s: %s outlived the collective timeout (%g s): aborting its groups", self.name, what,
+                    self.timeout_s)
+        with self._lock:
+            if dist.is_initialized():
+                leave_groups(self.backend)

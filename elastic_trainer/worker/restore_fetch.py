@@ -1,0 +1,42 @@
+"""Where a restoring rank gets its shards: its own local copies as they are, the rest fetched at once."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from ..checkpoint.state import shard_nbytes
+from .copies import HeldCopies
+from .process_group import SetupAborted
+
+
+def fetch_sources(sources: list, copies: HeldCopies, aborted=lambda: False,
+                  worker_id: int = -1) -> tuple[list[dict], dict]:
+    """The shards to load: local copies as they are, the others fetched at once (in
+    parallel). ``moved``: bytes that came from other workers' copies, and the seconds
+    that took (``("own", ref)`` is this worker's own object-store part: not moved).
+
+    An object whose node just died can block a fetch for tens of seconds, until Ray
+    declares it lost; the wait is in short slices so that ``aborted()`` (the controller
+    gave this set-up up) ends it at once."""
+    out: list = [None] * len(sources)
+    remote = {}
+    for i, s in enumerate(sources):
+        if isinstance(s, tuple) and s[0] == "local":
+            out[i] = copies.local_copy(s[1])
+        elif isinstance(s, tuple) and s[0] == "own":
+            out[i] = ray.get(s[1])
+        else:
+            remote[i] = s
+    t0 = time.perf_counter()
+    pending = list(remote.values())
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=True)
+        if pending and aborted():
+            raise SetupAborted(f"worker {worker_id} stopped fetching its restore sources: "
+                               "the controller abandoned this plan")
+    for i, shard in zip(remote, ray.get(list(remote.values()))):
+        out[i] = shard
+    moved = {"bytes": sum(shard_nbytes(out[i]) for i in remote), "seconds": time.perf_counter() - t0}
+    return out, moved
