@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 _ORIG: dict = {}
 
@@ -65,6 +66,18 @@ def _all_reduce(tensor, *args, **kwargs):
     tensor.copy_(host)
 
 
+def _isend(tensor, *args, **kwargs):
+    # gloo's send work holds the host copy until it completes.
+    return _ORIG["isend"](tensor.cpu() if _is_cuda(tensor) else tensor, *args, **kwargs)
+
+
+def _irecv(tensor, *args, **kwargs):
+    if not _is_cuda(tensor):
+        return _ORIG["irecv"](tensor, *args, **kwargs)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    return _StagedWork(_ORIG["irecv"](host, *args, **kwargs), [(tensor, host)])
+
+
 def _send(tensor, *args, **kwargs):
     return _ORIG["send"](tensor.cpu() if _is_cuda(tensor) else tensor, *args, **kwargs)
 
@@ -85,7 +98,7 @@ def _batch_isend_irecv(p2p_op_list):
     for op in p2p_op_list:
         t, mine = op.tensor, []
         if _is_cuda(t):
-            if op.op is dist.irecv:
+            if op.op in (dist.irecv, _ORIG["irecv"]):
                 host = torch.empty(t.shape, dtype=t.dtype)
                 mine.append((t, host))
             else:
@@ -105,11 +118,16 @@ def _batch_isend_irecv(p2p_op_list):
 
 
 def install() -> None:
-    """Stage CUDA tensors through the host in the ops gloo cannot do on CUDA (idempotent)."""
+    """Stage CUDA tensors through the host in the ops gloo cannot do on CUDA (idempotent).
+
+    Patched in ``torch.distributed`` and in ``distributed_c10d`` itself: torch's own helpers
+    (``send_object_list``, the pipeline's batched p2p, ``P2POp``'s check of its op) call the
+    module's names, not the package's."""
     if _ORIG:
         return
     for name, fn in (("all_to_all_single", _all_to_all_single), ("all_gather", _all_gather),
-                     ("all_reduce", _all_reduce), ("send", _send), ("recv", _recv),
-                     ("batch_isend_irecv", _batch_isend_irecv)):
-        _ORIG[name] = getattr(dist, name)
+                     ("all_reduce", _all_reduce), ("isend", _isend), ("irecv", _irecv), ("send", _send),
+                     ("recv", _recv), ("batch_isend_irecv", _batch_isend_irecv)):
+        _ORIG[name] = getattr(c10d, name)
+        setattr(c10d, name, fn)
         setattr(dist, name, fn)

@@ -238,10 +238,12 @@ class GradSync:
         state, restored = {}, 0
         for b in self.buckets:
             if any(n in saved["residual"] for n in b.names):
-                res = torch.zeros(b.numel, device=b.params[0].device)
+                # On the host: the codec moves it to the bucket's device where it runs (its
+                # own stream), so no compute-stream block is freed under the comm stream.
+                res = torch.zeros(b.numel)
                 for name, p, (offset, _) in zip(b.names, b.params, b.shapes):
                     if name in names and name in saved["residual"]:
-                        res[offset:offset + p.numel()] = torch.from_numpy(np.array(saved["residual"][name])).to(res.device)
+                        res[offset:offset + p.numel()] = torch.from_numpy(np.array(saved["residual"][name]))
                         restored += 1
                 state[f"residual.{b.index}"] = res
             for kind, value in saved["buckets"].get(",".join(b.names), {}).items():

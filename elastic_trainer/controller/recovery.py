@@ -183,7 +183,7 @@ class Recovery:
             self._wait_for_min_workers()
             plan, ranks, why = self._next_plan(keep=out is not None)
             reuse = None
-            kept = shrunk_ranks(self.shrunk, plan) if ranks is None else None
+            kept = shrunk_ranks(self.shrunk, plan, pool) if ranks is None else None
             if kept is not None:
                 ranks, reuse = kept, self.shrunk.id
                 why += "; the survivors keep their shrunk world (no rendezvous)"

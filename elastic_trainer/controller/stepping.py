@@ -74,7 +74,7 @@ class StepDriver:
         refs = {}
         for w, actor in actors.items():
             blocks = put_blocks[w] if snapshot else None
-            refs[actor.train_step.remote(step, snapshot, blocks)] = w
+            refs[actor.train_step.remote(step, snapshot, blocks, self.step_timeout())] = w
             # Asked for at once: the part comes back once the step has begun it, on a
             # thread of its own, and its write into the object store overlaps the next step.
             out.shard_refs[w] = actor.snapshot_part.remote(step, blocks) if blocks else None
@@ -85,8 +85,9 @@ class StepDriver:
         Forward only over ``batches`` global batches: given that many step timeouts."""
         started = time.perf_counter()
         out = StepOutcome(step, started)
-        refs = {actor.evaluate.remote(step): w for w, actor in actors.items()}
-        return self._collect(out, refs, actors, started + self.step_timeout() * max(1, batches))
+        timeout = self.step_timeout() * max(1, batches)
+        refs = {actor.evaluate.remote(step, timeout): w for w, actor in actors.items()}
+        return self._collect(out, refs, actors, started + timeout)
 
     def _collect(self, out: StepOutcome, refs: dict, actors: dict[int, object], deadline: float) -> StepOutcome:
         pending = dict(refs)

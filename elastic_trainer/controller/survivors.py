@@ -51,15 +51,17 @@ def end_collectives(pool: "WorkerPool", backend: str, topo: Topology | None, ran
                     lost: list[int], plan_bounds: list | None, shrink_id: int, timeout_s: float) -> ShrunkWorld | None:
     """Tell the survivors of the failed plan to end their collectives (see the module docstring).
     ``lost``: ranks of the lost workers. Returns the shrunk world where every survivor kept one
-    consistently, else None."""
+    consistently, else None. Without a lost rank (a step raised, a collective failed with
+    every worker alive) every survivor aborts."""
     if not abort_needed(backend) or topo is None:
         return None
     survivors = {w: r for r, w in ranks.items() if w in pool}
     dropped, spares = exclusion(topo, ranks, lost)
-    keep = [w for w, r in survivors.items() if r not in dropped]
-    answers = pool.ask("abort_comms", [w for w in survivors if w not in keep], timeout_s, [], None)
-    if lost and keep:
-        answers.update(pool.ask("abort_comms", keep, timeout_s, dropped, shrink_id))
+    # Rank 0 hosts the world's store, which a shrink opens anew: without it, no shrink.
+    keep = [w for w, r in survivors.items() if r not in dropped] if lost and 0 not in dropped else []
+    answers = pool.ask("abort_comms", [w for w in survivors if w not in keep], timeout_s, [], None, timeout_s)
+    if keep:
+        answers.update(pool.ask("abort_comms", keep, timeout_s + 5.0, dropped, shrink_id, timeout_s))
     kept = {w: a.get("rank") for w, a in answers.items() if isinstance(a, dict) and a.get("shrunk")}
     if not kept or sorted(kept) != sorted(keep) or sorted(kept.values()) != list(range(len(keep))):
         if kept:
@@ -69,10 +71,10 @@ def end_collectives(pool: "WorkerPool", backend: str, topo: Topology | None, ran
     return ShrunkWorld(shrink_id, kept, topo.pp, list(plan_bounds or []))
 
 
-def shrunk_ranks(shrunk: ShrunkWorld | None, plan: "Plan") -> dict[int, int] | None:
+def shrunk_ranks(shrunk: ShrunkWorld | None, plan: "Plan", alive) -> dict[int, int] | None:
     """rank -> worker id of ``plan`` in the shrunk world, where ``plan`` is that world as it is
-    (its size, its pp, its stage bounds); else None."""
-    if shrunk is None:
+    (its size, its pp, its stage bounds) and every worker of it is still ``alive``; else None."""
+    if shrunk is None or not all(w in alive for w in shrunk.ranks):
         return None
     topo = plan.topology
     if (topo.world_size != len(shrunk.ranks) or topo.pp != shrunk.pp

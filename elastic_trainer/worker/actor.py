@@ -114,11 +114,13 @@ class TrainWorker:
         return True
 
     @ray.method(concurrency_group="control")
-    def abort_comms(self, excluded: list[int], shrink_id: int | None = None) -> dict:
+    def abort_comms(self, excluded: list[int], shrink_id: int | None = None, timeout_s: float = 30.0) -> dict:
         """A peer failed: end what this rank's collectives wait for, at once (``GroupKeeper.fail``):
         nothing on gloo; on NCCL, shrink the world past the ``excluded`` ranks where the backend
-        can, else abort. The training thread's step then fails and its ``reset`` follows."""
-        return self.groups.fail(excluded, shrink_id)
+        can (within ``timeout_s``), else abort. The training thread's step then fails and its
+        ``reset`` follows."""
+        bind(self.gpu)
+        return self.groups.fail(excluded, shrink_id, timeout_s)
 
     @ray.method(concurrency_group="control")
     def abort_setup(self, generation: int) -> None:
@@ -228,18 +230,20 @@ class TrainWorker:
         self.groups.leave()
 
     @ray.method(concurrency_group="train")
-    def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None) -> dict:
+    def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None,
+                   timeout_s: float | None = None) -> dict:
         """Run ``step``. With ``snapshot``, start taking this rank's state after it; the copy
         overlaps the next step (``checkpoint.overlap``), and ``snapshot_part`` hands over the
         part holding ``put_blocks``. Other ranks keep it as a local copy; a rank that writes
         all its blocks lends its live state for the object store to copy, and keeps no other
-        copy: the part written is it."""
+        copy: the part written is it. ``timeout_s``: the controller's step timeout, which bounds
+        the step on backends whose collectives do not fail by themselves (``step_guard``)."""
         job = None
         bind(self.gpu)
         try:
             if self._injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
-            with self.groups.guarded(f"step {step}"):
+            with self.groups.guarded(f"step {step}", timeout_s):
                 r = self.trainer.train_step(step)
             if snapshot:
                 delay = self._faults.get("slow_snapshot")
@@ -262,7 +266,7 @@ class TrainWorker:
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
                 "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes}
 
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int, timeout_s: float | None = None) -> dict:
         """The held-out loss after ``step`` on this plan (``StageTrainer.evaluate``); a failure
         leaves the groups like a failed step does."""
         t0 = time.perf_counter()
@@ -270,7 +274,7 @@ class TrainWorker:
         try:
             if self._injected("raise_eval", step):
                 raise InjectedFault(f"injected fault in the evaluation after step {step} on worker {self.worker_id}")
-            with self.groups.guarded(f"the evaluation after step {step}"):
+            with self.groups.guarded(f"the evaluation after step {step}", timeout_s):
                 loss = self.trainer.evaluate(step)
         except BaseException as e:
             self._abandon(e, f"the evaluation after step {step}")

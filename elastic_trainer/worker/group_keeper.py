@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
 from ..parallel.topology import Topology
 from .group_failure import abort_needed, can_shrink, leave_groups, shrink_world
@@ -30,6 +31,7 @@ class GroupKeeper:
         self.name = name                     # for logs: "[run] worker N"
         self.backend: str | None = None
         self.timeout_s = 300.0               # the collective timeout of the current plan
+        self._groups: Groups | None = None
         self._shrunk: tuple[int, int, int] | None = None  # (shrink id, rank, world size) held for the next plan
         self._guard: StepGuard | None = None
         self._lock = threading.RLock()
@@ -54,47 +56,84 @@ class GroupKeeper:
                 groups = init_groups(backend, addr, port, topo, rank, timeout_s, rendezvous_timeout_s,
                                      aborted=aborted, device=device)
                 how = "rendezvous"
-            self.backend = backend
+            self.backend, self._groups = backend, groups
         return groups, how
 
     def leave(self) -> None:
         """Leave every group, except a world a shrink kept for the next plan."""
         with self._lock:
+            self._groups = None
             if self._shrunk is None:
                 destroy_groups()
 
-    def fail(self, excluded: list[int], shrink_id: int | None) -> dict:
+    def fail(self, excluded: list[int], shrink_id: int | None, timeout_s: float = 30.0) -> dict:
         """A peer failed (the controller says so): end whatever this rank's collectives wait for.
         gloo's fail on their own, so nothing is done there. NCCL's are shrunk past the
-        ``excluded`` ranks where the backend can (keeping the world), else aborted."""
+        ``excluded`` ranks where the backend can (keeping the world), else aborted. Either way
+        the step in flight, if any, then raises (``StepGuard.trip``) rather than go on with what
+        the aborted work left."""
         with self._lock:
             if self.backend is None or not dist.is_initialized() or not abort_needed(self.backend):
                 return {"shrunk": False, "aborted": False}
-            if excluded and shrink_id is not None and can_shrink():
-                try:
-                    rank, size = shrink_world(excluded)
-                    self._shrunk = (shrink_id, rank, size)
-                    log.info("%s: shrank the world past ranks %s: now rank %d of %d", self.name, excluded, rank, size)
-                    return {"shrunk": True, "rank": rank, "world_size": size}
-                except Exception as e:  # noqa: BLE001 - the abort below is the fallback
-                    log.warning("%s: shrinking past ranks %s failed (%s: %s); aborting instead", self.name,
-                                excluded, type(e).__name__, e)
-            if dist.is_initialized():
-                leave_groups(self.backend)
-            return {"shrunk": False, "aborted": True}
+            try:
+                if excluded and shrink_id is not None and can_shrink():
+                    out = self._shrink(excluded, shrink_id, timeout_s)
+                    if out is not None:
+                        return out
+                if dist.is_initialized():
+                    leave_groups(self.backend)
+                return {"shrunk": False, "aborted": True}
+            finally:
+                if self._guard is not None:
+                    self._guard.trip("the controller ended its collectives after a peer failed")
 
-    def guarded(self, what: str):
-        """A context that bounds ``what`` by the collective timeout where the backend needs it
-        (``step_guard``); gloo's own timeouts raise, so there it is a no-op."""
+    def _shrink(self, excluded: list[int], shrink_id: int, timeout_s: float) -> dict | None:
+        """Shrink the world past ``excluded``: the subgroups, where the step's kernels wait, are
+        aborted first; the shrink itself runs on a thread bounded by ``timeout_s`` (a survivor
+        that aborted instead would hold the others in it for good). None: it failed, the caller
+        aborts."""
+        for group in (self._groups.dp, self._groups.pp) if self._groups else ():
+            try:
+                _c10d._abort_process_group(group)
+            except (ValueError, RuntimeError):
+                pass  # already gone
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["result"] = shrink_world(excluded)
+            except BaseException as e:  # noqa: BLE001 - reported by the caller
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="shrink", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if "result" in box:
+            rank, size = box["result"]
+            self._shrunk = (shrink_id, rank, size)
+            log.info("%s: shrank the world past ranks %s: now rank %d of %d", self.name, excluded, rank, size)
+            return {"shrunk": True, "rank": rank, "world_size": size}
+        why = f"{type(box['error']).__name__}: {box['error']}" if "error" in box else f"not done in {timeout_s:g} s"
+        log.warning("%s: shrinking past ranks %s failed (%s); aborting instead", self.name, excluded, why)
+        if dist.is_initialized():
+            _c10d._abort_process_group()   # also ends a shrink still waiting
+        t.join(1.0)
+        return None
+
+    def guarded(self, what: str, timeout_s: float | None = None):
+        """A context that bounds ``what`` by ``timeout_s`` (the controller's step timeout; default
+        the collective timeout) where the backend needs it (``step_guard``); gloo's own timeouts
+        raise, so there it is a no-op."""
         if self.backend is None or not abort_needed(self.backend):
             return nullcontext()
         if self._guard is None:
             self._guard = StepGuard(self._expire)
-        return self._guard.watch(what, self.timeout_s)
+        return self._guard.watch(what, max(timeout_s or 0.0, self.timeout_s))
 
     def _expire(self, what: str) -> None:
-        log.warning("%s: %s outlived the collective timeout (%g s): aborting its groups", self.name, what,
-                    self.timeout_s)
         with self._lock:
+            if self._shrunk is not None:
+                return   # the controller already ended the step; the world is kept for the next plan
+            log.warning("%s: %s outlived its timeout: aborting its groups", self.name, what)
             if dist.is_initialized():
                 leave_groups(self.backend)

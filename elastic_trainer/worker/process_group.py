@@ -25,6 +25,7 @@ class Groups:
 
     dp: object  # ranks holding the same stage in other replicas
     pp: object  # ranks holding the other stages of the same replica
+    world: object = None  # the plan's whole world, by handle (a collective on it fails once it is gone)
 
 
 class SetupAborted(RuntimeError):
@@ -61,7 +62,9 @@ def init_groups(
     # Joining waits for the other ranks (rendezvous timeout); after that every
     # collective gets the (possibly tightened) collective timeout.
     join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
+    global _STORE
     store = _meet(master_addr, master_port, topo.world_size, rank, join, aborted or (lambda: False))
+    _STORE = store
     bound = device if backend == "nccl" and device is not None and device.type == "cuda" else None
     dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join,
                             device_id=bound)
@@ -75,9 +78,10 @@ def subgroups(topo: Topology, rank: int, join: timedelta, collective: timedelta)
     # Only a group's members meet to build it; the others do not wait on it.
     dp = dist.new_group(topo.dp_group_ranks(stage), timeout=join, use_local_synchronization=True)
     pp = dist.new_group(topo.pp_group_ranks(replica), timeout=join, use_local_synchronization=True)
+    world = _c10d._get_default_group()
     for group in (None, dp, pp):
         _set_pg_timeout(collective, group)
-    return Groups(dp=dp, pp=pp)
+    return Groups(dp=dp, pp=pp, world=world)
 
 
 def _meet(addr: str, port: int, world: int, rank: int, join: timedelta, aborted: Callable[[], bool]):
@@ -113,6 +117,11 @@ def _meet(addr: str, port: int, world: int, rank: int, join: timedelta, aborted:
     return store
 
 
+# The plan's store, held as long as its world: a shrink opens new connections to it, and rank
+# 0's server lives only while its object does.
+_STORE = None
+
+
 def destroy_groups() -> None:
     """Leave every group (the backend's own way, see ``group_failure``), and forget any join
     that failed half-way.
@@ -123,6 +132,8 @@ def destroy_groups() -> None:
     (a member died at the rendezvous) would otherwise join the next plan under
     another name than its peers, wait for keys nobody writes, and fail again.
     """
+    global _STORE
+    _STORE = None
     if dist.is_initialized():
         leave_groups(dist.get_backend())
     elif dist.get_pg_count():

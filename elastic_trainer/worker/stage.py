@@ -275,10 +275,12 @@ class StageTrainer:
             raise
         skipped = False
         if self.scaler is not None:
-            t_inf = time.perf_counter()
+            timer = start_timer(self.device)
             grads = [p.grad for p in self.params if p.grad is not None]
-            skipped = self.scaler.found_inf(grads, self.device)
-            dt = time.perf_counter() - t_inf
+            # The plan's world by its handle: after an abort or a shrink it raises, never reaching
+            # the world the next plan keeps.
+            skipped = self.scaler.found_inf(grads, self.device, self.groups.world)
+            dt = timer.stop().seconds()
             exposed += dt
             stats.add("all_reduce", ring_allreduce_bytes(4, self.topo.world_size), dt)
             if not skipped:

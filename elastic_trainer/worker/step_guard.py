@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 
 class CollectiveTimeout(RuntimeError):
-    """A step ran past the collective timeout, and its groups were aborted."""
+    """A step ran past its timeout, or its collectives were ended from outside, and its groups were aborted."""
 
 
 class StepGuard:
@@ -28,30 +28,39 @@ class StepGuard:
         self._cv = threading.Condition()
         self._deadline: float | None = None
         self._what = ""
-        self._expired = False
+        self._expired: str | None = None   # why the watched block was ended, once it was
         self._closed = False
+        self._timeout_s = 0.0
         self._thread = threading.Thread(target=self._run, name="step-guard", daemon=True)
         self._thread.start()
 
     @contextmanager
     def watch(self, what: str, timeout_s: float) -> Iterator[None]:
         """Guard the block: raises :class:`CollectiveTimeout` at its end if the deadline passed
-        inside it (whatever the block itself returned or raised)."""
+        inside it, or :meth:`trip` ended it (whatever the block itself returned or raised)."""
         with self._cv:
-            self._deadline, self._what, self._expired = time.monotonic() + timeout_s, what, False
+            self._deadline, self._what, self._expired = time.monotonic() + timeout_s, what, None
+            self._timeout_s = timeout_s
             self._cv.notify_all()
         try:
             yield
         except BaseException as e:
-            if self._disarm():
-                raise CollectiveTimeout(f"{what} ran past the collective timeout ({timeout_s:g} s); "
-                                        "its process groups were aborted") from e
+            why = self._disarm()
+            if why:
+                raise CollectiveTimeout(f"{what} was ended: {why}; its process groups were aborted") from e
             raise
-        if self._disarm():
-            raise CollectiveTimeout(f"{what} ran past the collective timeout ({timeout_s:g} s); "
-                                    "its process groups were aborted")
+        why = self._disarm()
+        if why:
+            raise CollectiveTimeout(f"{what} was ended: {why}; its process groups were aborted")
 
-    def _disarm(self) -> bool:
+    def trip(self, why: str) -> None:
+        """End the watched block from outside (its collectives were aborted): it raises at its end."""
+        with self._cv:
+            if self._deadline is not None:
+                self._expired, self._deadline = why, None
+                self._cv.notify_all()
+
+    def _disarm(self) -> str | None:
         with self._cv:
             self._deadline = None
             return self._expired
@@ -66,7 +75,8 @@ class StepGuard:
                 if left > 0:
                     self._cv.wait(left)
                     continue
-                self._expired, self._deadline, what = True, None, self._what
+                self._expired = f"it ran past its timeout ({self._timeout_s:g} s)"
+                self._deadline, what = None, self._what
                 self._cv.release()
                 try:
                     self._on_expiry(what)

@@ -110,7 +110,7 @@ def test_the_step_guard_aborts_a_step_past_the_timeout_and_the_step_raises():
     with guard.watch("step 1", 5.0):
         pass                                        # in time: nothing happens
     t0 = time.monotonic()
-    with pytest.raises(CollectiveTimeout, match="step 2 ran past the collective timeout"):
+    with pytest.raises(CollectiveTimeout, match=r"step 2 was ended: it ran past its timeout \(0.2 s\)"):
         with guard.watch("step 2", 0.2):
             assert release.wait(5.0)                # blocked until the guard aborts
     assert expired == ["step 2"] and time.monotonic() - t0 < 3.0
@@ -120,7 +120,37 @@ def test_the_step_guard_aborts_a_step_past_the_timeout_and_the_step_raises():
             raise RuntimeError("NCCL communicator was aborted")
     with guard.watch("step 4", 5.0):                # armed afresh each step
         pass
+    with pytest.raises(CollectiveTimeout, match="step 5 was ended: the controller ended"):
+        with guard.watch("step 5", 5.0):            # ended from outside: it raises, whatever it returned
+            guard.trip("the controller ended its collectives")
+    guard.trip("between steps: nothing to end")
+    with guard.watch("step 6", 5.0):
+        pass
     guard.close()
+
+
+def test_the_controllers_abort_fails_the_step_in_flight(gloo_world, calls, monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    keeper = GroupKeeper("test")
+    keeper.backend = "nccl"
+    inside, done = threading.Event(), threading.Event()
+    raised = []
+
+    def step():
+        try:
+            with keeper.guarded("step 7", 60.0):
+                inside.set()
+                done.wait(5.0)   # blocked on the GPU, until the abort ends the kernels
+        except CollectiveTimeout as e:
+            raised.append(str(e))
+
+    t = threading.Thread(target=step)
+    t.start()
+    assert inside.wait(5.0)
+    assert keeper.fail([], None) == {"shrunk": False, "aborted": True}
+    done.set()
+    t.join(5.0)
+    assert calls == ["_abort_process_group"] and raised and "step 7 was ended" in raised[0]
 
 
 def test_gloo_steps_are_not_guarded():
@@ -138,10 +168,12 @@ def test_the_shrink_drops_whole_replicas_and_keeps_the_survivors_stages():
     bounds = [(0, 3), (3, 6)]
     old = Plan(topo, bounds, [1, 1], 1)
     shrunk = ShrunkWorld(1, {10: 0, 11: 1, 14: 2, 15: 3}, 2, bounds)
-    assert shrunk_ranks(shrunk, Plan(Topology(2, 2), bounds, [1, 1], 1)) == {0: 10, 1: 11, 2: 14, 3: 15}
-    assert shrunk_ranks(shrunk, Plan(Topology(2, 2), [(0, 2), (2, 6)], [1, 1], 1)) is None  # other stages
-    assert shrunk_ranks(shrunk, Plan(Topology(4, 1), [(0, 6)], [1], 1)) is None    # another layout
-    assert shrunk_ranks(None, old) is None
+    alive = {10, 11, 14, 15}
+    assert shrunk_ranks(shrunk, Plan(Topology(2, 2), bounds, [1, 1], 1), alive) == {0: 10, 1: 11, 2: 14, 3: 15}
+    assert shrunk_ranks(shrunk, Plan(Topology(2, 2), [(0, 2), (2, 6)], [1, 1], 1), alive) is None  # other stages
+    assert shrunk_ranks(shrunk, Plan(Topology(4, 1), [(0, 6)], [1], 1), alive) is None    # another layout
+    assert shrunk_ranks(shrunk, Plan(Topology(2, 2), bounds, [1, 1], 1), alive - {14}) is None  # one left since
+    assert shrunk_ranks(None, old, alive) is None
 
 
 class _Pool:
@@ -153,7 +185,7 @@ class _Pool:
     def __contains__(self, w):
         return w in self.alive
 
-    def ask(self, method, wids, timeout, excluded, shrink_id):
+    def ask(self, method, wids, timeout, excluded, shrink_id, shrink_timeout):
         self.asked.append((sorted(wids), excluded, shrink_id))
         if not excluded or not self.shrinks:
             return {w: {"shrunk": False, "aborted": True} for w in wids}
@@ -171,6 +203,14 @@ def test_survivors_are_told_to_end_their_collectives_on_nccl_only():
     assert shrunk.ranks == {10: 0, 11: 1} and shrunk.pp == 2
     no_shrink = _Pool({10, 11, 12}, shrinks=False)
     assert end_collectives(no_shrink, "nccl", topo, ranks, [3], [(0, 1), (1, 2)], 2, 5.0) is None
+    # Nobody lost (a step raised, a collective failed): every survivor aborts, nobody shrinks.
+    everyone = _Pool({10, 11, 12, 13})
+    assert end_collectives(everyone, "nccl", topo, ranks, [], [(0, 1), (1, 2)], 3, 5.0) is None
+    assert everyone.asked == [([10, 11, 12, 13], [], None)]
+    # Rank 0 lost: it hosted the world's store, which a shrink needs, so everyone aborts.
+    no_store = _Pool({11, 12, 13})
+    assert end_collectives(no_store, "nccl", topo, ranks, [0], [(0, 1), (1, 2)], 4, 5.0) is None
+    assert no_store.asked == [([11, 12, 13], [], None)]
 
 
 def test_a_worker_drives_the_gpu_ray_gave_it():
