@@ -54,6 +54,7 @@ class Recovery:
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
         self._abandoned: list = []  # snapshot parts of failed steps, read once they end (else Ray logs them)
         self.shrunk: ShrunkWorld | None = None  # the survivors' shrunk world, for the next plan to keep
+        self.holder_reads = 0   # snapshot parts the last restore read from a holder's pinned copy
         self._shrinks = 0
 
     # -- detect ----------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class Recovery:
                 sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
                 replan_s=t1 - detected - retry_s, restore_s=t2 - t1, attempts=attempts, failed_attempts_s=retry_s,
                 _resumed=t2,
-                restore_parts=dict(ctl.setup_timings),
+                restore_parts=dict(ctl.setup_timings), parts_from_holders=self.holder_reads,
                 **ctl.restore_moved,
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
@@ -375,6 +376,7 @@ class Recovery:
         written = {w: per[step] for w, per in ctl.snapshots.written(set(pool.workers)).items() if step in per}
         loads = plan_loads(chosen, ranks, {r: plan.blocks_of(r) for r in ranks}, own,
                            {w: blocks for w, (_, blocks) in written.items()})
+        self.holder_reads = 0
 
         def ref(load: Load, wid: int):
             if load.kind == "local":
@@ -385,6 +387,12 @@ class Recovery:
             if load.kind == "export":
                 return pool[load.worker].actor.export_blocks.remote(step, list(load.blocks))
             if load.kind == "snapshot":
+                # Where the part's node died, Ray reads its object from the dead node until it
+                # declares it lost (about 30 s); a holder's pinned copy answers at once.
+                holder = ctl.snapshots.live_holder(step, load.part, pool.nodes(), set(pool.workers))
+                if holder is not None:
+                    self.holder_reads += 1
+                    return pool[holder].actor.pinned_part.remote((step, load.part))
                 return ctl.snapshots.ref(step, load.part)
             return self._durable_refs[load.shard]
 

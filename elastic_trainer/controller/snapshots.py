@@ -266,6 +266,14 @@ class SnapshotStore:
     def ref(self, step: int, rank: int):
         return self.snaps[step].shards[rank].ref
 
+    def live_holder(self, step: int, rank: int, alive_nodes: set[str], alive_workers: set[int]) -> int | None:
+        """A live worker holding a pinned copy of ``rank``'s part of ``step`` when the node that
+        produced the part is gone (else None: the part's own object is the one to read)."""
+        e = self.snaps[step].shards[rank]
+        if e.node in alive_nodes:
+            return None
+        return next((h for h in sorted(e.pinned) if h in alive_workers), None)
+
     def covering(self, step: int, n_blocks: int, alive_nodes: set[str] | None = None,
                  alive_workers: set[int] | None = None) -> list | None:
         """Refs of parts of ``step`` that together hold every block (only parts with a

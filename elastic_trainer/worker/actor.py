@@ -363,6 +363,13 @@ class TrainWorker:
             time.sleep(delay)
         return self.copies.pin(key, ray.get(refs[0]), keep_from)
 
+    @ray.method(concurrency_group="snapshot")
+    def pinned_part(self, key: tuple) -> dict:
+        """The copy this worker pinned of another rank's part (``key`` = (step, rank)), returned as a
+        new object from this node: a restore whose part's own node died reads it from here, instead
+        of waiting for Ray to give up on the dead node's copy (tens of seconds)."""
+        return self.copies.pinned(tuple(key))
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()
 

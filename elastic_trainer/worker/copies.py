@@ -46,6 +46,13 @@ class HeldCopies:
         with self._lock:
             return {s: sh["blocks"] for s, sh in self.local.items()}
 
+    def pinned(self, key: tuple):
+        """The pinned copy held under ``key`` = (step, rank)."""
+        with self._lock:
+            if key not in self.pins:
+                raise KeyError(f"no pinned copy of step {key[0]}, rank {key[1]} here; held: {sorted(self.pins)}")
+            return self.pins[key]
+
     def pin(self, key: tuple, value, keep_from: int) -> int:
         """Hold ``value`` under ``key`` = (step, rank); let pins of steps before ``keep_from`` go."""
         with self._lock:
