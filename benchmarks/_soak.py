@@ -39,7 +39,7 @@ def run_soak(demo_config, start_cluster, seed: int, steps: int = 300) -> dict:
     import ray
 
     from elastic_trainer.soak import Soak, SoakPlan
-    from elastic_trainer.worker.actor import SETUP_DELAY_ENV
+    from elastic_trainer.worker.faults import SETUP_DELAY_ENV
 
     storage = tempfile.mkdtemp(prefix="et-soak-")
 

@@ -10,10 +10,28 @@ from .config import TrainerConfig
 from .errors import ConfigError, ElasticTrainerError
 
 
+def _with_straggler(cfg: TrainerConfig, rank: int, factor: float) -> TrainerConfig:
+    """``cfg`` whose worker that starts as ``rank`` computes ``factor`` times slower (a demo straggler)."""
+    from .worker.faults import SLOW_FACTOR_ENV, SLOW_RANK_ENV
+
+    world = cfg.parallel.dp * cfg.parallel.pp
+    if not 0 <= rank < world:
+        raise ConfigError(f"--slow-rank {rank} is not a rank of dp={cfg.parallel.dp} x pp={cfg.parallel.pp} "
+                          f"(0..{world - 1})")
+    if factor <= 1:
+        raise ConfigError(f"--slow-factor {factor:g} must be above 1 (2 = half speed)")
+    env = {**cfg.scaling.env_vars, SLOW_RANK_ENV: str(rank), SLOW_FACTOR_ENV: str(factor)}
+    return cfg.model_copy(update={
+        "scaling": cfg.scaling.model_copy(update={"env_vars": env}),
+        "failure": cfg.failure.model_copy(update={"allow_fault_injection": True})})
+
+
 def _cmd_run(args) -> int:
     from .trainer import Trainer
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
+    if args.slow_rank is not None:
+        cfg = _with_straggler(cfg, args.slow_rank, args.slow_factor)
     if args.kill_node_at_step is not None and not args.simulate_nodes:
         raise ConfigError("--kill-node-at-step needs --simulate-nodes N (a local multi-node cluster to kill a node of)")
     if args.simulate_nodes:
@@ -237,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start a local cluster of N simulated nodes (one machine) and run on it")
     run.add_argument("--kill-node-at-step", type=int, metavar="K",
                      help="with --simulate-nodes: kill (SIGKILL) the node of the last rank once step K is done")
+    run.add_argument("--slow-rank", type=int, metavar="R",
+                     help="make the worker that starts as rank R compute --slow-factor times slower (a straggler, "
+                          "to watch its pace and the straggler event)")
+    run.add_argument("--slow-factor", type=float, default=2.0, metavar="F", help="with --slow-rank (default 2)")
     run.set_defaults(fn=_cmd_run)
     plan = job_command("plan", "Predict step time of every dp x pp, compression and sync on the workers, recommend "
                                "one, and print the plan (topology, stage cut) the job as configured would use.")

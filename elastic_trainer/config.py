@@ -308,6 +308,17 @@ class CheckpointSection(_Strict):
     keep_durable: int = Field(3, ge=1, description="Durable checkpoints kept; older ones are deleted.")
 
 
+class BalanceSection(_Strict):
+    """Stragglers: each rank's own pace, and what a slow one triggers (controller.pace)."""
+
+    mode: Literal["off", "detect"] = Field(
+        "detect", description="off: no pace is kept; detect: per-rank pace in history, metrics, status, and a "
+                              "straggler event when a rank stays slow.")
+    threshold: float = Field(0.15, gt=0, description="A rank whose median pace over the window is this much "
+                                                     "slower than its peers' is a straggler.")
+    window: int = Field(10, ge=2, description="Steps the pace's median is taken over (a shorter slowdown is a blip).")
+
+
 class FailureSection(_Strict):
     """Detection and recovery."""
 
@@ -338,6 +349,7 @@ class TrainerConfig(_Strict):
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    balance: BalanceSection = Field(default_factory=BalanceSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     comm: CommSection = Field(default_factory=CommSection)

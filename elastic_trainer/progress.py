@@ -87,6 +87,12 @@ class ProgressPrinter:
             self._line(f"-> resumed from step {ev.get('step', 0)} of {ev.get('source', '')}")
         elif kind == "checkpoint_problem":
             self._line(f"!! checkpoint: {ev['detail']}")
+        elif kind == "straggler":
+            self._line(f"!! straggler: rank {ev['rank']} (worker {ev.get('worker')}, node {str(ev.get('node'))[:8]}) "
+                       f"computes {ev['compute_s'] / ev['reference_s']:.1f}x its {ev['against']} since step "
+                       f"{ev['since_step']} (pace {ev['pace']:.2f} over balance.window)")
+        elif kind == "straggler_recovered":
+            self._line(f"-> rank {ev['rank']} is back to pace {ev['pace']:.2f} after {ev['slow_steps']} slow steps")
         elif kind == "durable_checkpoint":
             self._line(f"   durable checkpoint of step {ev['step']} written to {ev['path']} in {ev['seconds']:.2f}s")
 

@@ -51,6 +51,24 @@ def _ratio(num, den) -> float:
     return num / den if num is not None and den else float("nan")
 
 
+def _pace_grid(history: list[dict]):
+    """(ranks x steps array of each rank's compute over the step's median rank, rank count), or
+    None where the history has no per-rank compute (balance.mode off, or an older run)."""
+    import numpy as np
+
+    rows = [r.get("rank_compute_s") or {} for r in history]
+    ranks = 1 + max((int(k) for row in rows for k in row), default=-1)
+    if ranks <= 0:
+        return None
+    grid = np.full((ranks, len(history)), np.nan)
+    for j, row in enumerate(rows):
+        if row:
+            mid = float(np.median(list(row.values())))
+            for k, v in row.items():
+                grid[int(k), j] = v / mid if mid > 0 else np.nan
+    return grid, ranks
+
+
 def report_figure(history: list[dict], events: list[dict], title: str | None = None):
     """The report as a matplotlib ``Figure`` (not yet saved); see ``write_report``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -73,9 +91,11 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
         return fig
 
     steps = [r["step"] for r in history]
-    fig = Figure(figsize=(10, 12), dpi=100)
+    pace = _pace_grid(history)
+    fig = Figure(figsize=(10, 14 if pace is not None else 12), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(4, 1, sharex=True)
+    axes = fig.subplots(5 if pace is not None else 4, 1, sharex=True,
+                        gridspec_kw={"height_ratios": [3, 3, 3, 3, 1.6][:5 if pace is not None else 4]})
     fig.suptitle(_title(history, events, title), fontsize=11)
 
     ax = axes[0]
@@ -115,8 +135,17 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
                     for r in history], color="tab:brown", linewidth=1.2)
     ax.set_ylabel("exposed comm / step (%)")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if pace is not None:
+        ax = axes[4]
+        grid, ranks = pace
+        # One row per rank: its compute over the step's median rank (red: slower, green: faster).
+        im = ax.imshow(grid, aspect="auto", cmap="RdYlGn_r", vmin=0.5, vmax=2.0, interpolation="nearest",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, ranks - 0.5, -0.5))
+        ax.set_ylabel("rank pace")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="compute / median")
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
 
     for ax in axes:
         _mark_events(ax, events)

@@ -60,8 +60,12 @@ def format_status(st: dict) -> str:
         lines.append(f"  setting up dp={up['dp']} x pp={up['pp']} on workers "
                      f"{', '.join(str(w) for _, w in sorted(up['workers'].items()))}")
     by_rank = sorted((w for w in st.get("workers", []) if w["rank"] is not None), key=lambda w: w["rank"])
+    pace, slow = st.get("pace") or {}, st.get("stragglers") or {}
     for w in by_rank:
-        lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}")
+        p = pace.get(str(w["rank"]))
+        lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}"
+                     + (f" pace {p:.2f}" if p is not None else "")
+                     + (f" STRAGGLER since step {slow[w['rank']]}" if w["rank"] in slow else ""))
     spares = [w for w in st.get("workers", []) if w["rank"] is None]
     if spares:
         lines.append(f"    spares: {', '.join(str(w['worker_id']) for w in spares)}")

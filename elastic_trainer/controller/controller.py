@@ -23,7 +23,6 @@ A failure never restarts the survivors: they are told a new plan
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 import uuid
@@ -40,6 +39,8 @@ from ..naming import worker_name
 from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
 from .durable_writer import DurableWriter
+from .balance import Balance
+from .views import ControllerViews
 from .evaluation import Evaluator
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
@@ -56,7 +57,7 @@ __all__ = ["Controller", "RunError", "RunState"]
 log = logging.getLogger(__name__)
 
 
-class Controller:
+class Controller(ControllerViews):
     def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None):
         configure_actor_logging()
         self.cfg = TrainerConfig.model_validate(cfg_json)
@@ -84,6 +85,7 @@ class Controller:
         self.writer: DurableWriter | None = None
         self.recovery = Recovery(self)
         self.evaluator = Evaluator(self)
+        self.balance = Balance(self.cfg.balance)   # per-rank pace and stragglers
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self.setup_timings: dict = {}
         self.restore_moved: dict = {}         # the last set-up's state transfer: bytes, seconds, rate
@@ -98,34 +100,6 @@ class Controller:
     @property
     def state(self) -> RunState:
         return self.machine.state
-
-    # -- queried while run() is in progress -------------------------------------------
-    def progress(self, since: int, events_since: int = 0) -> dict:
-        """Step records from index ``since`` of the history and events from ``events_since``.
-
-        After a rollback the history is shorter than before; ``length`` tells the
-        caller where it stands now.
-        """
-        with self._lock:
-            return {"state": self.state.value, "records": self.history[since:], "length": len(self.history),
-                    "events": self.events[events_since:], "n_events": len(self.events),
-                    "plan": self.plan.describe() if self.plan else None}
-
-    def status(self) -> dict:
-        """What ``elastic-trainer status`` shows: plan, step, throughput, recent failures."""
-        with self._lock:
-            recent = self.history[-10:]
-            return {"run": self.run_name, "state": self.state.value, "step": self.step,
-                    "steps": self.cfg.train.steps, "last": self.history[-1] if self.history else None,
-                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recent) if recent else None,
-                    "step_time_s": statistics.median(r["step_time_s"] for r in recent) if recent else None,
-                    "plan": self.plan.describe() if self.plan else None,
-                    "setting_up": self.setting_up,
-                    "snapshots": self.schedule.describe(),
-                    "workers": self.pool.table(),
-                    "failures": [e for e in self.events if e["kind"] == "failure"][-5:],
-                    "recoveries": sum(1 for e in self.events if e["kind"] == "recovery"),
-                    "eval": next((e for e in reversed(self.events) if e["kind"] == "eval"), None)}
 
     def stop(self) -> None:
         """Stop at the next step boundary."""
@@ -344,6 +318,7 @@ class Controller:
             pool[w].rank = r
         self.ranks = ranks
         self.plan = plan
+        self.balance.new_plan(topo)
         self.snapshots.set_plan(plan)
         self.schedule.restart(restored)
         with self._lock:
@@ -374,6 +349,9 @@ class Controller:
     def _commit_step(self, out: StepOutcome) -> None:
         cfg, step = self.cfg, out.step
         record = self.driver.record(out, self.plan.topology, len(self.plans) - 1)
+        where = {r: (w, self.pool[w].node if w in self.pool else None) for r, w in self.ranks.items()}
+        for ev in self.balance.observe(step, out.results, record, where):
+            self.event(ev.pop("kind"), **ev)
         with self._lock:
             self.history.append(record)
             self.step = step

@@ -46,6 +46,7 @@ _GRAFANA_UNITS = {
     "ratio": "none",
     "workers": "none",
     "failures": "none",
+    "ranks": "none",
 }
 # Values that change only at step boundaries or plan changes read best as stairs.
 _STEPPED = {"step", "world_size", "dp", "pp", "controller_state", "durable_checkpoint_step"}
@@ -58,6 +59,7 @@ _TITLES = {
     "comm_time_s": "comm time per step",
     "exposed_comm_s": "exposed comm time per step",
     "eval_loss": "validation loss",
+    "rank_pace": "pace per rank (1 = even)",
     "lr": "learning rate",
     "recovery_seconds": "recovery time (p50, p95 over the run)",
     "last_recovery_seconds": "last recovery, by phase",

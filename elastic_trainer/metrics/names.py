@@ -49,7 +49,8 @@ class MetricSpec:
     """One exported metric.
 
     ``source`` says what feeds it: ``"step"`` (a key of a history record,
-    named by ``field``), an event kind (``"failure"``, ``"recovery"``,
+    named by ``field``), ``"step_per_rank"`` (a history key holding one value per rank, tagged
+    ``rank``), an event kind (``"straggler"``, (``"failure"``, ``"recovery"``,
     ``"snapshot"``, ``"snapshot_interval"``, ``"durable_checkpoint"``), or ``"state"``.
     """
 
@@ -109,6 +110,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _step("tokens_per_s", "Tokens of the global batch divided by the last step's wall time.", "tokens/s",
           "throughput"),
     _step("step_time_s", "Wall time of the last step as the controller saw it.", "s", "throughput"),
+    MetricSpec(PREFIX + "rank_pace", GAUGE,
+               "Each rank's compute over its peers' (median over balance.window steps; 1 = even).", "ratio",
+               "throughput", "step_per_rank", field="pace", tag_keys=("run", "rank")),
+    MetricSpec(PREFIX + "stragglers", COUNTER,
+               "Ranks that turned slow: pace past 1 + balance.threshold over balance.window steps.", "ranks",
+               "throughput", "straggler"),
     # communication
     _step("comm_bytes", "Gradient bytes all ranks sent in the last step.", "bytes", "communication"),
     _step("comm_time_s", "Time the slowest rank spent in collectives in the last step.", "s", "communication",

@@ -36,6 +36,8 @@ _EVENT_GAUGES: dict[str, tuple[tuple[str, str], ...]] = {
                            (metric("durable_checkpoint_step").name, "step")),
 }
 _STEP_GAUGES = tuple(m for m in METRICS if m.source == "step")
+_RANK_GAUGES = tuple(m for m in METRICS if m.source == "step_per_rank")
+_STRAGGLERS = metric("stragglers").name
 
 
 def ray_metric(spec: MetricSpec):
@@ -115,6 +117,11 @@ class RunMetrics:
             value = _number(record.get(spec.field))
             if value is not None:
                 self._call(spec.name, "set", value, {})
+        for spec in _RANK_GAUGES:
+            for rank, v in (record.get(spec.field) or {}).items():
+                value = _number(v)
+                if value is not None:
+                    self._call(spec.name, "set", value, {"rank": str(rank)})
 
     def set_state(self, state: Any) -> None:
         """Mark ``state`` (a ``RunState`` or its name) as the controller's state: 1 for it, 0 for the rest."""
@@ -150,6 +157,8 @@ class RunMetrics:
             self._call(_FAILURES, "inc", 1.0, {"kind": str(event.get("failure") or "unknown")})
         elif kind == "recovery":
             self._record_recovery(event)
+        elif kind == "straggler":
+            self._call(_STRAGGLERS, "inc", 1.0, {})
         elif kind in _EVENT_GAUGES:
             for name, field in _EVENT_GAUGES[kind]:
                 value = _number(event.get(field))

@@ -25,21 +25,14 @@ from ..config import TrainerConfig
 from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
 from .copies import HeldCopies
-from .restore_fetch import fetch_sources
 from .device import bind, current_visible, worker_device
+from .faults import FaultHooks
 from .group_keeper import GroupKeeper
 from .process_group import free_port
+from .restore_fetch import fetch_sources
 from .stage import StageTrainer
 
 log = logging.getLogger(__name__)
-
-
-# Seconds every snapshot holds its step, in all of a run's workers (set through scaling.env_vars).
-SNAPSHOT_DELAY_ENV = "ELASTIC_TRAINER_SNAPSHOT_DELAY_S"
-# Seconds a worker's first set-up holds (a start-up long enough for a chaos test to hit).
-SETUP_DELAY_ENV = "ELASTIC_TRAINER_SETUP_DELAY_S"
-# A chaos hook: raise inside the evaluation after this step (once per worker process).
-EVAL_FAULT_ENV = "ELASTIC_TRAINER_EVAL_FAULT_STEP"
 
 
 def _build_key(cfg: TrainerConfig, device) -> tuple:
@@ -65,14 +58,8 @@ class TrainWorker:
         bind(self.gpu)
         self.trainer: StageTrainer | None = None
         self.copies = HeldCopies()
-        self._faults: dict = {}
-        self._allow_faults = allow_faults   # failure.allow_fault_injection
-        if allow_faults and os.environ.get(SNAPSHOT_DELAY_ENV):  # a chaos hook that holds from the first step on
-            self._faults["slow_snapshot"] = float(os.environ[SNAPSHOT_DELAY_ENV])
-        if allow_faults and os.environ.get(SETUP_DELAY_ENV):
-            self._faults["setup"] = float(os.environ[SETUP_DELAY_ENV])
-        if allow_faults and os.environ.get(EVAL_FAULT_ENV):
-            self._faults[("raise_eval", int(os.environ[EVAL_FAULT_ENV]))] = True
+        # failure.allow_fault_injection gates every hook
+        self.faults = FaultHooks(allow_faults, f"run {run_name!r} (worker {worker_id})")
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
         self._setup_lock = threading.Lock()
@@ -159,7 +146,7 @@ class TrainWorker:
         self.reset()
         held = self._held_blocks(cfg) if sources else None
         self._kept = None  # not reused: let it go before building
-        delay = self._faults.pop("setup", None)
+        delay = self.faults.setup_delay()
         if delay:
             time.sleep(delay)
         self.copies.keep = cfg.checkpoint.snapshots_kept
@@ -189,6 +176,7 @@ class TrainWorker:
         del shards
         t.append(time.perf_counter())
         self._build_key = _build_key(cfg, device)
+        trainer.clock.slow_factor = self.faults.slow_factor(rank)
         self.trainer, self.rank = trainer, rank
         log.info("[%s] worker %d: rank %d of dp=%d x pp=%d, blocks %s, at step %d (%s)", self.run_name,
                  self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
@@ -241,12 +229,12 @@ class TrainWorker:
         job = None
         bind(self.gpu)
         try:
-            if self._injected("raise", step):
+            if self.faults.injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             with self.groups.guarded(f"step {step}", timeout_s):
                 r = self.trainer.train_step(step)
             if snapshot:
-                delay = self._faults.get("slow_snapshot")
+                delay = self.faults.snapshot_delay()
                 if delay:
                     time.sleep(delay)  # a test's stand-in for a snapshot that costs the step this long
                 job = self._begin_snapshot(step, put_blocks)
@@ -262,7 +250,8 @@ class TrainWorker:
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
-                "snapshot_wait_s": r.snapshot_wait_s, "lr": r.lr,
+                "snapshot_wait_s": r.snapshot_wait_s, "lr": r.lr, "forward_s": r.forward_s,
+                "backward_s": r.backward_s, "optimizer_s": r.optimizer_s, "wait_s": r.wait_s,
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
                 "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes}
 
@@ -272,7 +261,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         bind(self.gpu)
         try:
-            if self._injected("raise_eval", step):
+            if self.faults.injected("raise_eval", step):
                 raise InjectedFault(f"injected fault in the evaluation after step {step} on worker {self.worker_id}")
             with self.groups.guarded(f"the evaluation after step {step}", timeout_s):
                 loss = self.trainer.evaluate(step)
@@ -280,10 +269,6 @@ class TrainWorker:
             self._abandon(e, f"the evaluation after step {step}")
             raise
         return {"rank": self.rank, "loss": loss, "seconds": time.perf_counter() - t0}
-
-    def _injected(self, kind: str, step: int) -> bool:
-        """Whether a fault of ``kind`` was injected for ``step`` (or for the next one); it is used up."""
-        return bool(self._faults.pop((kind, step), None) or self._faults.pop((kind, None), None))
 
     def _abandon(self, e: BaseException, what: str) -> None:
         """Leave the groups after ``what`` failed with ``e``: the traceback's frames hold the
@@ -358,7 +343,7 @@ class TrainWorker:
 
         ``keep_from``: the oldest step the controller still keeps; copies of older
         steps are let go here, which spares it an unpin call per shard per step."""
-        delay = self._faults.get(("pin", key[0]), self._faults.get(("pin", None)))
+        delay = self.faults.pin_delay(key[0])
         if delay:
             time.sleep(delay)
         return self.copies.pin(key, ray.get(refs[0]), keep_from)
@@ -378,19 +363,10 @@ class TrainWorker:
         """Chaos hooks: ``raise`` an exception inside ``step`` (without one: the next step), or
         ``raise_eval`` inside the evaluation after it; hold the next ``setup``
         for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
-        snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it).
+        snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it); make this
+        worker's compute ``seconds`` times slower (``slow_compute``, a straggler; 1 ends it).
         ``slow_pin`` without a step holds every pin. Only where the run's config sets
         ``failure.allow_fault_injection``."""
-        if not self._allow_faults:
-            raise PermissionError(f"fault injection is off in run {self.run_name!r} (worker {self.worker_id}): "
-                                  "set failure.allow_fault_injection true in its config to inject faults")
-        if kind == "slow_snapshot":
-            self._faults["slow_snapshot"] = seconds
-        elif kind in ("raise", "raise_eval"):
-            self._faults[(kind, step)] = True
-        elif kind == "slow_setup":
-            self._faults["setup"] = seconds
-        elif kind == "slow_pin":
-            self._faults[("pin", step)] = seconds
-        else:
-            raise ValueError(f"unknown fault kind {kind!r}; use raise, raise_eval, slow_setup, slow_pin or slow_snapshot")
+        self.faults.inject(kind, step, seconds)
+        if kind == "slow_compute" and self.trainer is not None:
+            self.trainer.clock.slow_factor = self.faults.slow

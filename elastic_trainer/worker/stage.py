@@ -29,6 +29,7 @@ from ..parallel.partition import stage_indices_for_rank
 from ..parallel.topology import Topology
 from .block_build import build_rank_blocks
 from .block_forward import AUTOCAST_DTYPES, autocast_call, wrap_block
+from .compute_clock import ComputeClock
 from .inputs import StageInputs
 from .loss_scale import LossScaler
 from .process_group import Groups
@@ -62,6 +63,11 @@ class StepResult:
     dense_bytes: int = 0   # what an uncompressed all-reduce of every gradient would have sent
     snapshot_wait_s: float = 0.0  # the update waited this long for the previous step's snapshot
     lr: float = 0.0               # the learning rate of this step's update (lr_schedule.lr_at)
+    # This rank's own pace (worker.compute_clock): its passes and update, apart from its waits.
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    wait_s: float = 0.0           # the rest of the step: pipeline receives, collectives, data
 
 
 class StageTrainer:
@@ -135,6 +141,7 @@ class StageTrainer:
         if self.has_first or self.has_last:
             ensure_prepared(cfg.data)
         self.inputs = StageInputs(cfg, topo, self.replica, self.has_first, self.has_last, groups.pp, device)
+        self.clock = ComputeClock(device)
         self.schedule = self._build_schedule() if topo.pp > 1 else None
 
     def _build_schedule(self):
@@ -142,10 +149,13 @@ class StageTrainer:
             PipelineStage(self.modules[s], s, self.num_stages, self.device, group=self.groups.pp)
             for s in self.stage_ids
         ]
+        for stage in stages:
+            self.clock.instrument_stage(stage)
         n_micro = self.cfg.micro_batches
+        loss_fn = self.clock.timed("forward", self.loss_fn)
         if self.cfg.parallel.schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self.loss_fn, scale_grads=False)
-        return _SCHEDULES[self.cfg.parallel.schedule](stages[0], n_micro, loss_fn=self.loss_fn, scale_grads=False)
+            return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
+        return _SCHEDULES[self.cfg.parallel.schedule](stages[0], n_micro, loss_fn=loss_fn, scale_grads=False)
 
     # -- naming -------------------------------------------------------------
     def named_parameters(self):
@@ -252,12 +262,16 @@ class StageTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         self.sync.begin_step(step)
+        clock = self.clock
+        clock.begin_step()
         try:
             if self.schedule is None:
                 n_micro = self.cfg.micro_batches
+                forward = clock.timed("forward", lambda xm, ym: self.loss_fn(self.modules[0](xm), ym))
+                backward = clock.timed("backward", lambda loss: (loss / n_micro).backward())
                 for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
-                    loss = self.loss_fn(self.modules[0](xm), ym)
-                    (loss / n_micro).backward()
+                    loss = forward(xm, ym)
+                    backward(loss)
                     losses.append(loss.detach())
             else:
                 self.schedule.step(
@@ -301,18 +315,23 @@ class StageTrainer:
                 self.ps.push_pull(step, stats)
                 exposed += time.perf_counter() - t_ps
             else:
+                timer = start_timer(self.device)
                 self.optimizer.step()
+                clock.add("optimizer", timer.stop())
         if self.model_avg is not None:
             exposed += self.model_avg.maybe_sync(step, stats)
         exposed += waited_comm.seconds()
-        compute_s = time.perf_counter() - t0 - exposed - waited
+        wall = time.perf_counter() - t0
+        compute_s = wall - exposed - waited
+        own = clock.totals()
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
         if loss is not None and scale is not None:
             loss /= self._loss_mult
         gb = self.cfg.train.global_batch_size
         return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, (step - 1) * gb,
                           exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped,
-                          snapshot_wait_s=waited, lr=lr)
+                          snapshot_wait_s=waited, lr=lr, forward_s=own["forward"], backward_s=own["backward"],
+                          optimizer_s=own["optimizer"], wait_s=max(0.0, wall - waited - sum(own.values())))
 
     def evaluate(self, step: int) -> float | None:
         """Mean loss of ``eval.batches`` held-out batches, forward only, in eval mode (no dropout),

@@ -25,7 +25,7 @@ from elastic_trainer.data.splits import open_datasets
 from elastic_trainer.lr_schedule import lr_at, set_lr
 from elastic_trainer.models.factory import build_blocks
 from elastic_trainer.naming import NAMESPACE
-from elastic_trainer.worker.actor import EVAL_FAULT_ENV, SNAPSHOT_DELAY_ENV
+from elastic_trainer.worker.faults import EVAL_FAULT_ENV, SNAPSHOT_DELAY_ENV
 from elastic_trainer.worker.stage import build_optimizer
 
 from ..conftest import tiny_config

@@ -38,7 +38,7 @@ class Recorder:
         m.record_event({"kind": "state", "from": "STARTING", "to": "RUNNING", "time": 1.0})
         m.record_step({"step": 3, "loss": 1.5, "dp": 2, "pp": 1, "world_size": 2, "step_time_s": 0.5,
                        "tokens_per_s": 100.0, "comm_time_s": 0.1, "comm_bytes": 10, "exposed_comm_s": 0.05,
-                       "compression_ratio": 2.0, "lr": 1e-3})
+                       "compression_ratio": 2.0, "lr": 1e-3, "pace": {"0": 1.0, "1": 1.4}})
         m.record_step({"eval_loss": 1.4})
         for _ in range(2):
             m.record_event({"kind": "failure", "failure": "death"})
@@ -48,6 +48,7 @@ class Recorder:
         m.record_event({"kind": "snapshot_interval", "step": 3, "interval": 4, "redo_steps": 5,
                         "snapshot_cost_s": 0.01})
         m.record_event({"kind": "durable_checkpoint", "step": 3, "seconds": 0.2, "bytes": 6})
+        m.record_event({"kind": "straggler", "rank": 1, "step": 3, "pace": 1.4})
         return m.enabled
 
 

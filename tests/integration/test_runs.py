@@ -162,3 +162,33 @@ def test_cli_joins_the_cluster_named_by_ray_address(cluster, corpus_dir, tmp_pat
     assert "step     2/2" in proc.stdout
     # It joined the existing cluster rather than starting its own.
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_a_slowed_rank_is_named_a_straggler_and_its_recovery_seen(cluster, corpus_dir):
+    from elastic_trainer.naming import NAMESPACE
+    from ..helpers import reference_losses
+
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, parallel={"dp": 2, "pp": 1}, run={"name": "slow"}, train={"steps": 36},
+        balance={"window": 5}, failure={"allow_fault_injection": True}))
+
+    def slow(factor):
+        return lambda: ray.get(ray.get_actor("slow-rank1-r1s0", namespace=NAMESPACE).inject_fault.remote(
+            "slow_compute", seconds=factor))
+
+    def on_step(rec, actions={3: slow(3.0), 18: slow(1.0)}):
+        for step in [s for s in actions if s <= rec["step"]]:
+            actions.pop(step)()
+
+    result = Trainer(cfg, verbose=False, on_step=on_step).fit()
+    slow_ev = [e for e in result.events if e["kind"] == "straggler"]
+    back = [e for e in result.events if e["kind"] == "straggler_recovered"]
+    assert [e["rank"] for e in slow_ev] == [1] and [e["rank"] for e in back] == [1]
+    # Named within the window of the slowdown's start (the driver sees steps up to ~0.5 s late).
+    assert slow_ev[0]["step"] - slow_ev[0]["since_step"] < cfg.balance.window
+    assert slow_ev[0]["compute_s"] > 2 * slow_ev[0]["reference_s"] and slow_ev[0]["worker"] is not None
+    assert back[0]["step"] > slow_ev[0]["step"]
+    assert all(set(r["rank_compute_s"]) == {"0", "1"} for r in result.history)
+    # A straggler changes nobody's arithmetic: the curve is the balanced run's.
+    assert [r["loss"] for r in result.history] == pytest.approx(reference_losses(cfg, cfg.train.steps), rel=1e-5)

@@ -7,7 +7,7 @@ import torch
 from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.models.factory import block_param_counts
 from elastic_trainer.naming import NAMESPACE
-from elastic_trainer.worker.actor import SNAPSHOT_DELAY_ENV
+from elastic_trainer.worker.faults import SNAPSHOT_DELAY_ENV
 
 from ..conftest import tiny_config
 from ..helpers import reference_losses

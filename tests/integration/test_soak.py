@@ -7,7 +7,7 @@ import pytest
 
 from elastic_trainer import Trainer
 from elastic_trainer.soak import Soak, SoakPlan
-from elastic_trainer.worker.actor import SETUP_DELAY_ENV, SNAPSHOT_DELAY_ENV
+from elastic_trainer.worker.faults import SETUP_DELAY_ENV, SNAPSHOT_DELAY_ENV
 
 from ..helpers import reference_run
 from .test_recovery import assert_contiguous_data, config

@@ -31,3 +31,20 @@ def test_errors_are_one_line_not_a_traceback(tmp_path, capsys):
 def test_prepare_data(tmp_path, capsys):
     assert main(["prepare-data", "--out", str(tmp_path / "c"), "--seq-len", "32", "--max-mb", "0.05"]) == 0
     assert "rows of 33 byte tokens" in capsys.readouterr().out
+
+
+def test_slow_rank_makes_a_straggler_of_one_worker_and_checks_its_arguments():
+    from elastic_trainer.cli import _with_straggler
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.errors import ConfigError
+
+    cfg = TrainerConfig.from_yaml("jobs/demo.yaml")
+    slow = _with_straggler(cfg, 3, 2.5)
+    assert slow.scaling.env_vars == {"ELASTIC_TRAINER_SLOW_RANK": "3", "ELASTIC_TRAINER_SLOW_FACTOR": "2.5"}
+    assert slow.failure.allow_fault_injection and not cfg.failure.allow_fault_injection
+    with pytest.raises(ConfigError, match=r"--slow-rank 4 is not a rank of dp=2 x pp=2 \(0..3\)"):
+        _with_straggler(cfg, 4, 2.0)
+    with pytest.raises(ConfigError, match="--slow-factor 1 must be above 1"):
+        _with_straggler(cfg, 0, 1.0)
+    args = build_parser().parse_args(["run", "jobs/demo.yaml", "--slow-rank", "1", "--slow-factor", "3"])
+    assert (args.slow_rank, args.slow_factor) == (1, 3.0)

@@ -106,3 +106,21 @@ def test_report_of_a_run_that_failed_before_any_step(tmp_path):
     assert "no steps completed" in text and "death of worker 1 (rank 1) at step 1" in text
     assert "during_recovery of worker [2] at step 1" in text
     assert "run FAILED: RunError: stopped after 2 failures" in fig.get_suptitle()
+
+
+def test_report_shows_each_ranks_pace_as_a_heat_strip():
+    from elastic_trainer.report import _pace_grid
+
+    history = _history()
+    for r in history:
+        slow = 3.0 if 5 <= r["step"] <= 8 else 1.0
+        r["rank_compute_s"] = {"0": 0.1, "1": 0.1 * slow, "2": 0.1}
+    grid, ranks = _pace_grid(history)
+    assert ranks == 3 and grid.shape == (3, len(history))
+    col = [r["step"] for r in history].index(6)
+    assert grid[1, col] == pytest.approx(3.0) and grid[0, col] == 1.0
+    fig = report_figure(history, _events())
+    strip = fig.get_axes()[4]
+    assert strip.get_ylabel() == "rank pace" and strip.get_images()
+    assert _vlines(strip, FAILURE_COLOR) == [11]
+    assert _pace_grid(_history()) is None      # no per-rank compute: no strip

@@ -1,0 +1,88 @@
+"""Who is slow: each rank's pace from its own compute, robust to blips, and the straggler events.
+
+A rank's *pace* is its compute this step (``worker.compute_clock``: passes and
+update, not its waits) against what it should take:
+
+- against the ranks holding the same stage in other replicas (the same work),
+  where there are any: its compute over theirs, at the same step, so a
+  slowdown of the whole cluster moves nobody;
+- else (one replica) against its own compute over the first ``window`` steps of
+  the plan: a slowdown that starts mid-run shows; one present from the first
+  step of a one-replica plan does not.
+
+A rank is a straggler when the median of its pace over the last ``window``
+steps exceeds ``1 + threshold``: a median, so a blip of fewer than half the
+window's steps moves nothing. It stops being one when that median falls below
+``1 + threshold / 2`` (the gap keeps a rank near the line from flapping).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Rank:
+    stage: int
+    paces: collections.deque
+    baseline: list = field(default_factory=list)   # own compute over the plan's first window (one replica)
+    slow_since: int | None = None                   # step the current straggling started
+
+
+class PaceTracker:
+    """Per-rank pace over a window, and the straggler events it implies (pure: no Ray)."""
+
+    def __init__(self, threshold: float = 0.15, window: int = 10):
+        if threshold <= 0 or window < 2:
+            raise ValueError(f"balance.threshold must be > 0 and balance.window >= 2; got {threshold}, {window}")
+        self.threshold, self.window = threshold, window
+        self._ranks: dict[int, _Rank] = {}
+
+    def reset(self, stage_of: dict[int, int]) -> None:
+        """A new plan (``rank -> stage``): paces start again, nobody is a straggler."""
+        self._ranks = {r: _Rank(s, collections.deque(maxlen=self.window)) for r, s in stage_of.items()}
+
+    def update(self, step: int, compute: dict[int, float]) -> tuple[dict[int, float], list[dict]]:
+        """Take ``step``'s compute seconds per rank; returns (median pace per rank so far,
+        events: ``straggler`` and ``straggler_recovered``, with their figures)."""
+        by_stage: dict[int, list[float]] = collections.defaultdict(list)
+        for r, c in compute.items():
+            if r in self._ranks:
+                by_stage[self._ranks[r].stage].append(c)
+        events, paces = [], {}
+        for r, c in compute.items():
+            st = self._ranks.get(r)
+            if st is None:
+                continue
+            peers = [x for x in by_stage[st.stage]]
+            peers.remove(c)
+            if peers:
+                ref = statistics.median(peers)
+            elif len(st.baseline) < self.window:
+                st.baseline.append(c)
+                continue
+            else:
+                ref = statistics.median(st.baseline)
+            st.paces.append(c / ref if ref > 0 else 1.0)
+            pace = statistics.median(st.paces)
+            paces[r] = pace
+            full = len(st.paces) == self.window
+            if st.slow_since is None and full and pace > 1 + self.threshold:
+                # Onset: the first step of the window's slow run, the change the median confirmed.
+                slow = [i for i, p in enumerate(st.paces) if p > 1 + self.threshold]
+                st.slow_since = step - (self.window - 1 - slow[0]) if slow else step
+                events.append({"kind": "straggler", "rank": r, "step": step, "since_step": st.slow_since,
+                               "pace": round(pace, 3), "compute_s": c, "reference_s": ref,
+                               "against": "peers" if peers else "own start"})
+            elif st.slow_since is not None and pace < 1 + self.threshold / 2:
+                events.append({"kind": "straggler_recovered", "rank": r, "step": step, "pace": round(pace, 3),
+                               "slow_steps": step - st.slow_since})
+                st.slow_since = None
+        return paces, events
+
+    @property
+    def stragglers(self) -> dict[int, int]:
+        """rank -> the step its straggling started, for the ranks straggling now."""
+        return {r: st.slow_since for r, st in self._ranks.items() if st.slow_since is not None}

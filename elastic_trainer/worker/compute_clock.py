@@ -1,0 +1,75 @@
+"""A rank's own pace: its compute per step, apart from the time it waits on its peers.
+
+A synchronous step runs at the pace of its slowest rank, so a step's wall
+time says nothing of which rank is slow: every rank waits for the same
+straggler. What a rank itself spends is its forward and backward passes
+(the pipeline schedule's ``forward_one_chunk`` / ``backward_one_chunk`` of
+each of its stages, the loss) and its optimizer update; the rest of its step
+is waiting (pipeline receives, collectives, the data). Each piece is timed
+with the clock of the rank's device (``comm.timing``: CUDA events on a GPU),
+read once at the end of the step.
+
+A test hook makes a straggler: with ``slow_factor`` F > 1 each timed piece is
+followed by a sleep of (F - 1) times its own duration, so the rank's compute
+takes F times as long, as a slower GPU or a throttled host would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import wraps
+
+import torch
+
+from ..comm.timing import start_timer
+
+KINDS = ("forward", "backward", "optimizer")
+
+
+class ComputeClock:
+    """Sums the timed pieces of one step by kind (``forward``, ``backward``, ``optimizer``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slow_factor = 1.0
+        self._timers: list[tuple[str, object]] = []
+
+    def begin_step(self) -> None:
+        self._timers = []
+
+    def timed(self, kind: str, fn: Callable) -> Callable:
+        """``fn`` timed as ``kind`` each time it is called (and slowed by ``slow_factor``)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown compute kind {kind!r}; valid: {', '.join(KINDS)}")
+
+        @wraps(fn)
+        def run(*args, **kwargs):
+            timer = start_timer(self.device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self.slow_factor > 1.0:
+                # Inside the timed span: the slowdown is this rank's own compute, as a slower
+                # device's would be (the hook is for CPU runs, where host time is the work's).
+                time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - t0))
+            self._timers.append((kind, timer.stop()))
+            return out
+        return run
+
+    def add(self, kind: str, timer) -> None:
+        """Count an already stopped timer as ``kind``."""
+        self._timers.append((kind, timer))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per kind this step (reading CUDA timers waits for their events)."""
+        out = dict.fromkeys(KINDS, 0.0)
+        for kind, timer in self._timers:
+            out[kind] += timer.seconds()
+        return out
+
+    def instrument_stage(self, stage) -> None:
+        """Time a pipeline stage's chunks (its own instance's methods; the class is untouched)."""
+        stage.forward_one_chunk = self.timed("forward", stage.forward_one_chunk)
+        stage.backward_one_chunk = self.timed("backward", stage.backward_one_chunk)
+        if hasattr(stage, "backward_weight_one_chunk"):
+            stage.backward_weight_one_chunk = self.timed("backward", stage.backward_weight_one_chunk)

@@ -1,0 +1,97 @@
+"""A rank's pace and the straggler events: a slow rank is found within the window, a blip is not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from elastic_trainer.controller.pace import PaceTracker
+from elastic_trainer.parallel.topology import Topology
+from elastic_trainer.worker.compute_clock import ComputeClock
+
+
+def run(tracker: PaceTracker, steps: dict[int, dict[int, float]]):
+    events, paces = [], {}
+    for step in sorted(steps):
+        paces, evs = tracker.update(step, steps[step])
+        events += evs
+    return paces, events
+
+
+def stages(topo: Topology) -> dict[int, int]:
+    return {r: topo.coords(r)[1] for r in range(topo.world_size)}
+
+
+def test_a_3x_slower_replica_is_a_straggler_within_the_window_and_recovers():
+    t = PaceTracker(threshold=0.15, window=6)
+    t.reset(stages(Topology(3, 1)))
+    compute = {s: {0: 1.0, 1: 1.0, 2: 1.0} for s in range(1, 11)}
+    compute.update({s: {0: 1.0, 1: 3.0, 2: 1.0} for s in range(11, 31)})   # rank 1 slows at step 11
+    compute.update({s: {0: 1.0, 1: 1.0, 2: 1.0} for s in range(31, 45)})   # and is well again at 31
+    paces, events = run(t, compute)
+    slow = [e for e in events if e["kind"] == "straggler"]
+    assert [(e["rank"], e["since_step"]) for e in slow] == [(1, 11)]
+    # Named once the window's median turns: within the window, its figures those of that step.
+    assert 11 <= slow[0]["step"] <= 11 + 6 and slow[0]["pace"] > 1.15
+    assert slow[0]["compute_s"] / slow[0]["reference_s"] == pytest.approx(3.0)
+    assert slow[0]["against"] == "peers" and slow[0]["reference_s"] == pytest.approx(1.0)
+    back = [e for e in events if e["kind"] == "straggler_recovered"]
+    assert [e["rank"] for e in back] == [1] and 31 <= back[0]["step"] <= 31 + 6
+    assert t.stragglers == {} and paces[1] == pytest.approx(1.0)
+
+
+def test_a_one_step_blip_is_not_acted_on():
+    t = PaceTracker(threshold=0.15, window=6)
+    t.reset(stages(Topology(2, 2)))
+    compute = {s: {0: 1.0, 1: 2.0, 2: 1.0, 3: 2.0} for s in range(1, 30)}   # stages differ: not slowness
+    compute[12] = {0: 1.0, 1: 2.0, 2: 5.0, 3: 2.0}                          # one slow step of rank 2
+    compute[20] = {0: 1.0, 1: 2.0, 2: 5.0, 3: 2.0}
+    compute[21] = {0: 1.0, 1: 2.0, 2: 5.0, 3: 2.0}                          # two in a row, of six
+    _, events = run(t, compute)
+    assert events == []
+
+
+def test_a_slowdown_of_every_rank_moves_nobody():
+    t = PaceTracker(threshold=0.15, window=4)
+    t.reset(stages(Topology(2, 1)))
+    _, events = run(t, {s: {0: 1.0 * (3 if s > 5 else 1), 1: 1.0 * (3 if s > 5 else 1)} for s in range(1, 20)})
+    assert events == []
+
+
+def test_one_replica_compares_a_rank_with_its_own_start():
+    t = PaceTracker(threshold=0.15, window=4)
+    t.reset(stages(Topology(1, 2)))     # no peers on any stage
+    compute = {s: {0: 1.0, 1: 2.0} for s in range(1, 9)}
+    compute.update({s: {0: 1.0, 1: 4.0} for s in range(9, 16)})
+    _, events = run(t, compute)
+    assert [(e["rank"], e["against"]) for e in events] == [(1, "own start")]
+    assert events[0]["compute_s"] / events[0]["reference_s"] == pytest.approx(2.0) and events[0]["since_step"] == 9
+
+
+def test_a_new_plan_starts_the_paces_again():
+    t = PaceTracker(threshold=0.15, window=3)
+    t.reset(stages(Topology(2, 1)))
+    run(t, {s: {0: 1.0, 1: 3.0} for s in range(1, 5)})
+    assert t.stragglers == {1: 1}
+    t.reset(stages(Topology(1, 1)))
+    assert t.stragglers == {}
+    with pytest.raises(ValueError, match="balance.threshold must be > 0 and balance.window >= 2; got 0.1, 1"):
+        PaceTracker(0.1, 1)
+
+
+def test_the_compute_clock_times_each_kind_and_the_hook_slows_it():
+    clock = ComputeClock(torch.device("cpu"))
+    work = clock.timed("forward", lambda: time.sleep(0.02))
+    clock.begin_step()
+    work()
+    assert 0.015 < clock.totals()["forward"] < 0.2 and clock.totals()["backward"] == 0.0
+    clock.slow_factor = 3.0
+    clock.begin_step()
+    t0 = time.perf_counter()
+    work()
+    took = time.perf_counter() - t0
+    assert took > 0.05 and clock.totals()["forward"] == pytest.approx(took, rel=0.2)
+    with pytest.raises(ValueError, match="unknown compute kind 'loss'"):
+        clock.timed("loss", lambda: None)
