@@ -1,0 +1,131 @@
+"""A straggler's cost, and what `balance` does about it, on a 4-node simulated cluster.
+
+The demo GPT (jobs/demo.yaml) at dp=2 x pp=2 on four one-CPU nodes; one
+worker (rank 1 at the start) computes ``--factor`` times slower for the middle
+third of the run (``inject_fault("slow_compute")``, on at step N/3, off at
+2N/3). Reported per ``balance.mode`` (``off``, ``detect``; ``act`` once the
+mitigations exist), interleaved over ``--rounds``:
+
+- tokens/s over the slow third and over the whole run, and the same run with
+  no straggler (the baseline), so the throughput the straggler costs is
+  ``baseline - off`` and a mitigation recovers ``(mode - off) / (baseline - off)``;
+- with ``detect``: the step the straggler event named the rank and the step its
+  recovery was seen, against when the slowdown began and ended.
+
+Target (issue 17): ``act`` recovers at least 60% of the throughput lost. Run on
+a quiet machine:
+
+    python benchmarks/straggler.py                     # 90 steps, factor 2, 2 rounds
+    python benchmarks/straggler.py --steps 150 --rounds 3
+
+Writes benchmarks/results/straggler.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from recovery import demo_config, start_cluster  # noqa: E402  (the same cluster and job as the recovery benchmark)
+
+MODES = ("off", "detect")
+
+
+def run_once(steps: int, factor: float, mode: str, slow: bool, name: str) -> dict:
+    import ray
+
+    from elastic_trainer import Trainer, TrainerConfig
+    from elastic_trainer.naming import NAMESPACE
+
+    raw = demo_config(steps, name, balance={"mode": mode}, failure={"allow_fault_injection": True},
+                      checkpoint={"memory_every": 10})
+    start, end = steps // 3, 2 * steps // 3
+    done: set = set()
+
+    def set_factor(f: float) -> None:
+        # The worker that started as rank 1 (replica 0, stage 1): actors are named at the start.
+        ray.get(ray.get_actor(f"{name}-rank1-r0s1", namespace=NAMESPACE).inject_fault.remote(
+            "slow_compute", seconds=f))
+
+    def on_step(rec):
+        if slow and rec["step"] >= start and "on" not in done:
+            done.add("on")
+            set_factor(factor)
+        if slow and rec["step"] >= end and "off" not in done:
+            done.add("off")
+            set_factor(1.0)
+
+    result = Trainer(TrainerConfig.model_validate(raw), verbose=False, on_step=on_step).fit()
+    h = result.history
+    gb_tokens = raw["train"]["global_batch_size"] * raw["data"]["seq_len"]
+    middle = [r for r in h if start < r["step"] <= end]
+    out = {
+        "mode": mode, "slow": slow,
+        "tokens_per_s": gb_tokens * len(h[3:]) / sum(r["step_time_s"] for r in h[3:]),
+        "slow_third_tokens_per_s": gb_tokens * len(middle) / sum(r["step_time_s"] for r in middle),
+        "median_step_s": statistics.median(r["step_time_s"] for r in h[3:]),
+    }
+    ev = [e for e in result.events if e["kind"] in ("straggler", "straggler_recovered")]
+    out["events"] = [{k: e.get(k) for k in ("kind", "rank", "step", "since_step", "pace")} for e in ev]
+    out["slowdown"] = {"from_step": start, "to_step": end} if slow else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=90)
+    ap.add_argument("--factor", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "straggler.json"))
+    args = ap.parse_args()
+    import ray
+
+    cluster, _ = start_cluster(4)
+    runs = []
+    try:
+        for rnd in range(args.rounds):
+            runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}"))
+            for mode in MODES:
+                runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}"))
+            print(json.dumps(runs[-len(MODES) - 1:], indent=None), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    base = [r for r in runs if not r["slow"]]
+    table = {"baseline": {k: med(base, k) for k in ("tokens_per_s", "slow_third_tokens_per_s")}}
+    for mode in MODES:
+        rows = [r for r in runs if r["slow"] and r["mode"] == mode]
+        table[mode] = {k: med(rows, k) for k in ("tokens_per_s", "slow_third_tokens_per_s")}
+        table[mode]["spread_slow_third"] = [round(r["slow_third_tokens_per_s"]) for r in rows]
+    lost = table["baseline"]["slow_third_tokens_per_s"] - table["off"]["slow_third_tokens_per_s"]
+    for mode in MODES:
+        got = table[mode]["slow_third_tokens_per_s"] - table["off"]["slow_third_tokens_per_s"]
+        table[mode]["recovered_share"] = got / lost if lost > 0 else None
+    print("| run | tokens/s (whole run) | tokens/s (slow third) | spread (slow third) | recovered |")
+    print("|---|---|---|---|---|")
+    print(f"| no straggler | {table['baseline']['tokens_per_s']:,.0f} | "
+          f"{table['baseline']['slow_third_tokens_per_s']:,.0f} | | |")
+    for mode in MODES:
+        t = table[mode]
+        share = "" if t["recovered_share"] is None else f"{t['recovered_share']:.0%}"
+        print(f"| {args.factor:g}x straggler, balance.mode={mode} | {t['tokens_per_s']:,.0f} | "
+              f"{t['slow_third_tokens_per_s']:,.0f} | {t['spread_slow_third']} | {share} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "table": table, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
