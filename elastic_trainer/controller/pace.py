@@ -10,17 +10,35 @@ update, not its waits) against what it should take:
   the plan: a slowdown that starts mid-run shows; one present from the first
   step of a one-replica plan does not.
 
-A rank is a straggler when the median of its pace over the last ``window``
-steps exceeds ``1 + threshold``: a median, so a blip of fewer than half the
-window's steps moves nothing. It stops being one when that median falls below
-``1 + threshold / 2`` (the gap keeps a rank near the line from flapping).
+A rank is a straggler when, over the last ``window`` steps, the median of its
+pace exceeds ``1 + threshold`` (so a blip of fewer than half the window's
+steps moves nothing) and a one-sided test says the window's mean log pace is
+above ``log(1 + threshold)`` by more than ``CHANGE_T`` standard errors: a rank
+whose pace merely wanders around the line, as a worker's share of an
+oversubscribed host does, is not named. It stops being one when the median
+falls below ``1 + threshold / 2`` (the gap keeps a rank near the line from
+flapping).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from dataclasses import dataclass, field
+
+# Standard errors by which a window's mean log pace must clear log(1 + threshold).
+CHANGE_T = 2.5
+
+
+def _clears(paces, line: float) -> bool:
+    """Whether the mean log pace of ``paces`` is above ``log(line)`` by ``CHANGE_T`` standard errors."""
+    logs = [math.log(max(p, 1e-9)) for p in paces]
+    excess = statistics.fmean(logs) - math.log(line)
+    if excess <= 0:
+        return False
+    sd = statistics.stdev(logs) if len(logs) > 1 else 0.0
+    return sd == 0 or excess / (sd / math.sqrt(len(logs))) > CHANGE_T
 
 
 @dataclass
@@ -69,7 +87,7 @@ class PaceTracker:
             pace = statistics.median(st.paces)
             paces[r] = pace
             full = len(st.paces) == self.window
-            if st.slow_since is None and full and pace > 1 + self.threshold:
+            if st.slow_since is None and full and pace > 1 + self.threshold and _clears(st.paces, 1 + self.threshold):
                 # Onset: the first step of the window's slow run, the change the median confirmed.
                 slow = [i for i, p in enumerate(st.paces) if p > 1 + self.threshold]
                 st.slow_since = step - (self.window - 1 - slow[0]) if slow else step
