@@ -36,6 +36,7 @@ class SoakPlan:
     snapshot_loss_from: int
     durable_loss_at: int
     adds_at: list[int]
+    durable_every: int = 20
 
     @classmethod
     def draw(cls, seed: int, steps: int, durable_every: int) -> "SoakPlan":
@@ -49,7 +50,8 @@ class SoakPlan:
 
         durable = max(durable_every, (at(0.50, 0.62) // durable_every) * durable_every)
         return cls(seed=seed, recovery_loss_at=at(0.08, 0.18), snapshot_loss_from=at(0.28, 0.40),
-                   durable_loss_at=durable, adds_at=sorted([at(0.18, 0.24), at(0.42, 0.48)]))
+                   durable_loss_at=durable, adds_at=sorted([at(0.18, 0.24), at(0.42, 0.48)]),
+                   durable_every=durable_every)
 
 
 @dataclass
@@ -65,6 +67,10 @@ class Soak:
     snapshot_delay_s: float = 0.0   # the run's own slow-snapshot hold, restored after the snapshot loss
     _done: set = field(default_factory=set)
     _snapshot_armed: bool = False
+    # After an add, no loss until the run has grown onto the new node (its plan index moved) or
+    # GROW_WAIT_S passed: a joined node's worker takes seconds to start, and a loss in between
+    # would leave the soak's growth to the machine's speed.
+    _awaiting_growth: tuple | None = None
 
     def __post_init__(self):
         self._rng = random.Random(self.plan.seed + 1)
@@ -139,8 +145,19 @@ class Soak:
 
         threading.Thread(target=second, daemon=True).start()
 
+    GROW_WAIT_S = 30.0
+
     def on_step(self, rec: dict) -> None:
         step, p = rec["step"], self.plan
+        if self._awaiting_growth is not None:
+            plan_at_add, deadline = self._awaiting_growth
+            if rec.get("plan", 0) <= plan_at_add and time.monotonic() < deadline:
+                return
+            self._awaiting_growth = None
+            if "durable" not in self._done and step >= p.durable_loss_at - 4:
+                # The durable step passed while waiting: the loss goes to the next durable write.
+                p.durable_loss_at = (step + 4 + p.durable_every) // p.durable_every * p.durable_every
+                self._done.discard("durable-armed")
         for name, when, action in (
                 ("recovery", p.recovery_loss_at, self._during_recovery),
                 ("durable-armed", p.durable_loss_at - 4, lambda: self._slow_durable(3.0)),
@@ -149,6 +166,9 @@ class Soak:
             if step >= when and name not in self._done:
                 self._done.add(name)
                 action()
+                if name.startswith("add"):
+                    self._awaiting_growth = (rec.get("plan", 0), time.monotonic() + self.GROW_WAIT_S)
+                    return
         if step >= p.snapshot_loss_from and "snapshot" not in self._done:
             if not self._snapshot_armed:
                 # Every snapshot's copy now holds 1 s: the next one is under way when seen.
