@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from elastic_trainer.worker.process_group import free_port
 
 NUMEL = 1 << 18
 SHAPES = [(0, (256, 512)), (131072, (512, 200)), (233472, (28672,))]  # two matrices and a vector: 262144
@@ -30,12 +31,6 @@ OPTIONS = {"int8": {"chunk": 1024}, "topk": {"ratio": 0.01}, "powersgd": {"rank"
 TOLERANCE = {"none": 1e-5, "fp16": 2e-3, "bf16": 1e-2, "int8": 2e-2, "topk": 1e-4, "powersgd": 2e-3,
              "ring": 1e-5, "tree": 1e-5, "chunked": 1e-5}
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(rank: int, step: int) -> torch.Tensor:
@@ -102,7 +97,7 @@ def _worker(rank: int, procs: int, port: int, device_kind: str, out: str) -> Non
 
 def run(out_path: str, device_kind: str, procs: int = 4) -> dict:
     """Run part 1 in ``procs`` fresh processes; returns its results."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     mp.start_processes(_worker, args=(procs, port, device_kind, out_path), nprocs=procs, join=True,
                        start_method="spawn")

@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from elastic_trainer.worker.process_group import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -46,12 +47,6 @@ def demo_cfg(**overrides):
     for section, values in overrides.items():
         raw.setdefault(section, {}).update(values)
     return TrainerConfig.model_validate(raw)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, device_kind: str, cfg_json: dict, out_dir: str) -> None:
@@ -93,7 +88,7 @@ def run_ranks(device_kind: str, out_dir: str) -> dict:
     from elastic_trainer.data.dataset import ensure_prepared
     ensure_prepared(cfg.data)
     world = cfg.parallel.dp * cfg.parallel.pp
-    mp.start_processes(_rank, args=(world, _free_port(), device_kind, cfg.model_dump(mode="json"), out_dir),
+    mp.start_processes(_rank, args=(world, free_port("127.0.0.1"), device_kind, cfg.model_dump(mode="json"), out_dir),
                        nprocs=world, join=True, start_method="spawn")
     per_rank = [json.loads(Path(out_dir, f"{device_kind}-{r}.json").read_text()) for r in range(world)]
     losses = [[row["loss"] for row in pr["rows"]] for pr in per_rank if pr["rows"][0]["loss"] is not None]
