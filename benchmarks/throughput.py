@@ -134,7 +134,6 @@ def run_ray_train(cfg_raw: dict) -> list[float]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     def loop(config):
-        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ctx = ray.train.get_context()

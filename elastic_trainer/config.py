@@ -311,12 +311,17 @@ class CheckpointSection(_Strict):
 class BalanceSection(_Strict):
     """Stragglers: each rank's own pace, and what a slow one triggers (controller.pace)."""
 
-    mode: Literal["off", "detect"] = Field(
-        "detect", description="off: no pace is kept; detect: per-rank pace in history, metrics, status, and a "
-                              "straggler event when a rank stays slow.")
+    mode: Literal["off", "detect", "act"] = Field(
+        "act", description="off: no pace is kept; detect: per-rank pace in history, metrics, status, and a "
+                           "straggler event when a rank stays slow; act: also rebalance around a straggler "
+                           "(controller.balance) where the cost model says it repays, and undo it when the "
+                           "rank recovers.")
     threshold: float = Field(0.15, gt=0, description="A rank whose median pace over the window is this much "
                                                      "slower than its peers' is a straggler.")
     window: int = Field(10, ge=2, description="Steps the pace's median is taken over (a shorter slowdown is a blip).")
+    payback_steps: int = Field(
+        50, ge=1, description="act: a mitigation is taken only when the time it is predicted to save per step, "
+                              "over this many steps, exceeds what taking it costs.")
 
 
 class FailureSection(_Strict):

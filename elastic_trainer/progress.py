@@ -93,6 +93,13 @@ class ProgressPrinter:
                        f"{ev['since_step']} (pace {ev['pace']:.2f} over balance.window)")
         elif kind == "straggler_recovered":
             self._line(f"-> rank {ev['rank']} is back to pace {ev['pace']:.2f} after {ev['slow_steps']} slow steps")
+        elif kind == "rebalance":
+            if ev.get("shares"):
+                self._line(f"-> rebalance: micro-batches per replica {ev['shares_before'] or 'equal'} -> "
+                           f"{ev['shares']}, predicted {ev['step_s_before'] * 1e3:.1f} -> "
+                           f"{ev['predicted_step_s'] * 1e3:.1f} ms/step (repays in {ev['payback_steps']:.0f} steps)")
+            else:
+                self._line(f"-> rebalance: equal micro-batches again ({ev.get('reason') or 'the paces evened out'})")
         elif kind == "durable_checkpoint":
             self._line(f"   durable checkpoint of step {ev['step']} written to {ev['path']} in {ev['seconds']:.2f}s")
 

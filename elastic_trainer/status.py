@@ -66,6 +66,8 @@ def format_status(st: dict) -> str:
         lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}"
                      + (f" pace {p:.2f}" if p is not None else "")
                      + (f" STRAGGLER since step {slow[w['rank']]}" if w["rank"] in slow else ""))
+    if st.get("shares"):
+        lines.append(f"    micro-batches per replica (balancing): {st['shares']}")
     spares = [w for w in st.get("workers", []) if w["rank"] is None]
     if spares:
         lines.append(f"    spares: {', '.join(str(w['worker_id']) for w in spares)}")

@@ -1,40 +1,142 @@
-"""The controller's side of stragglers: each step's per-rank compute into pace, events, and the record.
+"""The controller's side of stragglers: each step's per-rank compute into pace, events, and the
+rebalancing around a slow rank.
 
 ``pace`` is the pure part (``PaceTracker``); this joins it to the run: a new
 plan resets it (ranks and stages change), every committed step's record gets
 ``rank_compute_s`` and ``rank_wait_s`` (each rank's own compute and its wait,
 ``worker.compute_clock``) and ``pace`` (each rank's median pace), and a rank
 that turns slow or recovers is an event naming its worker and node.
+
+A rank's pace is taken from what its step would take on the equal share of
+micro-batches (its passes at their steady cost per call, scaled by ``equal /
+run``, plus its update), so a rank given fewer micro-batches keeps the pace
+it has, and one that recovers shows it. ``rank_compute_s`` in the record is
+what it did take.
+
+With ``balance.mode: act``, a straggler in a run of several replicas that
+average gradients by all-reduce moves micro-batches off its replica onto the
+others (``shares``): the global batch and the update stay the same
+(``StageTrainer.train_step`` weights gradients by samples). The shares are
+the ones that minimise the planner's step time re-priced under the measured
+paces (``planning.balancing``), taken only when the predicted gain repays
+their cost (about one step: the replicas' next step builds a schedule for
+its count) within ``balance.payback_steps``. They are looked at again every
+``window`` steps while a straggler lasts, and go back to equal once every
+rank they were for has recovered. A new plan starts on equal shares.
 """
 
 from __future__ import annotations
 
+import collections
+import statistics
+from collections.abc import Callable
+
 from ..config import BalanceSection
+from ..planning.balancing import propose_shares
 from .pace import PaceTracker
 
 
 class Balance:
-    def __init__(self, cfg: BalanceSection):
+    def __init__(self, cfg: BalanceSection, sync: str = "allreduce"):
         self.cfg = cfg
         self.on = cfg.mode != "off"
+        self.acts = cfg.mode == "act" and sync == "allreduce"
         self.tracker = PaceTracker(cfg.threshold, cfg.window)
+        self.shares: list[int] | None = None   # micro-batches per replica; None: equal
+        self._for: set[int] = set()            # the stragglers the shares were made for
+        self._topo = None
+        self._equal = 1
+        self._row_fn: Callable[[], dict | None] | None = None
+        self._row: dict | None = None
+        self._worker_s: collections.deque = collections.deque(maxlen=cfg.window)
+        self._decided_at = 0
 
-    def new_plan(self, topo) -> None:
+    def new_plan(self, topo, equal_micro_batches: int = 1, row_fn: Callable[[], dict | None] | None = None) -> None:
+        """A new plan: paces start again on equal shares. ``row_fn`` gives the planner's row of
+        the plan (asked for once, when a straggler first needs pricing)."""
         self.tracker.reset({r: topo.coords(r)[1] for r in range(topo.world_size)})
+        self._topo, self._equal, self._row_fn, self._row = topo, equal_micro_batches, row_fn, None
+        self.shares, self._for = None, set()
+        self._worker_s.clear()
+        self._decided_at = 0
 
     def observe(self, step: int, results: dict, record: dict, where: dict[int, tuple]) -> list[dict]:
         """Add the pace of ``step`` to ``record`` (``results``: worker id -> its step result;
         ``where``: rank -> (worker id, node)); returns the straggler events to record."""
         if not self.on:
             return []
-        compute = {o["rank"]: o.get("forward_s", 0.0) + o.get("backward_s", 0.0) + o.get("optimizer_s", 0.0)
-                   for o in results.values()}
-        record["rank_compute_s"] = {str(r): round(c, 6) for r, c in sorted(compute.items())}
+        own = {o["rank"]: o.get("forward_s", 0.0) + o.get("backward_s", 0.0) + o.get("optimizer_s", 0.0)
+               for o in results.values()}
+        record["rank_compute_s"] = {str(r): round(c, 6) for r, c in sorted(own.items())}
+        compute = {o["rank"]: self._equal_share_compute(o) for o in results.values()}
         record["rank_wait_s"] = {str(o["rank"]): round(o.get("wait_s", 0.0), 6)
                                  for o in sorted(results.values(), key=lambda o: o["rank"])}
-        paces, events = self.tracker.update(step, compute)
+        if self.shares is not None:
+            record["shares"] = list(self.shares)
+        # A replica already on fewer micro-batches is worked around: its other ranks, read at
+        # the equal share from fewer calls, are not named on top.
+        held = ({r for i, n in enumerate(self.shares) if n < self._equal for r in self._replica_ranks(i)}
+                if self.shares is not None else set())
+        paces, events = self.tracker.update(step, compute, held)
         record["pace"] = {str(r): round(p, 4) for r, p in sorted(paces.items())}
+        self._worker_s.append(record.get("worker_s") or record.get("step_time_s") or 0.0)
         for ev in events:
             wid, node = where.get(ev["rank"], (None, None))
             ev.update(worker=wid, node=node)
         return events
+
+    def _equal_share_compute(self, o: dict) -> float:
+        """What the rank's step would have taken on the equal share: its passes at their steady
+        cost per call (``compute_clock.steady_passes``) scaled to the equal count, and its update."""
+        passes = o.get("passes_steady_s", o.get("forward_s", 0.0) + o.get("backward_s", 0.0))
+        n = o.get("micro_batches") or self._equal
+        return passes * self._equal / n + o.get("optimizer_s", 0.0)
+
+    def act(self, step: int, named: bool) -> list[dict]:
+        """After ``observe``: move the shares if that repays (``named``: a straggler was named
+        this step); returns the ``rebalance`` events (each change, with its figures)."""
+        if not self.acts or self._topo is None or self._topo.dp < 2:
+            return []
+        slow = self.tracker.stragglers
+        if self.shares is not None and not (self._for & slow.keys()):
+            before, self.shares, self._for = self.shares, None, set()
+            return [{"kind": "rebalance", "step": step, "action": "equal shares", "shares": None,
+                     "shares_before": before, "reason": "the ranks it was for recovered"}]
+        if not slow or not (named or step - self._decided_at >= self.cfg.window):
+            return []
+        self._decided_at = step
+        row = self._plan_row()
+        paces = self._replica_paces()
+        if row is None or paces is None or not self._worker_s:
+            return []
+        measured = statistics.median(self._worker_s)
+        # Taking new shares costs the replicas' next step a schedule for the new count: a step, at most.
+        prop = propose_shares(row, paces, self.shares, measured, self.cfg.payback_steps, cost_s=measured)
+        if prop is None:
+            return []
+        before, self.shares = self.shares, prop.shares
+        self._for = set(slow) if prop.shares is not None else set()
+        return [{"kind": "rebalance", "step": step, "action": "shares" if prop.shares else "equal shares",
+                 "shares_before": before, "ranks": sorted(slow), "replica_pace": [round(p, 3) for p in paces],
+                 **prop.figures()}]
+
+    def _plan_row(self) -> dict | None:
+        if self._row is None and self._row_fn is not None:
+            self._row, self._row_fn = self._row_fn(), None
+        return self._row
+
+    def _replica_ranks(self, replica: int) -> list[int]:
+        return [self._topo.rank(replica, s) for s in range(self._topo.pp)]
+
+    def _replica_paces(self) -> list[float] | None:
+        """Each replica's compute per equal share (its slowest rank's window median) over the
+        fastest replica's."""
+        topo = self._topo
+        costs = []
+        for i in range(topo.dp):
+            per = [self.tracker.compute_median(r) for r in self._replica_ranks(i)]
+            if any(c is None for c in per):
+                return None
+            costs.append(max(per))
+        fastest = min(costs)
+        return [c / fastest for c in costs] if fastest > 0 else None

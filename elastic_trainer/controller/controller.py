@@ -38,6 +38,7 @@ from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
+from ..planning.policy import plan_row
 from .durable_writer import DurableWriter
 from .balance import Balance
 from .views import ControllerViews
@@ -85,7 +86,7 @@ class Controller(ControllerViews):
         self.writer: DurableWriter | None = None
         self.recovery = Recovery(self)
         self.evaluator = Evaluator(self)
-        self.balance = Balance(self.cfg.balance)   # per-rank pace and stragglers
+        self.balance = Balance(self.cfg.balance, self.cfg.comm.sync)   # per-rank pace and stragglers
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self.setup_timings: dict = {}
         self.restore_moved: dict = {}         # the last set-up's state transfer: bytes, seconds, rate
@@ -236,7 +237,8 @@ class Controller(ControllerViews):
             snap = self.schedule.due(step)
             writers = self.snapshots.writers()
             out = self.driver.run(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,
-                                  {w: writers[r] for r, w in self.ranks.items()} if snap else None)
+                                  {w: writers[r] for r, w in self.ranks.items()} if snap else None,
+                                  self.balance.shares)
             if out.ok:
                 self._commit_step(out)
             else:
@@ -318,7 +320,8 @@ class Controller(ControllerViews):
             pool[w].rank = r
         self.ranks = ranks
         self.plan = plan
-        self.balance.new_plan(topo)
+        self.balance.new_plan(topo, self.cfg.train.global_batch_size // (topo.dp * self.cfg.train.micro_batch_size),
+                              lambda: plan_row(self.cfg, topo.dp, topo.pp))
         self.snapshots.set_plan(plan)
         self.schedule.restart(restored)
         with self._lock:
@@ -350,7 +353,11 @@ class Controller(ControllerViews):
         cfg, step = self.cfg, out.step
         record = self.driver.record(out, self.plan.topology, len(self.plans) - 1)
         where = {r: (w, self.pool[w].node if w in self.pool else None) for r, w in self.ranks.items()}
+        named = False
         for ev in self.balance.observe(step, out.results, record, where):
+            named = named or ev["kind"] == "straggler"
+            self.event(ev.pop("kind"), **ev)
+        for ev in self.balance.act(step, named):
             self.event(ev.pop("kind"), **ev)
         with self._lock:
             self.history.append(record)

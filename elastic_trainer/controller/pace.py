@@ -45,6 +45,7 @@ def _clears(paces, line: float) -> bool:
 class _Rank:
     stage: int
     paces: collections.deque
+    computes: collections.deque                      # its own compute seconds over the same window
     baseline: list = field(default_factory=list)   # own compute over the plan's first window (one replica)
     slow_since: int | None = None                   # step the current straggling started
 
@@ -60,11 +61,14 @@ class PaceTracker:
 
     def reset(self, stage_of: dict[int, int]) -> None:
         """A new plan (``rank -> stage``): paces start again, nobody is a straggler."""
-        self._ranks = {r: _Rank(s, collections.deque(maxlen=self.window)) for r, s in stage_of.items()}
+        self._ranks = {r: _Rank(s, collections.deque(maxlen=self.window), collections.deque(maxlen=self.window))
+                       for r, s in stage_of.items()}
 
-    def update(self, step: int, compute: dict[int, float]) -> tuple[dict[int, float], list[dict]]:
+    def update(self, step: int, compute: dict[int, float], hold: set[int] = frozenset()
+               ) -> tuple[dict[int, float], list[dict]]:
         """Take ``step``'s compute seconds per rank; returns (median pace per rank so far,
-        events: ``straggler`` and ``straggler_recovered``, with their figures)."""
+        events: ``straggler`` and ``straggler_recovered``, with their figures). Ranks in
+        ``hold`` keep their pace but are not newly named (a replica already worked around)."""
         by_stage: dict[int, list[float]] = collections.defaultdict(list)
         for r, c in compute.items():
             if r in self._ranks:
@@ -74,6 +78,7 @@ class PaceTracker:
             st = self._ranks.get(r)
             if st is None:
                 continue
+            st.computes.append(c)
             peers = [x for x in by_stage[st.stage]]
             peers.remove(c)
             if peers:
@@ -87,7 +92,7 @@ class PaceTracker:
             pace = statistics.median(st.paces)
             paces[r] = pace
             full = len(st.paces) == self.window
-            if st.slow_since is None and full and pace > 1 + self.threshold and _clears(st.paces, 1 + self.threshold):
+            if st.slow_since is None and r not in hold and full and pace > 1 + self.threshold and _clears(st.paces, 1 + self.threshold):
                 # Onset: the first step of the window's slow run, the change the median confirmed.
                 slow = [i for i, p in enumerate(st.paces) if p > 1 + self.threshold]
                 st.slow_since = step - (self.window - 1 - slow[0]) if slow else step
@@ -99,6 +104,11 @@ class PaceTracker:
                                "slow_steps": step - st.slow_since})
                 st.slow_since = None
         return paces, events
+
+    def compute_median(self, rank: int) -> float | None:
+        """The median of ``rank``'s compute seconds over the window (None before any)."""
+        st = self._ranks.get(rank)
+        return statistics.median(st.computes) if st is not None and st.computes else None
 
     @property
     def stragglers(self) -> dict[int, int]:

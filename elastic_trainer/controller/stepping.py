@@ -66,15 +66,16 @@ class StepDriver:
         return min(self.cfg.comm.timeout_s, self._tight())
 
     def run(self, step: int, actors: dict[int, object], snapshot: bool,
-            put_blocks: dict[int, list[int]] | None) -> StepOutcome:
+            put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None) -> StepOutcome:
         """Run ``step`` on ``actors`` (worker id -> actor of a rank). With ``snapshot`` each
-        returns its part of the step's snapshot (``put_blocks``: worker id -> blocks it writes)."""
+        returns its part of the step's snapshot (``put_blocks``: worker id -> blocks it writes).
+        ``shares``: micro-batches per replica (balancing), None for equal ones."""
         started = time.perf_counter()
         out = StepOutcome(step, started, snapshot=snapshot)
         refs = {}
         for w, actor in actors.items():
             blocks = put_blocks[w] if snapshot else None
-            refs[actor.train_step.remote(step, snapshot, blocks, self.step_timeout())] = w
+            refs[actor.train_step.remote(step, snapshot, blocks, self.step_timeout(), shares)] = w
             # Asked for at once: the part comes back once the step has begun it, on a
             # thread of its own, and its write into the object store overlaps the next step.
             out.shard_refs[w] = actor.snapshot_part.remote(step, blocks) if blocks else None
@@ -134,7 +135,12 @@ class StepDriver:
         self.step_times.append(dt)
         self.steps_since_setup += 1
         results = list(out.results.values())
-        losses = [o["loss"] for o in results if o["loss"] is not None]
+        last = [o for o in results if o["loss"] is not None]
+        counts = {o.get("micro_batches") for o in last}
+        # Replicas that ran unequal shares (balancing) weigh their mean loss by their micro-batches,
+        # so the step's loss is the global batch's mean, as with equal shares.
+        loss = (sum(o["loss"] for o in last) / len(last) if len(counts) <= 1 else
+                sum(o["loss"] * o["micro_batches"] for o in last) / sum(o["micro_batches"] for o in last))
         cursors = {o["cursor"] for o in results}
         if len(cursors) != 1:
             raise WorkerError(f"ranks read different data in step {step}: cursors {sorted(cursors)}")
@@ -145,7 +151,7 @@ class StepDriver:
             raise WorkerError(f"ranks disagree whether step {step} overflowed: skipped on "
                               f"{sorted(w for w, o in out.results.items() if o['skipped'])} only")
         return {
-            "step": step, "loss": sum(losses) / len(losses), "cursor": cursors.pop(),
+            "step": step, "loss": loss, "cursor": cursors.pop(),
             "dp": topo.dp, "pp": topo.pp, "world_size": topo.world_size, "plan": plan_index,
             "step_time_s": dt, "tokens_per_s": cfg.train.global_batch_size * cfg.data.seq_len / dt,
             "comm_time_s": max(o["comm_time_s"] for o in results),

@@ -39,4 +39,5 @@ class ControllerViews:
                     "recoveries": sum(1 for e in self.events if e["kind"] == "recovery"),
                     "eval": next((e for e in reversed(self.events) if e["kind"] == "eval"), None),
                     "pace": (self.history[-1].get("pace") if self.history else None) or {},
-                    "stragglers": self.balance.tracker.stragglers}
+                    "stragglers": self.balance.tracker.stragglers,
+                    "shares": self.balance.shares}

@@ -64,7 +64,8 @@ from .model_shape import model_shape
 from .sync_cost import ALLREDUCE_CODECS, dp_sync_cost
 
 
-def _bubble(schedule: str, m: int, pp: int, virtual: int) -> float:
+def pipeline_bubble(schedule: str, m: int, pp: int, virtual: int) -> float:
+    """How much longer than its ``m`` micro-batches' passes a pipeline step takes (1 without one)."""
     if pp == 1:
         return 1.0
     if schedule == "interleaved":
@@ -190,7 +191,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         fwd_bwd = 6 * rank_params * tokens / per_worker + m * rank_blocks * block_cost * slowdown
         if checkpointing:
             fwd_bwd *= 4 / 3  # backward recomputes each block's forward: 2 more FLOPs of every 6
-        bubble = _bubble(par.schedule, m, pp, virtual)
+        bubble = pipeline_bubble(par.schedule, m, pp, virtual)
         optimizer = rank_params * opt_cost * slowdown
         compute_s = fwd_bwd * bubble + optimizer + overhead
         # Pipeline transfers: the heaviest boundary, both directions, once per schedule slot.
@@ -210,6 +211,9 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                 "stage_bounds": [list(b) for b in lay.stage_bounds],
                 "compression": compression, "sync": sync, "algorithm": algorithm,
                 "rank_params": rank_params, "compute_s": compute, "bubble": bubble, "dp_comm_s": dp_comm,
+                # compute_s's parts, for re-pricing this layout under other shares or paces (balancing).
+                "fwd_bwd_s": fwd_bwd, "optimizer_s": optimizer if sync != "parameter_server" else 0.0,
+                "overhead_s": overhead, "virtual": virtual,
                 "codec_s": codec, "hidden_s": hidden, "act_s": act_s, "exposed_comm_s": exposed,
                 "total_s": compute + exposed, "comm_bytes": sent, "memory_bytes": memory,
                 "activation_bytes": act_mem,

@@ -81,6 +81,19 @@ def choose_plan(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float |
                       best["memory_bytes"], _reason(best, rows, worker_memory_bytes))
 
 
+def plan_row(cfg: TrainerConfig, dp: int, pp: int, constants: dict | None = None) -> dict | None:
+    """The planner's row for running ``cfg`` as ``dp x pp`` (its codec and sync), priced as
+    :func:`choose_plan` prices it; None when that layout is not feasible."""
+    doc = run_constants(cfg) if constants is None else constants
+    try:
+        rows = predict_candidates(cfg, dp * pp, doc, (doc or {}).get("compute"), only_configured=True,
+                                  refuse_unmeasured=False)
+    except NothingFits:
+        return None
+    ok = [r for r in rows if (r["dp"], r["pp"]) == (dp, pp) and serves(r, cfg.comm.compression, cfg.comm.sync)]
+    return min(ok, key=rank_key) if ok else None
+
+
 def _reason(best: dict, rows: Sequence[dict], memory: float | None) -> str:
     parts = [f"dp={best['dp']} pp={best['pp']} with {best['compression']} {best['sync']}: predicted "
              f"{best['total_s'] * 1e3:.1f} ms/step (compute {best['compute_s'] * 1e3:.1f} ms, exposed comm "

@@ -219,20 +219,21 @@ class TrainWorker:
 
     @ray.method(concurrency_group="train")
     def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None,
-                   timeout_s: float | None = None) -> dict:
+                   timeout_s: float | None = None, shares: list[int] | None = None) -> dict:
         """Run ``step``. With ``snapshot``, start taking this rank's state after it; the copy
         overlaps the next step (``checkpoint.overlap``), and ``snapshot_part`` hands over the
         part holding ``put_blocks``. Other ranks keep it as a local copy; a rank that writes
         all its blocks lends its live state for the object store to copy, and keeps no other
         copy: the part written is it. ``timeout_s``: the controller's step timeout, which bounds
-        the step on backends whose collectives do not fail by themselves (``step_guard``)."""
+        the step on backends whose collectives do not fail by themselves (``step_guard``).
+        ``shares``: micro-batches per replica, where balancing moved some off a slow one."""
         job = None
         bind(self.gpu)
         try:
             if self.faults.injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
             with self.groups.guarded(f"step {step}", timeout_s):
-                r = self.trainer.train_step(step)
+                r = self.trainer.train_step(step, shares)
             if snapshot:
                 delay = self.faults.snapshot_delay()
                 if delay:
@@ -252,6 +253,7 @@ class TrainWorker:
                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
                 "snapshot_wait_s": r.snapshot_wait_s, "lr": r.lr, "forward_s": r.forward_s,
                 "backward_s": r.backward_s, "optimizer_s": r.optimizer_s, "wait_s": r.wait_s,
+                "micro_batches": r.micro_batches, "passes_steady_s": r.passes_steady_s,
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
                 "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes}
 

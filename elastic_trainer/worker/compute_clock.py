@@ -12,11 +12,22 @@ read once at the end of the step.
 A test hook makes a straggler: with ``slow_factor`` F > 1 each timed piece is
 followed by a sleep of (F - 1) times its own duration, so the rank's compute
 takes F times as long, as a slower GPU or a throttled host would.
+
+Besides the sums, ``steady_passes`` prices the step's passes at each timed
+function's *steady* cost per call: the median of its calls but the first and
+the last, times its calls. The first micro-batch of a step runs measurably
+slower (cold caches; 20-30% for the demo on a CPU) and the last backward
+launches the gradient buckets still waiting: costs per step that a plain sum
+would spread over however many micro-batches the rank ran, so a rank given
+fewer (balancing) would look slower per micro-batch than it is.
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from functools import wraps
 
@@ -34,14 +45,18 @@ class ComputeClock:
         self.device = device
         self.slow_factor = 1.0
         self._timers: list[tuple[str, object]] = []
+        self._calls: list[tuple[int, object]] = []  # (timed function, timer) of the passes
+        self._ids = itertools.count()
 
     def begin_step(self) -> None:
+        self._calls = []
         self._timers = []
 
     def timed(self, kind: str, fn: Callable) -> Callable:
         """``fn`` timed as ``kind`` each time it is called (and slowed by ``slow_factor``)."""
         if kind not in KINDS:
             raise ValueError(f"unknown compute kind {kind!r}; valid: {', '.join(KINDS)}")
+        source = next(self._ids)
 
         @wraps(fn)
         def run(*args, **kwargs):
@@ -52,7 +67,9 @@ class ComputeClock:
                 # Inside the timed span: the slowdown is this rank's own compute, as a slower
                 # device's would be (the hook is for CPU runs, where host time is the work's).
                 time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - t0))
-            self._timers.append((kind, timer.stop()))
+            timer.stop()
+            self._timers.append((kind, timer))
+            self._calls.append((source, timer))
             return out
         return run
 
@@ -66,6 +83,14 @@ class ComputeClock:
         for kind, timer in self._timers:
             out[kind] += timer.seconds()
         return out
+
+    def steady_passes(self) -> float:
+        """This step's passes (forward and backward) with each timed function's calls at its
+        steady cost, the median of its calls but the first and last (see the module docstring)."""
+        by_source: dict[int, list[float]] = defaultdict(list)
+        for source, timer in self._calls:
+            by_source[source].append(timer.seconds())
+        return sum(statistics.median(t[1:-1] if len(t) > 2 else t) * len(t) for t in by_source.values())
 
     def instrument_stage(self, stage) -> None:
         """Time a pipeline stage's chunks (its own instance's methods; the class is untouched)."""

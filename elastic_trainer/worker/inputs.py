@@ -39,23 +39,29 @@ class StageInputs:
         self.first_rank = topo.rank(replica, 0)
         self.last_rank = topo.rank(replica, topo.pp - 1)
 
-    def _rows(self, step: int) -> np.ndarray:
+    def _rows(self, step: int, shares: list[int] | None = None) -> np.ndarray:
         gb = self.cfg.train.global_batch_size
-        return self.sampler.replica_rows((step - 1) * gb, gb, self.topo.dp, self.replica)
+        if shares is None:
+            return self.sampler.replica_rows((step - 1) * gb, gb, self.topo.dp, self.replica)
+        # Unequal shares (balancing): this replica's micro-batches, in replica order, of the same
+        # global batch, so the step reads exactly the samples equal shares would.
+        mb = self.cfg.train.micro_batch_size
+        return self.sampler.rows((step - 1) * gb + sum(shares[:self.replica]) * mb, shares[self.replica] * mb)
 
     def _eval_rows(self, batch: int) -> np.ndarray:
         gb = self.cfg.train.global_batch_size
         per = gb // self.topo.dp
         return np.arange(batch * gb + self.replica * per, batch * gb + (self.replica + 1) * per)
 
-    def train_batch(self, step: int):
-        """Step ``step``'s share of this replica, and the next step's read started."""
+    def train_batch(self, step: int, shares: list[int] | None = None):
+        """Step ``step``'s share of this replica (``shares``: micro-batches per replica, None for
+        equal ones), and the next step's read started, on the same shares."""
         if self.train is None:
             return None, None
-        rows = self._rows(step)
+        rows = self._rows(step, shares)
         out = self._get(self.train, rows, (_TRAIN, step, 0))
         if self.has_first and step < self.cfg.train.steps:
-            self.train.prefetch(self._rows(step + 1))
+            self.train.prefetch(self._rows(step + 1, shares))
         return out
 
     def eval_batch(self, step: int, batch: int):

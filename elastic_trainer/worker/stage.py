@@ -68,6 +68,8 @@ class StepResult:
     backward_s: float = 0.0
     optimizer_s: float = 0.0
     wait_s: float = 0.0           # the rest of the step: pipeline receives, collectives, data
+    micro_batches: int = 0        # this replica's share of the step's micro-batches
+    passes_steady_s: float = 0.0  # forward + backward at each pass's steady cost (compute_clock)
 
 
 class StageTrainer:
@@ -142,16 +144,26 @@ class StageTrainer:
             ensure_prepared(cfg.data)
         self.inputs = StageInputs(cfg, topo, self.replica, self.has_first, self.has_last, groups.pp, device)
         self.clock = ComputeClock(device)
-        self.schedule = self._build_schedule() if topo.pp > 1 else None
+        # A schedule per micro-batch count: a share other than the equal one (balancing) runs its
+        # own, with stages of its own (a stage is prepared for one count), beside the equal one
+        # that evaluation keeps using.
+        self._schedules: dict[int, object] = {}
+        self.schedule = self._schedule_for(cfg.micro_batches) if topo.pp > 1 else None
 
-    def _build_schedule(self):
+    def _schedule_for(self, n_micro: int):
+        if n_micro not in self._schedules:
+            for n in [n for n in self._schedules if n != self.cfg.micro_batches]:
+                del self._schedules[n]  # one unequal share at a time is all a replica runs
+            self._schedules[n_micro] = self._build_schedule(n_micro)
+        return self._schedules[n_micro]
+
+    def _build_schedule(self, n_micro: int):
         stages = [
             PipelineStage(self.modules[s], s, self.num_stages, self.device, group=self.groups.pp)
             for s in self.stage_ids
         ]
         for stage in stages:
             self.clock.instrument_stage(stage)
-        n_micro = self.cfg.micro_batches
         loss_fn = self.clock.timed("forward", self.loss_fn)
         if self.cfg.parallel.schedule == "interleaved":
             return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
@@ -248,12 +260,22 @@ class StageTrainer:
         self.inputs.close()
 
     # -- one step -------------------------------------------------------------
-    def train_step(self, step: int) -> StepResult:
+    def train_step(self, step: int, shares: list[int] | None = None) -> StepResult:
         """Forward and backward over the micro-batches, average grads over DP, clip, apply.
 
         ``step`` counts from 1; step s reads global samples [(s-1)*B, s*B).
+        ``shares``: micro-batches per replica (balancing; None: equal shares). A
+        replica's gradient is then weighted by its samples, so the update is the
+        equal shares' one: every micro-batch's loss is divided by the equal
+        count, whatever this replica runs, and the DP average divides by dp.
         """
-        x, y = self.inputs.train_batch(step)
+        n_micro = shares[self.replica] if shares is not None else self.cfg.micro_batches
+        if shares is not None and (len(shares) != self.topo.dp or sum(shares) != self.topo.dp * self.cfg.micro_batches):
+            raise ValueError(f"shares {shares} must give {self.topo.dp} replicas "
+                             f"{self.topo.dp * self.cfg.micro_batches} micro-batches in all")
+        x, y = self.inputs.train_batch(step, shares)
+        schedule = self._schedule_for(n_micro) if self.schedule is not None else None
+        self.sync.accumulations = n_micro
         stats = CommStats()
         scale = self.scaler.scale if self.scaler is not None else None
         if scale is not None:
@@ -265,16 +287,16 @@ class StageTrainer:
         clock = self.clock
         clock.begin_step()
         try:
-            if self.schedule is None:
-                n_micro = self.cfg.micro_batches
+            if schedule is None:
+                equal = self.cfg.micro_batches
                 forward = clock.timed("forward", lambda xm, ym: self.loss_fn(self.modules[0](xm), ym))
-                backward = clock.timed("backward", lambda loss: (loss / n_micro).backward())
+                backward = clock.timed("backward", lambda loss: (loss / equal).backward())
                 for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
                     loss = forward(xm, ym)
                     backward(loss)
                     losses.append(loss.detach())
             else:
-                self.schedule.step(
+                schedule.step(
                     *([x] if self.has_first else []),
                     target=y if self.has_last else None,
                     losses=losses if self.has_last else None,
@@ -331,7 +353,8 @@ class StageTrainer:
         return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, (step - 1) * gb,
                           exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped,
                           snapshot_wait_s=waited, lr=lr, forward_s=own["forward"], backward_s=own["backward"],
-                          optimizer_s=own["optimizer"], wait_s=max(0.0, wall - waited - sum(own.values())))
+                          optimizer_s=own["optimizer"], wait_s=max(0.0, wall - waited - sum(own.values())),
+                          micro_batches=n_micro, passes_steady_s=clock.steady_passes())
 
     def evaluate(self, step: int) -> float | None:
         """Mean loss of ``eval.batches`` held-out batches, forward only, in eval mode (no dropout),

@@ -46,3 +46,16 @@ def test_a_terminal_gets_a_bar_redrawn_in_place():
     assert "5/40" in text and "ETA 0:18" in text
     # An event clears the bar and stands on its own line.
     assert "\r\x1b[2K!! failure at step 6" in text
+
+
+def test_rebalancing_says_what_moved_and_what_it_buys():
+    out = io.StringIO()
+    p = ProgressPrinter(_cfg(), out)
+    p.event({"kind": "rebalance", "step": 12, "action": "shares", "shares_before": None, "shares": [6, 2],
+             "step_s_before": 0.045, "predicted_step_s": 0.026, "payback_steps": 2.3})
+    p.event({"kind": "rebalance", "step": 30, "action": "equal shares", "shares_before": [6, 2], "shares": None,
+             "reason": "the ranks it was for recovered"})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("-> rebalance: micro-batches per replica equal -> [6, 2], predicted 45.0 -> 26.0 ms/step "
+                        "(repays in 2 steps)")
+    assert lines[1] == "-> rebalance: equal micro-batches again (the ranks it was for recovered)"
