@@ -3,14 +3,15 @@
 The demo GPT (jobs/demo.yaml) at dp=2 x pp=2 on four one-CPU nodes; one
 worker (rank 1 at the start) computes ``--factor`` times slower for the middle
 third of the run (``inject_fault("slow_compute")``, on at step N/3, off at
-2N/3). Reported per ``balance.mode`` (``off``, ``detect``; ``act`` once the
-mitigations exist), interleaved over ``--rounds``:
+2N/3). Reported per ``balance.mode`` (``off``, ``detect``, ``act``),
+interleaved over ``--rounds``:
 
 - tokens/s over the slow third and over the whole run, and the same run with
   no straggler (the baseline), so the throughput the straggler costs is
   ``baseline - off`` and a mitigation recovers ``(mode - off) / (baseline - off)``;
-- with ``detect``: the step the straggler event named the rank and the step its
-  recovery was seen, against when the slowdown began and ended.
+- with ``detect`` and ``act``: the step the straggler event named the rank and the
+  step its recovery was seen, against when the slowdown began and ended; with
+  ``act``, each ``rebalance`` (the micro-batches per replica it moved to).
 
 Target (issue 17): ``act`` recovers at least 60% of the throughput lost. Run on
 a quiet machine:
@@ -37,10 +38,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from recovery import demo_config, start_cluster  # noqa: E402  (the same cluster and job as the recovery benchmark)
 
-MODES = ("off", "detect")
+MODES = ("off", "detect", "act")
 
 
-def run_once(steps: int, factor: float, mode: str, slow: bool, name: str) -> dict:
+def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_batch: int) -> dict:
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
@@ -48,6 +49,9 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str) -> dic
 
     raw = demo_config(steps, name, balance={"mode": mode}, failure={"allow_fault_injection": True},
                       checkpoint={"memory_every": 10})
+    # Shares move whole micro-batches, and 1F1B keeps pp of them per replica: the demo's own
+    # micro-batch (2 per replica at dp=2) leaves nothing to move.
+    raw["train"]["micro_batch_size"] = micro_batch
     start, end = steps // 3, 2 * steps // 3
     done: set = set()
 
@@ -74,8 +78,10 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str) -> dic
         "slow_third_tokens_per_s": gb_tokens * len(middle) / sum(r["step_time_s"] for r in middle),
         "median_step_s": statistics.median(r["step_time_s"] for r in h[3:]),
     }
-    ev = [e for e in result.events if e["kind"] in ("straggler", "straggler_recovered")]
-    out["events"] = [{k: e.get(k) for k in ("kind", "rank", "step", "since_step", "pace")} for e in ev]
+    ev = [e for e in result.events if e["kind"] in ("straggler", "straggler_recovered", "rebalance")]
+    out["events"] = [{k: e[k] for k in ("kind", "rank", "step", "since_step", "pace", "shares", "predicted_step_s")
+                      if k in e} for e in ev]
+    out["shares_by_step"] = {r["step"]: r["shares"] for r in h if r.get("shares")}
     out["slowdown"] = {"from_step": start, "to_step": end} if slow else None
     return out
 
@@ -85,6 +91,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=90)
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=1, help="train.micro_batch_size (the demo's is 4)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "straggler.json"))
     args = ap.parse_args()
     import ray
@@ -93,9 +100,9 @@ def main() -> None:
     runs = []
     try:
         for rnd in range(args.rounds):
-            runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}"))
+            runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}", args.micro_batch))
             for mode in MODES:
-                runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}"))
+                runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}", args.micro_batch))
             print(json.dumps(runs[-len(MODES) - 1:], indent=None), flush=True)
     finally:
         ray.shutdown()

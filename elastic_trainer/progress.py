@@ -93,6 +93,13 @@ class ProgressPrinter:
                        f"{ev['since_step']} (pace {ev['pace']:.2f} over balance.window)")
         elif kind == "straggler_recovered":
             self._line(f"-> rank {ev['rank']} is back to pace {ev['pace']:.2f} after {ev['slow_steps']} slow steps")
+        elif kind == "rebalance" and ev.get("action") == "spare":
+            self._line(f"-> rebalance: leaving rank {ev['rank']} out as a spare (pace {ev['pace']:.2f}): dp="
+                       f"{ev['plan_after']['dp']} x pp={ev['plan_after']['pp']} predicted "
+                       f"{ev['predicted_step_s'] * 1e3:.1f} ms/step against {ev['step_s_before'] * 1e3:.1f}")
+        elif kind == "rebalance" and ev.get("action") == "readmit":
+            self._line(f"-> rebalance: worker {ev['worker']} is back to pace {ev['pace']:.2f} after "
+                       f"{ev['benched_steps']} steps benched; it may be grown onto")
         elif kind == "rebalance":
             if ev.get("shares"):
                 self._line(f"-> rebalance: micro-batches per replica {ev['shares_before'] or 'equal'} -> "

@@ -68,6 +68,9 @@ def format_status(st: dict) -> str:
                      + (f" STRAGGLER since step {slow[w['rank']]}" if w["rank"] in slow else ""))
     if st.get("shares"):
         lines.append(f"    micro-batches per replica (balancing): {st['shares']}")
+    for b in st.get("benched") or []:
+        lines.append(f"    benched straggler: worker {b['worker']} (was rank {b['rank_before']}, pace {b['pace']:.2f}) "
+                     f"since step {b['since_step']}")
     spares = [w for w in st.get("workers", []) if w["rank"] is None]
     if spares:
         lines.append(f"    spares: {', '.join(str(w['worker_id']) for w in spares)}")

@@ -11,4 +11,4 @@ if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
 fi
 # Ray binds 127.0.0.1 with this set: tests never leave loopback.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

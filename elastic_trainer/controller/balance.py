@@ -32,15 +32,22 @@ import statistics
 from collections.abc import Callable
 
 from ..config import BalanceSection
-from ..planning.balancing import propose_shares
+from ..planning.balancing import predict_step_s, propose_shares
 from .pace import PaceTracker
 
 
 class Balance:
-    def __init__(self, cfg: BalanceSection, sync: str = "allreduce"):
+    def __init__(self, cfg: BalanceSection, sync: str = "allreduce",
+                 spare_plan: Callable[[], object | None] | None = None,
+                 replan_cost_s: Callable[[], float] | None = None):
+        """``spare_plan``: the policy's choice (``PlanChoice``) on the usable workers less one,
+        None where there is none; ``replan_cost_s``: what a live re-plan costs, as measured."""
         self.cfg = cfg
         self.on = cfg.mode != "off"
-        self.acts = cfg.mode == "act" and sync == "allreduce"
+        self.acts = cfg.mode == "act"
+        self.shares_ok = sync == "allreduce"   # the other sync modes average models, not gradients
+        self._spare_plan, self._replan_cost_s = spare_plan, replan_cost_s
+        self.bench_request: tuple[int, float] | None = None   # (rank, pace) to leave out, for the controller
         self.tracker = PaceTracker(cfg.threshold, cfg.window)
         self.shares: list[int] | None = None   # micro-batches per replica; None: equal
         self._for: set[int] = set()            # the stragglers the shares were made for
@@ -49,6 +56,7 @@ class Balance:
         self._row_fn: Callable[[], dict | None] | None = None
         self._row: dict | None = None
         self._worker_s: collections.deque = collections.deque(maxlen=cfg.window)
+        self._actual: dict[int, collections.deque] = {}   # rank -> compute seconds as run, over the window
         self._decided_at = 0
 
     def new_plan(self, topo, equal_micro_batches: int = 1, row_fn: Callable[[], dict | None] | None = None) -> None:
@@ -57,7 +65,9 @@ class Balance:
         self.tracker.reset({r: topo.coords(r)[1] for r in range(topo.world_size)})
         self._topo, self._equal, self._row_fn, self._row = topo, equal_micro_batches, row_fn, None
         self.shares, self._for = None, set()
+        self.bench_request = None
         self._worker_s.clear()
+        self._actual = {r: collections.deque(maxlen=self.cfg.window) for r in range(topo.world_size)}
         self._decided_at = 0
 
     def observe(self, step: int, results: dict, record: dict, where: dict[int, tuple]) -> list[dict]:
@@ -68,6 +78,8 @@ class Balance:
         own = {o["rank"]: o.get("forward_s", 0.0) + o.get("backward_s", 0.0) + o.get("optimizer_s", 0.0)
                for o in results.values()}
         record["rank_compute_s"] = {str(r): round(c, 6) for r, c in sorted(own.items())}
+        for r, c in own.items():
+            self._actual.setdefault(r, collections.deque(maxlen=self.cfg.window)).append(c)
         compute = {o["rank"]: self._equal_share_compute(o) for o in results.values()}
         record["rank_wait_s"] = {str(o["rank"]): round(o.get("wait_s", 0.0), 6)
                                  for o in sorted(results.values(), key=lambda o: o["rank"])}
@@ -93,9 +105,9 @@ class Balance:
         return passes * self._equal / n + o.get("optimizer_s", 0.0)
 
     def act(self, step: int, named: bool) -> list[dict]:
-        """After ``observe``: move the shares if that repays (``named``: a straggler was named
-        this step); returns the ``rebalance`` events (each change, with its figures)."""
-        if not self.acts or self._topo is None or self._topo.dp < 2:
+        """After ``observe``: move the shares, or leave the straggler out, if that repays
+        (``named``: a straggler was named this step); returns the ``rebalance`` events."""
+        if not self.acts or self._topo is None:
             return []
         slow = self.tracker.stragglers
         if self.shares is not None and not (self._for & slow.keys()):
@@ -110,15 +122,56 @@ class Balance:
         if row is None or paces is None or not self._worker_s:
             return []
         measured = statistics.median(self._worker_s)
-        # Taking new shares costs the replicas' next step a schedule for the new count: a step, at most.
-        prop = propose_shares(row, paces, self.shares, measured, self.cfg.payback_steps, cost_s=measured)
-        if prop is None:
+        if self.shares_ok and self._topo.dp > 1:
+            # Cheapest first. Taking new shares costs the replicas' next step a schedule for the
+            # new count: a step, at most.
+            prop = propose_shares(row, paces, self.shares, measured, self.cfg.payback_steps, cost_s=measured)
+            if prop is not None and self._moves_off_the_slowest(prop.shares):
+                before, self.shares = self.shares, prop.shares
+                self._for = set(slow) if prop.shares is not None else set()
+                return [{"kind": "rebalance", "step": step, "action": "shares" if prop.shares else "equal shares",
+                         "shares_before": before, "ranks": sorted(slow),
+                         "replica_pace": [round(p, 3) for p in paces], **prop.figures()}]
+        # The straggler has had a window to be worked around (named is its first step): leave it out?
+        if named and self.shares_ok and self._topo.dp > 1:
             return []
-        before, self.shares = self.shares, prop.shares
-        self._for = set(slow) if prop.shares is not None else set()
-        return [{"kind": "rebalance", "step": step, "action": "shares" if prop.shares else "equal shares",
-                 "shares_before": before, "ranks": sorted(slow), "replica_pace": [round(p, 3) for p in paces],
-                 **prop.figures()}]
+        return self._propose_spare(step, row, paces, measured, slow)
+
+    def _propose_spare(self, step: int, row: dict, paces: list[float], measured: float, slow: dict) -> list[dict]:
+        if self._spare_plan is None or self._replan_cost_s is None:
+            return []
+        choice = self._spare_plan()
+        if choice is None:
+            return []
+        predicted_now = predict_step_s(row, paces, self.shares)
+        after = measured / predicted_now * choice.est_step_s if predicted_now > 0 else choice.est_step_s
+        # Out now and back once it recovers: two re-plans, each a set-up, its snapshot step and a warm-up step.
+        cost = 2 * (self._replan_cost_s() + 2 * measured)
+        gain = measured - after
+        if gain <= 0 or gain * self.cfg.payback_steps <= cost:
+            return []
+        rank = max(slow, key=lambda r: self.tracker.compute_median(r) or 0.0)
+        pace = self.tracker.pace_of(rank) or 1.0
+        self.bench_request = (rank, pace)
+        return [{"kind": "rebalance", "step": step, "action": "spare", "rank": rank, "pace": round(pace, 3),
+                 "plan_after": {"dp": choice.dp, "pp": choice.pp}, "predicted_step_s": round(after, 6),
+                 "step_s_before": round(measured, 6), "cost_s": round(cost, 6),
+                 "payback_steps": round(cost / gain, 2)}]
+
+    def _moves_off_the_slowest(self, shares: list[int] | None) -> bool:
+        """Whether every replica that would give micro-batches away takes at least as long, as
+        run now, as every one that would take them: a guard against the pace read at the equal
+        share overstating a replica on few micro-batches (on an oversubscribed host it does),
+        which would otherwise move ever more off a replica that is no longer the slowest."""
+        now = self.shares or [self._equal] * self._topo.dp
+        new = shares or [self._equal] * self._topo.dp
+        actual = []
+        for i in range(self._topo.dp):
+            per = [statistics.median(self._actual[r]) for r in self._replica_ranks(i) if self._actual.get(r)]
+            actual.append(max(per) if per else 0.0)
+        givers = [actual[i] for i in range(len(now)) if new[i] < now[i]]
+        takers = [actual[i] for i in range(len(now)) if new[i] > now[i]]
+        return not givers or not takers or min(givers) >= max(takers)
 
     def _plan_row(self) -> dict | None:
         if self._row is None and self._row_fn is not None:

@@ -38,9 +38,10 @@ from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
-from ..planning.policy import plan_row
+from ..planning.policy import choose_plan, plan_row
 from .durable_writer import DurableWriter
 from .balance import Balance
+from .benching import Bench
 from .views import ControllerViews
 from .evaluation import Evaluator
 from .placement import assign_ranks, fault_tolerance, find_nodes
@@ -86,7 +87,10 @@ class Controller(ControllerViews):
         self.writer: DurableWriter | None = None
         self.recovery = Recovery(self)
         self.evaluator = Evaluator(self)
-        self.balance = Balance(self.cfg.balance, self.cfg.comm.sync)   # per-rank pace and stragglers
+        self.balance = Balance(self.cfg.balance, self.cfg.comm.sync, self._spare_plan,
+                               lambda: self.last_setup_s)        # per-rank pace and stragglers
+        self.bench = Bench(self)
+        self.last_setup_s = 0.0   # the last plan's set-up, what balancing prices a re-plan at                                        # stragglers left out as spares
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self.setup_timings: dict = {}
         self.restore_moved: dict = {}         # the last set-up's state transfer: bytes, seconds, rate
@@ -258,7 +262,8 @@ class Controller(ControllerViews):
         """Give every rank of ``plan`` a worker, set them up, load ``restore`` = (step, block sources, tiers).
         ``reuse_world``: the id of the survivors' shrunk world that ``ranks`` keeps (``survivors``)."""
         topo, pool = plan.topology, self.pool
-        wids = sorted(pool.workers)
+        started = time.perf_counter()
+        wids = self.bench.usable()   # a benched straggler holds no rank
         if len(wids) < topo.world_size:
             raise WorkerError(f"plan {topo} needs {topo.world_size} workers, {len(wids)} are alive")
         if ranks is None:
@@ -266,7 +271,7 @@ class Controller(ControllerViews):
             ranks = {r: wids[s] for r, s in enumerate(slot_of_rank)}
         plan.rank_nodes = {r: pool[w].node for r, w in ranks.items()}
         sources = self.recovery.sources(restore, ranks, plan) if restore else {r: None for r in ranks}
-        for w in wids:
+        for w in sorted(pool.workers):   # benched ones too: they leave their groups
             if w not in ranks.values():
                 pool[w].rank = None
                 pool[w].actor.reset.remote()
@@ -336,7 +341,13 @@ class Controller(ControllerViews):
         desc["from_step"] = self.step + 1
         with self._lock:
             self.plans.append(desc)
+        self.last_setup_s = time.perf_counter() - started
         return desc
+
+    def _spare_plan(self):
+        """The policy's plan on the usable workers less one (a straggler left out), or None."""
+        n = len(self.bench.usable()) - 1
+        return choose_plan(self.cfg, n, self.worker_memory()) if n >= 1 else None
 
     def abort_setups(self) -> None:
         """End the set-ups of a failed attempt that still wait at a rendezvous, before the next try
@@ -357,8 +368,12 @@ class Controller(ControllerViews):
         for ev in self.balance.observe(step, out.results, record, where):
             named = named or ev["kind"] == "straggler"
             self.event(ev.pop("kind"), **ev)
-        for ev in self.balance.act(step, named):
+        for ev in self.balance.act(step, named) + self.bench.poll(step):
             self.event(ev.pop("kind"), **ev)
+        if self.balance.bench_request:
+            rank, pace = self.balance.bench_request
+            self.balance.bench_request = None
+            self.bench.bench(rank, pace, step)
         with self._lock:
             self.history.append(record)
             self.step = step

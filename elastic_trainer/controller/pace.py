@@ -105,6 +105,11 @@ class PaceTracker:
                 st.slow_since = None
         return paces, events
 
+    def pace_of(self, rank: int) -> float | None:
+        """``rank``'s median pace over the window (None before any)."""
+        st = self._ranks.get(rank)
+        return statistics.median(st.paces) if st is not None and st.paces else None
+
     def compute_median(self, rank: int) -> float | None:
         """The median of ``rank``'s compute seconds over the window (None before any)."""
         st = self._ranks.get(rank)

@@ -11,37 +11,29 @@ step); what it owns is the failure count and the recovery event in progress.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from typing import TYPE_CHECKING
 
 import ray
 
-from ..checkpoint.compat import resume_differences
-from ..checkpoint.durable import CheckpointError
-from ..retry import StorageError
 from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan
 from .failures import Diagnosis, diagnose
-from .restore import Load, choose_restore, plan_loads
+from .restore_points import RestorePoints
 from .run_state import RunState
 from .stepping import StepOutcome
 from .survivors import ShrunkWorld, end_collectives, shrunk_ranks
-from .workers import failed
 
 if TYPE_CHECKING:
     from .controller import Controller
 
 log = logging.getLogger(__name__)
 
-# Queries to workers that just answered a ping (which steps they hold): a slow
-# answer means a busy worker, not a lost one.
-_QUERY_TIMEOUT_S = 10.0
 
 
-class Recovery:
+class Recovery(RestorePoints):
     def __init__(self, ctl: "Controller"):
         self.ctl = ctl
         self.cfg = ctl.cfg
@@ -52,6 +44,7 @@ class Recovery:
         self.durable_manifest: dict = {}
         self._last_grow_check = time.monotonic()
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
+        self._replan_reason: str | None = None   # a re-plan asked for (a straggler benched), likewise
         self._abandoned: list = []  # snapshot parts of failed steps, read once they end (else Ray logs them)
         self.shrunk: ShrunkWorld | None = None  # the survivors' shrunk world, for the next plan to keep
         self.holder_reads = 0   # snapshot parts the last restore read from a holder's pinned copy
@@ -241,9 +234,10 @@ class Recovery:
             topo = ctl.plan.topology
             plan = plan_for(self.cfg, topo.dp, topo.pp, ctl.plan.stage_bounds, ctl.counts)
             return plan, dict(ctl.ranks), "kept: every worker of the plan is alive"
-        choice = choose_plan(self.cfg, len(pool), ctl.worker_memory())
+        usable = len(ctl.bench.usable())
+        choice = choose_plan(self.cfg, usable, ctl.worker_memory())
         if choice is None:
-            raise RunError(f"no dp x pp fits {len(pool)} workers for global_batch_size"
+            raise RunError(f"no dp x pp fits {usable} workers for global_batch_size"
                            f"({self.cfg.train.global_batch_size}) and micro_batch_size({self.cfg.train.micro_batch_size})"
                            + (f" in scaling.worker_memory_gb({self.cfg.scaling.worker_memory_gb:g})"
                               if self.cfg.scaling.worker_memory_gb else ""))
@@ -266,10 +260,25 @@ class Recovery:
                        f"within failure.wait_for_nodes_s({self.cfg.failure.wait_for_nodes_s:g})"
                        + (f"; durable checkpoint at {path}" if path else ""))
 
+    def request_replan(self, reason: str) -> None:
+        """Re-plan on the usable workers at the next snapshot step, as a grow does (``reason``
+        names it in the recovery event)."""
+        self._replan_reason = reason
+
     def maybe_grow(self) -> None:
-        """Re-plan onto workers that joined if the policy prefers a larger plan: right after a
-        snapshot step (nothing is redone), asking the schedule for one if none was just taken."""
+        """Re-plan onto workers that joined if the policy prefers a larger plan, or as
+        ``request_replan`` asked: right after a snapshot step (nothing is redone), asking the
+        schedule for one if none was just taken."""
         ctl, pool = self.ctl, self.ctl.pool
+        if self._replan_reason is not None:
+            if ctl.schedule.last_taken != ctl.step:
+                ctl.schedule.request()
+                return
+            reason, self._replan_reason = self._replan_reason, None
+            ctl.transition(RunState.RESIZING, workers=len(ctl.bench.usable()))
+            self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason=reason)
+            ctl.bench.after_replan()
+            return
         if not self._grow_wanted:
             now = time.monotonic()
             if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
@@ -285,145 +294,19 @@ class Recovery:
             return
         self._grow_wanted = False
         if self._larger_plan():  # still: a worker may have gone meanwhile
-            ctl.transition(RunState.RESIZING, workers=len(pool))
+            ctl.transition(RunState.RESIZING, workers=len(ctl.bench.usable()))
             self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason="grow")
 
     def _larger_plan(self) -> bool:
         """Whether spare workers would let the policy choose a plan larger than the current one."""
         ctl, pool = self.ctl, self.ctl.pool
-        if not any(h.rank is None for h in pool.workers.values()):
+        usable = ctl.bench.usable()
+        if not any(pool[w].rank is None for w in usable):
             return False
-        choice = choose_plan(self.cfg, len(pool), ctl.worker_memory())
+        choice = choose_plan(self.cfg, len(usable), ctl.worker_memory())
         topo = ctl.plan.topology
         return not (choice is None or (choice.dp, choice.pp) == (topo.dp, topo.pp)
                     or choice.world_size <= topo.world_size)
-
-    # -- restore ---------------------------------------------------------------------------
-    def restore_point(self) -> tuple[int, dict, dict] | None:
-        """(step, block -> Source, where the blocks came from) for the latest step every block has."""
-        ctl, pool = self.ctl, self.ctl.pool
-        if ctl.step == 0 and ctl.resume_point is not None:
-            return ctl.resume_point   # --resume, before its first set-up took
-        answers = pool.ask("local_steps", list(pool.workers), _QUERY_TIMEOUT_S)
-        live = {w: a for w, a in answers.items() if not failed(a)}
-        # A rank that wrote its whole state into the object store kept no other copy of it.
-        for w, per_step in ctl.snapshots.written(set(live)).items():
-            for step, (_, blocks) in per_step.items():
-                live[w][step] = sorted(set(live[w].get(step, [])) | set(blocks))
-        snaps = ctl.snapshots.available(pool.nodes(), set(pool.workers))
-        n_blocks = len(ctl.counts)
-        found = choose_restore(n_blocks, live, snaps, {}, max_step=ctl.step)
-        if found is None or (ctl.durable and self._durable_step_beyond(found[0])):
-            durable = self.load_durable()
-            if durable:
-                found = choose_restore(n_blocks, live, snaps, durable, max_step=ctl.step) or found
-        if found is None:
-            if ctl.step == 0:
-                return None
-            raise RunError(f"no source holds every block at any step: live copies {live}, "
-                           f"snapshots {sorted(snaps)}, durable {'none' if not ctl.durable else 'unusable'}; "
-                           f"after: {self.failure_summary()}")
-        step, chosen = found
-        tiers = collections.Counter(src.tier for src in chosen.values())
-        return step, chosen, dict(tiers)
-
-    def _durable_step_beyond(self, step: int) -> bool:
-        try:
-            steps = self.ctl.durable.steps() if self.ctl.durable else []
-        except StorageError as e:
-            self.ctl.event("checkpoint_problem", detail=str(e))
-            return False
-        return bool(steps) and steps[0] > step
-
-    def load_durable(self, resume: bool = False) -> dict:
-        """Load the latest durable checkpoint into the object store: ``{step: {shard: blocks}}``, or {}.
-
-        Mid-run, the run's own newest, and a storage error is a problem noted (the run has
-        other copies). With ``resume``, the newest of any run there, and a storage error fails."""
-        ctl = self.ctl
-        try:
-            loaded = ctl.durable.load_latest(own=not resume) if ctl.durable else None
-        except StorageError as e:
-            if resume:
-                raise RunError(f"--resume cannot read checkpoint.storage({self.cfg.checkpoint.storage!r}): {e}") from None
-            ctl.event("checkpoint_problem", detail=str(e))
-            return {}
-        except CheckpointError as e:
-            if resume:
-                raise RunError(f"--resume found no usable checkpoint: {e}") from None
-            ctl.event("checkpoint_problem", detail=str(e))
-            return {}
-        if not loaded:
-            return {}
-        shards, manifest, problems = loaded
-        for p in problems:
-            ctl.event("checkpoint_problem", detail=p)
-        self._durable_refs = {i: ray.put(s) for i, s in enumerate(shards)}
-        self.durable_manifest = manifest
-        return {manifest["step"]: {i: s["blocks"] for i, s in enumerate(shards)}}
-
-    def durable_refs(self, chosen: dict) -> list:
-        """Refs of the durable shards among the sources ``chosen``."""
-        return [self._durable_refs[src.shard] for src in set(chosen.values()) if src.tier == "durable"]
-
-    def sources(self, restore: tuple, ranks: dict[int, int], plan) -> dict[int, list]:
-        """Per rank, the refs (or ``("local", step)``) to load: see ``restore.plan_loads``."""
-        ctl, pool = self.ctl, self.ctl.pool
-        step, chosen, _ = restore
-        answers = pool.ask("local_steps", list(ranks.values()), _QUERY_TIMEOUT_S)
-        own = {w: ({} if failed(a) else a).get(step, []) for w, a in answers.items()}
-        # Parts written by live workers at this step: their objects are those workers' copies.
-        written = {w: per[step] for w, per in ctl.snapshots.written(set(pool.workers)).items() if step in per}
-        loads = plan_loads(chosen, ranks, {r: plan.blocks_of(r) for r in ranks}, own,
-                           {w: blocks for w, (_, blocks) in written.items()})
-        self.holder_reads = 0
-
-        def ref(load: Load, wid: int):
-            if load.kind == "local":
-                return ("local", step)
-            if load.kind == "written":
-                # The worker's own part lies in its node's object store: loading it moves nothing.
-                return ("own", written[wid][0]) if load.worker == wid else written[load.worker][0]
-            if load.kind == "export":
-                return pool[load.worker].actor.export_blocks.remote(step, list(load.blocks))
-            if load.kind == "snapshot":
-                # Where the part's node died, Ray reads its object from the dead node until it
-                # declares it lost (about 30 s); a holder's pinned copy answers at once.
-                holder = ctl.snapshots.live_holder(step, load.part, pool.nodes(), set(pool.workers))
-                if holder is not None:
-                    self.holder_reads += 1
-                    return pool[holder].actor.pinned_part.remote((step, load.part))
-                return ctl.snapshots.ref(step, load.part)
-            return self._durable_refs[load.shard]
-
-        return {r: [ref(load, ranks[r]) for load in rank_loads] for r, rank_loads in loads.items()}
-
-    def resume_source(self) -> tuple | None:
-        """The restore point of ``--resume``: the latest durable checkpoint, with its history."""
-        ctl, storage = self.ctl, self.cfg.checkpoint.storage
-        if not ctl.durable:
-            raise RunError("resume needs checkpoint.storage")
-        durable = self.load_durable(resume=True)
-        if not durable:
-            ctl.event("resume", detail=f"no checkpoint in {storage}; starting fresh")
-            return None
-        manifest = self.durable_manifest
-        diff = resume_differences(manifest.get("config") or {}, ctl.cfg_json, manifest.get("data"), ctl.data)
-        if diff:
-            raise RunError(f"--resume refuses the checkpoint of step {manifest['step']} in {storage}: it was "
-                           f"trained with another model or data ({'; '.join(diff)}). Resume with the same "
-                           "model, data, train.seed and train.global_batch_size (dp, pp and placement may "
-                           "differ), or point checkpoint.storage elsewhere to start fresh.")
-        if manifest.get("run_id"):
-            # The resumed run continues that run: its checkpoints, its pruning.
-            ctl.run_id = ctl.durable.run_id = manifest["run_id"]
-        found = choose_restore(len(ctl.counts), {}, {}, durable)
-        if found is None:
-            raise RunError(f"the checkpoint in {storage} does not cover every block of this model")
-        ctl.extend_history(self.durable_manifest.get("history", []))
-        ctl.event("resume", step=found[0], source=storage)
-        log.info("[%s] resuming from step %d of %s", ctl.run_name, found[0], storage)
-        return found[0], found[1], {"durable": len(found[1])}
 
 
 def _plan_summary(desc: dict | None) -> dict | None:

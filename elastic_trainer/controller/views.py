@@ -40,4 +40,5 @@ class ControllerViews:
                     "eval": next((e for e in reversed(self.events) if e["kind"] == "eval"), None),
                     "pace": (self.history[-1].get("pace") if self.history else None) or {},
                     "stragglers": self.balance.tracker.stragglers,
-                    "shares": self.balance.shares}
+                    "shares": self.balance.shares,
+                    "benched": self.bench.describe()}

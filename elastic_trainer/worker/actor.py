@@ -26,6 +26,7 @@ from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
 from .copies import HeldCopies
 from .device import bind, current_visible, worker_device
+from .probe import probe_compute
 from .faults import FaultHooks
 from .group_keeper import GroupKeeper
 from .process_group import free_port
@@ -108,6 +109,13 @@ class TrainWorker:
         ``reset`` follows."""
         bind(self.gpu)
         return self.groups.fail(excluded, shrink_id, timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def probe(self) -> float:
+        """Seconds a fixed workload takes on this worker's device now (``worker.probe``): how a
+        benched straggler shows it has recovered."""
+        bind(self.gpu)
+        return probe_compute(self.gpu, self.faults.slow)
 
     @ray.method(concurrency_group="control")
     def abort_setup(self, generation: int) -> None:

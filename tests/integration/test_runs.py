@@ -226,5 +226,40 @@ def test_shares_move_between_pipelined_replicas_with_the_curve_unchanged(cluster
     assert 3 in [e["rank"] for e in result.events if e["kind"] == "straggler"]
     # 1F1B runs at least as many micro-batches as stages: replica 1 keeps 2 of the 8 at least.
     assert moves and moves[0]["shares"][1] < moves[0]["shares"][0]
-    assert all(min(m["shares"]) >= 2 for m in moves if m["shares"])
+    assert all(min(m["shares"]) >= 2 for m in moves if m.get("shares"))
+    assert [r["loss"] for r in result.history] == pytest.approx(reference_losses(cfg, cfg.train.steps), rel=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_a_straggler_no_share_can_help_is_left_out_as_a_spare_and_let_back_in(cluster, corpus_dir):
+    from ..helpers import reference_losses
+
+    # One micro-batch per replica: no share can move, so the straggler is benched (a re-plan
+    # without it, priced against two set-ups), probed while benched, and grown onto once well.
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, parallel={"dp": 2, "pp": 1}, run={"name": "bench"},
+        train={"steps": 140, "micro_batch_size": 4},
+        balance={"window": 6, "payback_steps": 5000}, scaling={"grow_check_s": 0.5},
+        failure={"allow_fault_injection": True}))
+    slow = _slow("bench", 1, 1, 0, 3.0)
+    well = _slow("bench", 1, 1, 0, 1.0)
+    state = {"benched_at": None}
+
+    def on_step(rec, actions={3: slow}):
+        _at_steps(actions)(rec)
+        if rec["dp"] == 1 and state["benched_at"] is None:
+            state["benched_at"] = rec["step"]
+            actions[rec["step"] + 10] = well
+
+    result = Trainer(cfg, verbose=False, on_step=on_step).fit()
+    moves = [e for e in result.events if e["kind"] == "rebalance"]
+    spare = [m for m in moves if m["action"] == "spare"]
+    back = [m for m in moves if m["action"] == "readmit"]
+    assert len(spare) == 1 and spare[0]["rank"] == 1 and spare[0]["plan_after"] == {"dp": 1, "pp": 1}
+    assert spare[0]["predicted_step_s"] < spare[0]["step_s_before"]
+    assert len(back) == 1 and back[0]["step"] > spare[0]["step"] and back[0]["pace"] < 1.15
+    reasons = [r["reason"] for r in result.recoveries]
+    assert reasons == ["straggler", "grow"], reasons
+    assert [r["steps_redone"] for r in result.recoveries] == [0, 0]
+    assert [(p["dp"], p["pp"]) for p in result.plans] == [(2, 1), (1, 1), (2, 1)]
     assert [r["loss"] for r in result.history] == pytest.approx(reference_losses(cfg, cfg.train.steps), rel=1e-5)
