@@ -41,7 +41,8 @@ from recovery import demo_config, start_cluster  # noqa: E402  (the same cluster
 MODES = ("off", "detect", "act")
 
 
-def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_batch: int) -> dict:
+def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_batch: int,
+             layout: tuple[int, int]) -> dict:
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
@@ -52,12 +53,14 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
     # Shares move whole micro-batches, and 1F1B keeps pp of them per replica: the demo's own
     # micro-batch (2 per replica at dp=2) leaves nothing to move.
     raw["train"]["micro_batch_size"] = micro_batch
+    raw["parallel"].update(dp=layout[0], pp=layout[1])
     start, end = steps // 3, 2 * steps // 3
     done: set = set()
 
     def set_factor(f: float) -> None:
-        # The worker that started as rank 1 (replica 0, stage 1): actors are named at the start.
-        ray.get(ray.get_actor(f"{name}-rank1-r0s1", namespace=NAMESPACE).inject_fault.remote(
+        # The worker that started as rank 1: actors are named after their first rank.
+        replica, stage = divmod(1, layout[1])
+        ray.get(ray.get_actor(f"{name}-rank1-r{replica}s{stage}", namespace=NAMESPACE).inject_fault.remote(
             "slow_compute", seconds=f))
 
     def on_step(rec):
@@ -86,24 +89,46 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
     return out
 
 
+def ray_train_once(steps: int, factor: float, slow: bool, micro_batch: int) -> dict:
+    """Ray Train (TorchTrainer, DDP at dp=4, the throughput benchmark's loop) on the same
+    slowdown: rank 1's passes ``factor`` times slower over the middle third. It waits."""
+    from throughput import demo_config as ddp_config, run_ray_train
+
+    raw = ddp_config(steps)
+    raw["train"]["micro_batch_size"] = micro_batch
+    start, end = steps // 3, 2 * steps // 3
+    times = run_ray_train(raw, {"rank": 1, "factor": factor, "from": start, "to": end} if slow else None)
+    gb_tokens = raw["train"]["global_batch_size"] * raw["data"]["seq_len"]
+    middle = times[start:end]
+    return {"mode": "ray_train", "slow": slow, "tokens_per_s": gb_tokens * len(times[3:]) / sum(times[3:]),
+            "slow_third_tokens_per_s": gb_tokens * len(middle) / sum(middle),
+            "median_step_s": statistics.median(times[3:]), "events": [],
+            "slowdown": {"from_step": start, "to_step": end} if slow else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=90)
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=1, help="train.micro_batch_size (the demo's is 4)")
+    ap.add_argument("--layout", default="2x2", help="dp x pp, as DPxPP (the demo's is 2x2)")
+    ap.add_argument("--no-ray-train", action="store_true", help="leave out Ray Train (DDP at dp=4) on the slowdown")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "straggler.json"))
     args = ap.parse_args()
+    layout = tuple(int(v) for v in args.layout.lower().split("x"))
     import ray
 
     cluster, _ = start_cluster(4)
     runs = []
     try:
         for rnd in range(args.rounds):
-            runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}", args.micro_batch))
+            runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}", args.micro_batch, layout))
             for mode in MODES:
-                runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}", args.micro_batch))
-            print(json.dumps(runs[-len(MODES) - 1:], indent=None), flush=True)
+                runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}", args.micro_batch, layout))
+            if not args.no_ray_train:
+                runs += [ray_train_once(args.steps, args.factor, slow, args.micro_batch) for slow in (False, True)]
+            print(json.dumps(runs[-len(MODES) - 3:], indent=None), flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -111,25 +136,41 @@ def main() -> None:
     def med(rows, key):
         return statistics.median(r[key] for r in rows)
 
-    base = [r for r in runs if not r["slow"]]
-    table = {"baseline": {k: med(base, k) for k in ("tokens_per_s", "slow_third_tokens_per_s")}}
+    base = [r for r in runs if not r["slow"] and r["mode"] == "off"]
+    keys = ("tokens_per_s", "slow_third_tokens_per_s")
+    table = {"baseline": {k: med(base, k) for k in keys}}
     for mode in MODES:
         rows = [r for r in runs if r["slow"] and r["mode"] == mode]
-        table[mode] = {k: med(rows, k) for k in ("tokens_per_s", "slow_third_tokens_per_s")}
+        table[mode] = {k: med(rows, k) for k in keys}
         table[mode]["spread_slow_third"] = [round(r["slow_third_tokens_per_s"]) for r in rows]
     lost = table["baseline"]["slow_third_tokens_per_s"] - table["off"]["slow_third_tokens_per_s"]
     for mode in MODES:
         got = table[mode]["slow_third_tokens_per_s"] - table["off"]["slow_third_tokens_per_s"]
         table[mode]["recovered_share"] = got / lost if lost > 0 else None
-    print("| run | tokens/s (whole run) | tokens/s (slow third) | spread (slow third) | recovered |")
-    print("|---|---|---|---|---|")
+        table[mode]["lost_share"] = 1 - table[mode]["slow_third_tokens_per_s"] / table["baseline"]["slow_third_tokens_per_s"]
+    rt = {slow: [r for r in runs if r["mode"] == "ray_train" and r["slow"] == slow] for slow in (False, True)}
+    if rt[False] and rt[True]:
+        table["ray_train_baseline"] = {k: med(rt[False], k) for k in keys}
+        table["ray_train"] = {k: med(rt[True], k) for k in keys}
+        table["ray_train"]["spread_slow_third"] = [round(r["slow_third_tokens_per_s"]) for r in rt[True]]
+        table["ray_train"]["lost_share"] = 1 - (table["ray_train"]["slow_third_tokens_per_s"]
+                                                / table["ray_train_baseline"]["slow_third_tokens_per_s"])
+    print(f"layout dp x pp = {args.layout}, micro-batch {args.micro_batch}, {args.steps} steps, {args.rounds} round(s)")
+    print("| run | tokens/s (whole run) | tokens/s (slow third) | spread (slow third) | lost (slow third) | recovered |")
+    print("|---|---|---|---|---|---|")
     print(f"| no straggler | {table['baseline']['tokens_per_s']:,.0f} | "
-          f"{table['baseline']['slow_third_tokens_per_s']:,.0f} | | |")
+          f"{table['baseline']['slow_third_tokens_per_s']:,.0f} | | | |")
     for mode in MODES:
         t = table[mode]
         share = "" if t["recovered_share"] is None else f"{t['recovered_share']:.0%}"
         print(f"| {args.factor:g}x straggler, balance.mode={mode} | {t['tokens_per_s']:,.0f} | "
-              f"{t['slow_third_tokens_per_s']:,.0f} | {t['spread_slow_third']} | {share} |")
+              f"{t['slow_third_tokens_per_s']:,.0f} | {t['spread_slow_third']} | {t['lost_share']:.0%} | {share} |")
+    if "ray_train" in table:
+        b, t = table["ray_train_baseline"], table["ray_train"]
+        print(f"| Ray Train (DDP, dp=4), no straggler | {b['tokens_per_s']:,.0f} | {b['slow_third_tokens_per_s']:,.0f} "
+              "| | | |")
+        print(f"| Ray Train (DDP, dp=4), {args.factor:g}x straggler | {t['tokens_per_s']:,.0f} | "
+              f"{t['slow_third_tokens_per_s']:,.0f} | {t['spread_slow_third']} | {t['lost_share']:.0%} | 0% (waits) |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "table": table, "runs": runs}, indent=1))
 

@@ -45,8 +45,10 @@ def demo_config(steps: int) -> dict:
 
 
 # -- the baseline training loop, shared by torchrun and Ray Train -------------------
-def baseline_loop(cfg_raw: dict, rank: int, world: int, wrap) -> list[float]:
-    """Train the demo blocks under DDP (``wrap`` makes the DDP module); returns per-step seconds."""
+def baseline_loop(cfg_raw: dict, rank: int, world: int, wrap, slow: dict | None = None) -> list[float]:
+    """Train the demo blocks under DDP (``wrap`` makes the DDP module); returns per-step seconds.
+    ``slow``: ``{"rank", "factor", "from", "to"}`` makes that rank's passes ``factor`` times
+    slower in steps ``from < step <= to``, as the trainer's straggler hook does."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -71,10 +73,14 @@ def baseline_loop(cfg_raw: dict, rank: int, world: int, wrap) -> list[float]:
         x, y = data.sample(sampler.replica_rows((step - 1) * gb, gb, world, rank))
         x, y = torch.from_numpy(x), torch.from_numpy(y)
         opt.zero_grad(set_to_none=True)
+        slowed = slow is not None and rank == slow["rank"] and slow["from"] < step <= slow["to"]
         for i, (xm, ym) in enumerate(zip(x.chunk(n_micro), y.chunk(n_micro))):
             ctx = model.no_sync() if i < n_micro - 1 else _null()
+            t_m = time.perf_counter()
             with ctx:
                 (loss_fn(model(xm), ym) / n_micro).backward()
+            if slowed:
+                time.sleep((slow["factor"] - 1.0) * (time.perf_counter() - t_m))
         if cfg.train.grad_clip:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
@@ -128,7 +134,7 @@ def run_elastic(cfg_raw: dict) -> list[float]:
     return [r["step_time_s"] for r in result.history]
 
 
-def run_ray_train(cfg_raw: dict) -> list[float]:
+def run_ray_train(cfg_raw: dict, slow: dict | None = None) -> list[float]:
     import ray.train
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -137,7 +143,8 @@ def run_ray_train(cfg_raw: dict) -> list[float]:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ctx = ray.train.get_context()
-        times = baseline_loop(config["cfg"], ctx.get_world_rank(), ctx.get_world_size(), lambda m: DDP(m))
+        times = baseline_loop(config["cfg"], ctx.get_world_rank(), ctx.get_world_size(), lambda m: DDP(m),
+                              config["slow"])
         # Ray Train's Result carries metrics only alongside a checkpoint; all
         # workers share this machine's disk, so rank 0 leaves its timings in a file.
         if ctx.get_world_rank() == 0:
@@ -148,7 +155,7 @@ def run_ray_train(cfg_raw: dict) -> list[float]:
         out = Path(storage) / "times.json"
         trainer = TorchTrainer(
             loop,
-            train_loop_config={"cfg": cfg_raw, "out": str(out)},
+            train_loop_config={"cfg": cfg_raw, "out": str(out), "slow": slow},
             scaling_config=ScalingConfig(num_workers=DP, use_gpu=False, resources_per_worker={"CPU": 1}),
             torch_config=TorchConfig(backend="gloo"),
             run_config=RunConfig(storage_path=storage, name="bench-ray-train"),

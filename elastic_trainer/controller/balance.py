@@ -56,6 +56,10 @@ class Balance:
         self._row_fn: Callable[[], dict | None] | None = None
         self._row: dict | None = None
         self._worker_s: collections.deque = collections.deque(maxlen=cfg.window)
+        # Steps with no straggler: each enters a window late, once no slowdown it was part of
+        # can still be named (one is named within the window of its onset).
+        self._healthy: collections.deque = collections.deque(maxlen=cfg.window)
+        self._unproven: collections.deque = collections.deque()
         self._actual: dict[int, collections.deque] = {}   # rank -> compute seconds as run, over the window
         self._decided_at = 0
 
@@ -67,6 +71,8 @@ class Balance:
         self.shares, self._for = None, set()
         self.bench_request = None
         self._worker_s.clear()
+        self._healthy.clear()
+        self._unproven.clear()
         self._actual = {r: collections.deque(maxlen=self.cfg.window) for r in range(topo.world_size)}
         self._decided_at = 0
 
@@ -91,7 +97,14 @@ class Balance:
                 if self.shares is not None else set())
         paces, events = self.tracker.update(step, compute, held)
         record["pace"] = {str(r): round(p, 4) for r, p in sorted(paces.items())}
-        self._worker_s.append(record.get("worker_s") or record.get("step_time_s") or 0.0)
+        worker_s = record.get("worker_s") or record.get("step_time_s") or 0.0
+        self._worker_s.append(worker_s)
+        if self.tracker.stragglers or events:
+            self._unproven.clear()
+        else:
+            self._unproven.append(worker_s)
+            if len(self._unproven) > self.cfg.window:
+                self._healthy.append(self._unproven.popleft())
         for ev in events:
             wid, node = where.get(ev["rank"], (None, None))
             ev.update(worker=wid, node=node)
@@ -143,8 +156,13 @@ class Balance:
         choice = self._spare_plan()
         if choice is None:
             return []
-        predicted_now = predict_step_s(row, paces, self.shares)
-        after = measured / predicted_now * choice.est_step_s if predicted_now > 0 else choice.est_step_s
+        if self._healthy:
+            # The planner's ratio of the two layouts at full pace, scaled by this plan's step
+            # as measured before the straggler: paces read on unequal shares do not enter it.
+            after = statistics.median(self._healthy) * choice.est_step_s / row["total_s"]
+        else:
+            predicted_now = predict_step_s(row, paces, self.shares)
+            after = measured / predicted_now * choice.est_step_s if predicted_now > 0 else choice.est_step_s
         # Out now and back once it recovers: two re-plans, each a set-up, its snapshot step and a warm-up step.
         cost = 2 * (self._replan_cost_s() + 2 * measured)
         gain = measured - after
