@@ -42,7 +42,7 @@ MODES = ("off", "detect", "act")
 
 
 def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_batch: int,
-             layout: tuple[int, int]) -> dict:
+             layout: tuple[int, int], plot: str | None = None) -> dict:
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
@@ -73,6 +73,11 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
 
     result = Trainer(TrainerConfig.model_validate(raw), verbose=False, on_step=on_step).fit()
     h = result.history
+    if plot:
+        from elastic_trainer.report import write_report
+
+        write_report(h, result.events, plot, title=f"{factor:g}x straggler on rank 1, steps {start}-{end}, "
+                                                    f"balance.mode={mode}")
     gb_tokens = raw["train"]["global_batch_size"] * raw["data"]["seq_len"]
     middle = [r for r in h if start < r["step"] <= end]
     out = {
@@ -114,6 +119,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1, help="train.micro_batch_size (the demo's is 4)")
     ap.add_argument("--layout", default="2x2", help="dp x pp, as DPxPP (the demo's is 2x2)")
     ap.add_argument("--no-ray-train", action="store_true", help="leave out Ray Train (DDP at dp=4) on the slowdown")
+    ap.add_argument("--plot", help="write the run report (loss, throughput, per-rank pace) of the first act run here")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "straggler.json"))
     args = ap.parse_args()
     layout = tuple(int(v) for v in args.layout.lower().split("x"))
@@ -125,7 +131,8 @@ def main() -> None:
         for rnd in range(args.rounds):
             runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}", args.micro_batch, layout))
             for mode in MODES:
-                runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}", args.micro_batch, layout))
+                runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}", args.micro_batch, layout,
+                                     args.plot if mode == "act" and rnd == 0 else None))
             if not args.no_ray_train:
                 runs += [ray_train_once(args.steps, args.factor, slow, args.micro_batch) for slow in (False, True)]
             print(json.dumps(runs[-len(MODES) - 3:], indent=None), flush=True)

@@ -26,12 +26,31 @@ def _with_straggler(cfg: TrainerConfig, rank: int, factor: float) -> TrainerConf
         "failure": cfg.failure.model_copy(update={"allow_fault_injection": True})})
 
 
+def balancing_hint(cfg: TrainerConfig) -> str | None:
+    """What a user making a straggler should know when balancing cannot move shares on ``cfg``."""
+    from .planning.balancing import share_quantum
+
+    p, t = cfg.parallel, cfg.train
+    if cfg.balance.mode != "act" or p.dp < 2 or cfg.comm.sync != "allreduce":
+        return None
+    m = cfg.micro_batches
+    if m > share_quantum(p.pp, p.schedule, m)[0]:
+        return None
+    return (f"note: {m} micro-batch(es) per replica (train.global_batch_size {t.global_batch_size} / (dp {p.dp} x "
+            f"micro_batch_size {t.micro_batch_size})) leave no share to move off the slow replica; "
+            f"--set train.micro_batch_size=1 gives {t.global_batch_size // p.dp} per replica (else balancing "
+            "can only leave the rank out, where that repays)")
+
+
 def _cmd_run(args) -> int:
     from .trainer import Trainer
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
     if args.slow_rank is not None:
         cfg = _with_straggler(cfg, args.slow_rank, args.slow_factor)
+        hint = balancing_hint(cfg)
+        if hint:
+            print(hint, file=sys.stderr)
     if args.kill_node_at_step is not None and not args.simulate_nodes:
         raise ConfigError("--kill-node-at-step needs --simulate-nodes N (a local multi-node cluster to kill a node of)")
     if args.simulate_nodes:

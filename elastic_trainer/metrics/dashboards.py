@@ -47,6 +47,7 @@ _GRAFANA_UNITS = {
     "workers": "none",
     "failures": "none",
     "ranks": "none",
+    "moves": "none",
 }
 # Values that change only at step boundaries or plan changes read best as stairs.
 _STEPPED = {"step", "world_size", "dp", "pp", "controller_state", "durable_checkpoint_step"}

@@ -50,7 +50,7 @@ class MetricSpec:
 
     ``source`` says what feeds it: ``"step"`` (a key of a history record,
     named by ``field``), ``"step_per_rank"`` (a history key holding one value per rank, tagged
-    ``rank``), an event kind (``"straggler"``, (``"failure"``, ``"recovery"``,
+    ``rank``), an event kind (``"straggler"``, ``"rebalance"``, ``"failure"``, ``"recovery"``,
     ``"snapshot"``, ``"snapshot_interval"``, ``"durable_checkpoint"``), or ``"state"``.
     """
 
@@ -116,6 +116,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX + "stragglers", COUNTER,
                "Ranks that turned slow: pace past 1 + balance.threshold over balance.window steps.", "ranks",
                "throughput", "straggler"),
+    MetricSpec(PREFIX + "rebalances", COUNTER,
+               "Balancing moves (balance.mode act), by action: shares, equal shares, spare, readmit.", "moves",
+               "throughput", "rebalance", tag_keys=("run", "action")),
     # communication
     _step("comm_bytes", "Gradient bytes all ranks sent in the last step.", "bytes", "communication"),
     _step("comm_time_s", "Time the slowest rank spent in collectives in the last step.", "s", "communication",

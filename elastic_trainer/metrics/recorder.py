@@ -38,6 +38,7 @@ _EVENT_GAUGES: dict[str, tuple[tuple[str, str], ...]] = {
 _STEP_GAUGES = tuple(m for m in METRICS if m.source == "step")
 _RANK_GAUGES = tuple(m for m in METRICS if m.source == "step_per_rank")
 _STRAGGLERS = metric("stragglers").name
+_REBALANCES = metric("rebalances").name
 
 
 def ray_metric(spec: MetricSpec):
@@ -159,6 +160,8 @@ class RunMetrics:
             self._record_recovery(event)
         elif kind == "straggler":
             self._call(_STRAGGLERS, "inc", 1.0, {})
+        elif kind == "rebalance":
+            self._call(_REBALANCES, "inc", 1.0, {"action": str(event.get("action") or "unknown")})
         elif kind in _EVENT_GAUGES:
             for name, field in _EVENT_GAUGES[kind]:
                 value = _number(event.get(field))

@@ -49,6 +49,7 @@ class Recorder:
                         "snapshot_cost_s": 0.01})
         m.record_event({"kind": "durable_checkpoint", "step": 3, "seconds": 0.2, "bytes": 6})
         m.record_event({"kind": "straggler", "rank": 1, "step": 3, "pace": 1.4})
+        m.record_event({"kind": "rebalance", "step": 3, "action": "shares", "shares": [6, 2]})
         return m.enabled
 
 

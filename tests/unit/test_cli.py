@@ -48,3 +48,13 @@ def test_slow_rank_makes_a_straggler_of_one_worker_and_checks_its_arguments():
         _with_straggler(cfg, 0, 1.0)
     args = build_parser().parse_args(["run", "jobs/demo.yaml", "--slow-rank", "1", "--slow-factor", "3"])
     assert (args.slow_rank, args.slow_factor) == (1, 3.0)
+
+
+def test_the_straggler_demo_says_when_no_share_can_move():
+    from elastic_trainer.cli import balancing_hint
+    from elastic_trainer.config import TrainerConfig
+
+    demo = TrainerConfig.from_yaml("jobs/demo.yaml")   # dp=2 x pp=2, 2 micro-batches a replica under 1F1B
+    assert "--set train.micro_batch_size=1 gives 8 per replica" in balancing_hint(demo)
+    assert balancing_hint(demo.with_overrides(["train.micro_batch_size=1"])) is None
+    assert balancing_hint(demo.with_overrides(["balance.mode=detect"])) is None
