@@ -1,0 +1,197 @@
+"""Config sections of what is trained: run naming, the model, data, evaluation, the
+optimizer and precision, and the dp x pp layout (``config.TrainerConfig`` joins them)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from .config_base import Strict as _Strict
+
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class RunSection(_Strict):
+    """Naming and reporting."""
+
+    name: str | None = Field(
+        None, description="Run name; actors, the report file and the weights folder are named after it: "
+                          "letters, digits, '.', '_' and '-', at most 100, starting with a letter or digit. "
+                          "Default: et-<time>.")
+    log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "RunSection":
+        # It becomes an actor name and a file name: no path separators, no spaces, nothing hidden.
+        if self.name is not None and not _RUN_NAME_RE.match(self.name):
+            raise ValueError(f"run.name({self.name!r}) must be letters, digits, '.', '_' or '-', at most 100, "
+                             "starting with a letter or digit (e.g. 'gpt-small.run1')")
+        return self
+
+    report_dir: str | None = Field(
+        "elastic_trainer_reports",
+        description="Directory for the run report PNG (<dir>/<run>.png), written at the end of a run, "
+                    "also when it fails. null: no report.")
+    output_dir: str | None = Field(
+        None, description="Where the final weights go (model.safetensors, by global parameter name); local "
+                          "path or pyarrow filesystem URI. Default: <checkpoint.storage>/<run> when storage "
+                          "is set, else <report_dir>/<run> (elastic_trainer_reports/<run> without a report_dir).")
+
+
+class ModelSection(_Strict):
+    """The model: the built-in byte-level GPT, a Hugging Face causal LM, or a user factory
+    returning (blocks, loss_fn)."""
+
+    kind: Literal["gpt", "factory", "hf"] = "gpt"
+    n_layer: int = Field(4, ge=1)
+    n_head: int = Field(4, ge=1)
+    d_model: int = Field(128, ge=1)
+    seq_len: int | None = Field(None, ge=1, description="Context length; default: data.seq_len.")
+    vocab_size: int = Field(256, ge=2)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    factory: str | None = Field(None, description='"package.module:function" returning (blocks, loss_fn).')
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+    hf_config: dict[str, Any] | str | None = Field(
+        None, description="kind hf: a transformers config, as a dict (with model_type, e.g. 'llama', 'gpt2') "
+                          "or the path of a config.json or of a folder holding one. Nothing is fetched from a hub.")
+    init_from: str | None = Field(
+        None, description="kind hf: a local save_pretrained folder whose weights the run starts from "
+                          "(fine-tuning); its config is used where hf_config is not set.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSection":
+        if self.kind == "hf":
+            if self.hf_config is None and self.init_from is None:
+                raise ValueError("model.kind 'hf' needs model.hf_config (a config dict or config.json path) "
+                                 "or model.init_from (a save_pretrained folder)")
+            if isinstance(self.hf_config, dict) and "model_type" not in self.hf_config:
+                raise ValueError("model.hf_config needs a model_type (e.g. 'llama' or 'gpt2'); "
+                                 f"given keys: {sorted(self.hf_config)}")
+            if self.factory is not None:
+                raise ValueError("model.factory is for kind 'factory'; kind 'hf' builds from model.hf_config")
+            return self
+        if self.hf_config is not None or self.init_from is not None:
+            raise ValueError(f"model.hf_config and model.init_from need model.kind 'hf', not {self.kind!r}")
+        if self.factory is not None:
+            if not _FACTORY_RE.match(self.factory):
+                raise ValueError(
+                    f"model.factory({self.factory!r}) is not of the form 'package.module:function'"
+                )
+            if self.kind != "factory":
+                object.__setattr__(self, "kind", "factory")
+        elif self.kind == "factory":
+            raise ValueError("model.kind is 'factory' but model.factory is not set")
+        if self.kind == "gpt" and self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model({self.d_model}) is not divisible by model.n_head({self.n_head})"
+            )
+        return self
+
+
+class DataSection(_Strict):
+    """Token sequences in Parquet: one row per sequence of at least seq_len + 1 ids."""
+
+    path: str = Field(..., description="Parquet file or directory; local path or pyarrow filesystem URI.")
+    column: str = "tokens"
+    seq_len: int = Field(128, ge=1)
+    prepare: Literal["stdlib"] | None = Field(
+        None, description="'stdlib': build the byte corpus of Python's standard library at path if it is missing."
+    )
+    shuffle: bool = Field(
+        True, description="Shuffle windows per epoch, seeded. A corpus whose decoded tokens fit in read_ahead_mb "
+                          "is fully permuted; a larger one by blocks of shuffle_block consecutive windows in a "
+                          "seeded order, the windows of every shuffle_mix blocks mixed together (so a step reads "
+                          "a few row groups, not one per sample).")
+    shuffle_block: int = Field(16, ge=1, description="Consecutive windows kept together by the shuffle of a corpus "
+                                                     "larger than read_ahead_mb.")
+    shuffle_mix: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Blocks whose windows the shuffle mixes with each other; auto: as many as the "
+                            "read-ahead holds row groups of (at least 16).")
+    read_ahead_mb: float = Field(
+        256.0, gt=0, description="Decoded row groups a reading rank keeps (and reads ahead into), MiB: "
+                                 "its memory for data is bounded by this, not by the corpus.")
+
+
+class EvalSection(_Strict):
+    """Validation loss, on held-out data, every ``every`` steps on the current plan."""
+
+    path: str | None = Field(None, description="Parquet of validation rows (same column and format as data.path).")
+    fraction: float | None = Field(
+        None, gt=0, lt=1, description="Hold out this share of data.path's windows instead (the last ones "
+                                      "of the stream): training never reads them.")
+    every: int | None = Field(None, ge=1, description="Evaluate after every N steps (and after the last); "
+                                                       "None: no evaluation.")
+    batches: int = Field(4, ge=1, description="Global batches (train.global_batch_size windows each) per evaluation.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalSection":
+        if self.path is not None and self.fraction is not None:
+            raise ValueError(f"eval.path({self.path!r}) and eval.fraction({self.fraction}) both given; set one")
+        if self.every is not None and self.path is None and self.fraction is None:
+            raise ValueError(f"eval.every({self.every}) needs eval.path or eval.fraction")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.every is not None
+
+
+class TrainSection(_Strict):
+    """Optimisation. AdamW; anything not set keeps torch's default."""
+
+    steps: int = Field(100, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    micro_batch_size: int = Field(4, ge=1)
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (after warm-up).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="After warm-up: constant at lr, or cosine / linear decay from lr to min_lr "
+                                "at the last step. A pure function of the step (train.lr_at).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from lr / warmup_steps to lr.")
+    min_lr: float = Field(0.0, ge=0, description="cosine / linear: the rate at the last step.")
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] | None = None
+    eps: float | None = Field(None, gt=0)
+    seed: int = 0
+    grad_clip: float | None = Field(None, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32; bf16 / fp16: forward (and the loss) under autocast to bfloat16 / float16, "
+                            "with fp32 parameters, gradients and AdamW moments; fp16 with dynamic loss scaling.")
+    loss_scale_init: float = Field(65536.0, gt=0, description="fp16: the loss scale to start from.")
+    loss_scale_growth_interval: int = Field(
+        2000, ge=1, description="fp16: good steps in a row after which the loss scale doubles (a step with "
+                                "an inf or NaN gradient is skipped on every rank and halves it).")
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "TrainSection":
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr({self.min_lr}) > train.lr({self.lr})")
+        if self.warmup_steps >= self.steps and self.lr_schedule != "constant":
+            raise ValueError(f"train.warmup_steps({self.warmup_steps}) leaves no decay in train.steps({self.steps}) "
+                             f"for lr_schedule {self.lr_schedule!r}")
+        return self
+
+    activation_checkpointing: Literal["none", "blocks"] = Field(
+        "none", description="blocks: keep only each block's input in forward and recompute the block in "
+                            "backward (torch's non-reentrant checkpoint): less activation memory, one more "
+                            "forward per block.")
+
+
+class ParallelSection(_Strict):
+    """How the workers split the model (pp) and the batch (dp)."""
+
+    dp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = Field(2, ge=1, description="Stages per rank for the interleaved schedule.")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages one PP rank holds: ``virtual_stages`` when interleaved, else one."""
+        return self.virtual_stages if self.schedule == "interleaved" else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model is cut into: ``pp * stages_per_rank``."""
+        return self.pp * self.stages_per_rank
