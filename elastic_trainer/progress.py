@@ -98,8 +98,10 @@ class ProgressPrinter:
                        f"{ev['plan_after']['dp']} x pp={ev['plan_after']['pp']} predicted "
                        f"{ev['predicted_step_s'] * 1e3:.1f} ms/step against {ev['step_s_before'] * 1e3:.1f}")
         elif kind == "rebalance" and ev.get("action") == "readmit":
-            self._line(f"-> rebalance: worker {ev['worker']} is back to pace {ev['pace']:.2f} after "
-                       f"{ev['benched_steps']} steps benched; it may be grown onto")
+            why = (f"is back to pace {ev['pace']:.2f}" if ev.get("pace") is not None
+                   else f"is let back in ({ev.get('reason')})")
+            self._line(f"-> rebalance: worker {ev['worker']} {why} after {ev['benched_steps']} steps benched; "
+                       "it may be grown onto")
         elif kind == "rebalance":
             if ev.get("shares"):
                 self._line(f"-> rebalance: micro-batches per replica {ev['shares_before'] or 'equal'} -> "

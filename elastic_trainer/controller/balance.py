@@ -145,14 +145,20 @@ class Balance:
                 return [{"kind": "rebalance", "step": step, "action": "shares" if prop.shares else "equal shares",
                          "shares_before": before, "ranks": sorted(slow),
                          "replica_pace": [round(p, 3) for p in paces], **prop.figures()}]
-        # The straggler has had a window to be worked around (named is its first step): leave it out?
-        if named and self.shares_ok and self._topo.dp > 1:
-            return []
         return self._propose_spare(step, row, paces, measured, slow)
 
     def _propose_spare(self, step: int, row: dict, paces: list[float], measured: float, slow: dict) -> list[dict]:
+        """Leave out the slowest straggler, if that repays. Only for a clear, lasting one: slow
+        since two windows at least, at a pace past ``1 + 2 * threshold``. A re-plan costs seconds,
+        and on a host whose cores the workers share a rank can read 1.4x slow for a window."""
         if self._spare_plan is None or self._replan_cost_s is None:
             return []
+        lasting = {r: since for r, since in slow.items()
+                   if step - since >= 2 * self.cfg.window
+                   and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold}
+        if not lasting:
+            return []
+        slow = lasting
         choice = self._spare_plan()
         if choice is None:
             return []

@@ -21,12 +21,11 @@ dropped like any other.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
-
-from .workers import failed
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 30.0
+_RESET_WAIT_S = 10.0
 
 
 @dataclass
@@ -42,19 +42,27 @@ class Benched:
     rank: int            # the rank it held
     pace: float          # its pace when it was benched
     step: int            # the step it was benched after
-    probe_s: float | None = None   # its probe right after the re-plan (the slow baseline)
+    probe_s: float | None = None   # its probe once it ran no steps (the slow baseline)
+    products: int | None = None    # the probe's size, fixed at the baseline
     last_probe_s: float | None = None
+    failed_probes: int = 0         # in a row; a worker that fails _MAX_FAILED_PROBES is let go
+
+
+_MAX_FAILED_PROBES = 2
 
 
 class Bench:
     def __init__(self, ctl: "Controller"):
         self.ctl = ctl
         self.benched: dict[int, Benched] = {}
+        self._lock = threading.Lock()   # status() reads it from another thread
         self._probed_at = 0
 
     def usable(self) -> list[int]:
         """The live workers a plan may use: all but the benched."""
-        return sorted(w for w in self.ctl.pool.workers if w not in self.benched)
+        with self._lock:
+            benched = set(self.benched)
+        return sorted(w for w in self.ctl.pool.workers if w not in benched)
 
     def bench(self, rank: int, pace: float, step: int) -> int | None:
         """Leave out the worker of ``rank`` and ask for the re-plan without it; its id, or None
@@ -62,53 +70,100 @@ class Bench:
         wid = self.ctl.ranks.get(rank)
         if wid is None or wid not in self.ctl.pool:
             return None
-        self.benched[wid] = Benched(wid, rank, pace, step)
+        with self._lock:
+            self.benched[wid] = Benched(wid, rank, pace, step)
         self.ctl.recovery.request_replan("straggler")
         return wid
 
-    def after_replan(self) -> None:
-        """Take the slow baseline of each newly benched worker, now that it runs no steps."""
+    def readmit_all(self, why: str) -> list[dict]:
+        """Let every benched worker back in at once (no plan fits without them); their events."""
+        with self._lock:
+            back, self.benched = list(self.benched.values()), {}
+        return [{"kind": "rebalance", "step": self.ctl.step, "action": "readmit", "worker": b.wid,
+                 "rank_before": b.rank, "benched_steps": self.ctl.step - b.step, "reason": why} for b in back]
+
+    def after_replan(self, step: int) -> None:
+        """Take the slow baseline of each newly benched worker, now that it runs no steps (once
+        its reset has ended, which would otherwise share its device with the probe)."""
+        self._drop_gone()
         fresh = [b for b in self.benched.values() if b.probe_s is None]
-        for b, s in zip(fresh, self._probe([b.wid for b in fresh])):
-            b.probe_s = b.last_probe_s = s
+        resets = [self.ctl.reset_refs[b.wid] for b in fresh if b.wid in self.ctl.reset_refs]
+        if resets:
+            ray.wait(resets, num_returns=len(resets), timeout=_RESET_WAIT_S)
+        self._baseline(fresh)
+        self._probed_at = step
+
+    def _baseline(self, fresh: list[Benched]) -> None:
+        for b, got in zip(fresh, self._probe([(b.wid, None) for b in fresh])):
+            if got is not None:
+                b.probe_s, b.products = got
+                b.last_probe_s = b.probe_s
 
     def poll(self, step: int) -> list[dict]:
         """Every ``balance.window`` steps, probe the benched workers; returns the ``rebalance``
         events of those let back in."""
-        pool = self.ctl.pool
-        for wid in [w for w in self.benched if w not in pool]:
-            del self.benched[wid]   # died while benched
-        ready = [b for b in self.benched.values() if b.probe_s is not None]
-        if not ready or step - self._probed_at < self.ctl.cfg.balance.window:
+        self._drop_gone()
+        if not self.benched or step - self._probed_at < self.ctl.cfg.balance.window:
             return []
         self._probed_at = step
+        self._baseline([b for b in self.benched.values() if b.probe_s is None])   # a baseline that failed
+        ready = [b for b in self.benched.values() if b.probe_s is not None]
         events = []
         faster = 1 + self.ctl.cfg.balance.threshold
-        for b, s in zip(ready, self._probe([b.wid for b in ready])):
-            if s is None:
+        for b, got in zip(ready, self._probe([(b.wid, b.products) for b in ready])):
+            if got is None:
                 continue
-            b.last_probe_s = s
+            s = b.last_probe_s = got[0]
             now = b.pace * s / b.probe_s   # its pace now, as far as the probe tells
-            if s * faster < b.probe_s:
-                del self.benched[b.wid]
+            expired = step - b.step >= self.ctl.cfg.balance.payback_steps
+            if s * faster < b.probe_s or expired:
+                with self._lock:
+                    del self.benched[b.wid]
                 events.append({"kind": "rebalance", "step": step, "action": "readmit", "worker": b.wid,
                                "rank_before": b.rank, "benched_steps": step - b.step, "pace": round(now, 3),
-                               "probe_s": round(s, 6), "probe_s_benched": round(b.probe_s, 6)})
-                log.info("[%s] worker %d is back to pace %.2f after %d steps benched: it may be grown onto",
-                         self.ctl.run_name, b.wid, now, step - b.step)
+                               "probe_s": round(s, 6), "probe_s_benched": round(b.probe_s, 6),
+                               "reason": "benched for balance.payback_steps: tried again" if expired
+                               and s * faster >= b.probe_s else "its probe is faster"})
+                log.info("[%s] worker %d probes %.1fx faster than when benched, after %d steps: it may be "
+                         "grown onto", self.ctl.run_name, b.wid, b.probe_s / s, step - b.step)
         return events
 
-    def _probe(self, wids: list[int]) -> list[float | None]:
-        refs = [self.ctl.pool[w].actor.probe.remote() for w in wids]
+    def _drop_gone(self) -> None:
+        with self._lock:
+            for wid in [w for w in self.benched if w not in self.ctl.pool]:
+                del self.benched[wid]   # died while benched
+
+    def _probe(self, asks: list[tuple[int, int | None]]) -> list[tuple[float, int] | None]:
+        """(seconds, products) per worker in ``asks`` ((worker, products)), all probed at once; None
+        where a probe failed. A dead worker is dropped from the pool (and so from the bench)."""
+        pool = self.ctl.pool
+        refs = {w: pool[w].actor.probe.remote(n) for w, n in asks if w in pool}
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=_PROBE_TIMEOUT_S)
         out = []
-        for ref in refs:
+        for w, _ in asks:
             try:
-                value = ray.get(ref, timeout=_PROBE_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - a dead or hung worker: the pool's own checks drop it
-                value = None
-            out.append(None if value is None or failed(value) else float(value))
+                seconds, products = ray.get(refs[w], timeout=0)
+                out.append((float(seconds), int(products)))
+            except Exception:  # noqa: BLE001 - dead, hung or gone: dead ones are dropped below
+                out.append(None)
+        failed = [w for (w, _), got in zip(asks, out) if got is None and w in pool]
+        gone = set(pool.dead_among(failed))
+        for (w, _), got in zip(asks, out):
+            b = self.benched.get(w)
+            if b is not None:
+                b.failed_probes = 0 if got is not None else b.failed_probes + 1
+                if b.failed_probes >= _MAX_FAILED_PROBES:
+                    gone.add(w)   # alive but its probes hang or fail: it is no use as a spare either
+        if gone:
+            log.warning("[%s] letting benched worker(s) %s go: dead, or their probes failed %d times",
+                        self.ctl.run_name, sorted(gone), _MAX_FAILED_PROBES)
+            pool.drop(sorted(gone))
+            self._drop_gone()
         return out
 
     def describe(self) -> list[dict]:
+        with self._lock:
+            benched = list(self.benched.values())
         return [{"worker": b.wid, "rank_before": b.rank, "pace": round(b.pace, 3), "since_step": b.step,
-                 "probe_s": b.last_probe_s} for b in self.benched.values()]
+                 "probe_s": b.last_probe_s} for b in benched]

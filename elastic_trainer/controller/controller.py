@@ -89,8 +89,9 @@ class Controller(ControllerViews):
         self.evaluator = Evaluator(self)
         self.balance = Balance(self.cfg.balance, self.cfg.comm.sync, self._spare_plan,
                                lambda: self.last_setup_s)        # per-rank pace and stragglers
-        self.bench = Bench(self)
-        self.last_setup_s = 0.0   # the last plan's set-up, what balancing prices a re-plan at                                        # stragglers left out as spares
+        self.bench = Bench(self)                                        # stragglers left out as spares
+        self.last_setup_s = 0.0   # the last plan's set-up, what balancing prices a re-plan at
+        self.reset_refs: dict = {}   # worker id -> its last reset (a benched worker's probe waits for it)
         self.ps: ParameterServers | None = None      # comm.sync: parameter_server
         self.setup_timings: dict = {}
         self.restore_moved: dict = {}         # the last set-up's state transfer: bytes, seconds, rate
@@ -274,7 +275,7 @@ class Controller(ControllerViews):
         for w in sorted(pool.workers):   # benched ones too: they leave their groups
             if w not in ranks.values():
                 pool[w].rank = None
-                pool[w].actor.reset.remote()
+                self.reset_refs[w] = pool[w].actor.reset.remote()
         master = pool[ranks[0]]
         timeout = self.cfg.scaling.placement_timeout_s + self.cfg.comm.timeout_s
         try:
@@ -345,9 +346,10 @@ class Controller(ControllerViews):
         return desc
 
     def _spare_plan(self):
-        """The policy's plan on the usable workers less one (a straggler left out), or None."""
+        """The policy's plan on the usable workers less one (a straggler left out), or None
+        where that would leave fewer than ``scaling.min_workers``."""
         n = len(self.bench.usable()) - 1
-        return choose_plan(self.cfg, n, self.worker_memory()) if n >= 1 else None
+        return choose_plan(self.cfg, n, self.worker_memory()) if n >= max(1, self.cfg.scaling.min_workers) else None
 
     def abort_setups(self) -> None:
         """End the set-ups of a failed attempt that still wait at a rendezvous, before the next try
@@ -368,12 +370,17 @@ class Controller(ControllerViews):
         for ev in self.balance.observe(step, out.results, record, where):
             named = named or ev["kind"] == "straggler"
             self.event(ev.pop("kind"), **ev)
-        for ev in self.balance.act(step, named) + self.bench.poll(step):
-            self.event(ev.pop("kind"), **ev)
-        if self.balance.bench_request:
-            rank, pace = self.balance.bench_request
-            self.balance.bench_request = None
-            self.bench.bench(rank, pace, step)
+        try:
+            for ev in self.balance.act(step, named) + self.bench.poll(step):
+                self.event(ev.pop("kind"), **ev)
+            if self.balance.bench_request:
+                rank, pace = self.balance.bench_request
+                self.balance.bench_request = None
+                self.bench.bench(rank, pace, step)
+        except Exception as e:  # noqa: BLE001 - working around a straggler must never end the run
+            log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", self.run_name, step, e,
+                        exc_info=True)
+            self.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
         with self._lock:
             self.history.append(record)
             self.step = step

@@ -178,6 +178,8 @@ class Recovery(RestorePoints):
             plan, ranks, why = self._next_plan(keep=out is not None)
             reuse = None
             kept = shrunk_ranks(self.shrunk, plan, pool) if ranks is None else None
+            if kept is not None and any(w in ctl.bench.benched for w in kept.values()):
+                kept = None   # a benched straggler holds no rank, in a shrunk world or any other
             if kept is not None:
                 ranks, reuse = kept, self.shrunk.id
                 why += "; the survivors keep their shrunk world (no rendezvous)"
@@ -215,6 +217,8 @@ class Recovery(RestorePoints):
                 **ctl.restore_moved,
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
+            self._replan_reason = None   # this plan already leaves every benched worker out
+            ctl.bench.after_replan(ctl.step)
             log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",
                      ctl.run_name, reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size, len(pool),
                      restored, restore[2] if restore else "the seed")
@@ -229,13 +233,20 @@ class Recovery(RestorePoints):
         and a retry in place loads every block from the rank's own copy. Otherwise the
         policy chooses, by the planner's calibrated model.
         """
-        ctl, pool = self.ctl, self.ctl.pool
-        if keep and ctl.plan is not None and all(w in pool for w in ctl.ranks.values()):
+        ctl = self.ctl
+        usable_ids = set(ctl.bench.usable())
+        if keep and ctl.plan is not None and all(w in usable_ids for w in ctl.ranks.values()):
             topo = ctl.plan.topology
             plan = plan_for(self.cfg, topo.dp, topo.pp, ctl.plan.stage_bounds, ctl.counts)
             return plan, dict(ctl.ranks), "kept: every worker of the plan is alive"
-        usable = len(ctl.bench.usable())
+        usable = len(usable_ids)
         choice = choose_plan(self.cfg, usable, ctl.worker_memory())
+        if (choice is None or usable < self.cfg.scaling.min_workers) and ctl.bench.benched:
+            # A slow worker beats none: take the benched back before giving up or waiting.
+            for ev in ctl.bench.readmit_all("no plan fits the workers that are not benched"):
+                ctl.event(ev.pop("kind"), **ev)
+            usable = len(ctl.bench.usable())
+            choice = choose_plan(self.cfg, usable, ctl.worker_memory())
         if choice is None:
             raise RunError(f"no dp x pp fits {usable} workers for global_batch_size"
                            f"({self.cfg.train.global_batch_size}) and micro_batch_size({self.cfg.train.micro_batch_size})"
@@ -274,10 +285,9 @@ class Recovery(RestorePoints):
             if ctl.schedule.last_taken != ctl.step:
                 ctl.schedule.request()
                 return
-            reason, self._replan_reason = self._replan_reason, None
+            reason = self._replan_reason
             ctl.transition(RunState.RESIZING, workers=len(ctl.bench.usable()))
             self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason=reason)
-            ctl.bench.after_replan()
             return
         if not self._grow_wanted:
             now = time.monotonic()

@@ -111,11 +111,11 @@ class TrainWorker:
         return self.groups.fail(excluded, shrink_id, timeout_s)
 
     @ray.method(concurrency_group="control")
-    def probe(self) -> float:
-        """Seconds a fixed workload takes on this worker's device now (``worker.probe``): how a
-        benched straggler shows it has recovered."""
+    def probe(self, products: int | None = None) -> tuple[float, int]:
+        """(seconds a fixed workload takes on this worker's device now, its size): how a benched
+        straggler shows it has recovered (``worker.probe``; ``products`` None sizes it)."""
         bind(self.gpu)
-        return probe_compute(self.gpu, self.faults.slow)
+        return probe_compute(self.gpu, self.faults.slow, products)
 
     @ray.method(concurrency_group="control")
     def abort_setup(self, generation: int) -> None:

@@ -269,10 +269,10 @@ class StageTrainer:
         equal shares' one: every micro-batch's loss is divided by the equal
         count, whatever this replica runs, and the DP average divides by dp.
         """
-        n_micro = shares[self.replica] if shares is not None else self.cfg.micro_batches
         if shares is not None and (len(shares) != self.topo.dp or sum(shares) != self.topo.dp * self.cfg.micro_batches):
             raise ValueError(f"shares {shares} must give {self.topo.dp} replicas "
                              f"{self.topo.dp * self.cfg.micro_batches} micro-batches in all")
+        n_micro = shares[self.replica] if shares is not None else self.cfg.micro_batches
         x, y = self.inputs.train_batch(step, shares)
         schedule = self._schedule_for(n_micro) if self.schedule is not None else None
         self.sync.accumulations = n_micro

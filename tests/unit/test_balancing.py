@@ -153,8 +153,10 @@ def test_a_straggler_no_share_can_help_is_benched_only_when_that_repays():
     events = run(b)
     named = [e for e in events if e["kind"] == "straggler"]
     spare = [e for e in events if e["kind"] == "rebalance"]
-    # Shares first: none can move; a window later the straggler is left out, priced at two set-ups.
-    assert [e["action"] for e in spare] == ["spare"] and spare[0]["step"] == named[0]["step"] + 5
+    # Shares first: none can move; once it has lasted two windows the straggler is left out,
+    # priced at two set-ups.
+    assert [e["action"] for e in spare] == ["spare"]
+    assert named[0]["since_step"] + 10 <= spare[0]["step"] <= named[0]["since_step"] + 15
     assert b.bench_request[0] == 1 and b.bench_request[1] > 2
     assert spare[0]["cost_s"] == pytest.approx(2 * (0.2 + 2 * 0.03))
     assert spare[0]["plan_after"] == {"dp": 1, "pp": 1} and spare[0]["predicted_step_s"] < 0.03

@@ -59,3 +59,18 @@ def test_rebalancing_says_what_moved_and_what_it_buys():
     assert lines[0] == ("-> rebalance: micro-batches per replica equal -> [6, 2], predicted 45.0 -> 26.0 ms/step "
                         "(repays in 2 steps)")
     assert lines[1] == "-> rebalance: equal micro-batches again (the ranks it was for recovered)"
+
+
+def test_a_spare_and_its_return_are_told():
+    out = io.StringIO()
+    p = ProgressPrinter(_cfg(), out)
+    p.event({"kind": "rebalance", "step": 20, "action": "spare", "rank": 1, "pace": 3.1,
+             "plan_after": {"dp": 1, "pp": 1}, "predicted_step_s": 0.02, "step_s_before": 0.05})
+    p.event({"kind": "rebalance", "step": 40, "action": "readmit", "worker": 1, "benched_steps": 20, "pace": 1.0})
+    p.event({"kind": "rebalance", "step": 41, "action": "readmit", "worker": 2, "benched_steps": 3,
+             "reason": "no plan fits the workers that are not benched"})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("-> rebalance: leaving rank 1 out as a spare (pace 3.10): dp=1 x pp=1 predicted 20.0 "
+                        "ms/step against 50.0")
+    assert lines[1] == "-> rebalance: worker 1 is back to pace 1.00 after 20 steps benched; it may be grown onto"
+    assert "worker 2 is let back in (no plan fits" in lines[2]
