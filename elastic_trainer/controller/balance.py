@@ -13,16 +13,23 @@ run``, plus its update), so a rank given fewer micro-batches keeps the pace
 it has, and one that recovers shows it. ``rank_compute_s`` in the record is
 what it did take.
 
-With ``balance.mode: act``, a straggler in a run of several replicas that
-average gradients by all-reduce moves micro-batches off its replica onto the
-others (``shares``): the global batch and the update stay the same
-(``StageTrainer.train_step`` weights gradients by samples). The shares are
-the ones that minimise the planner's step time re-priced under the measured
-paces (``planning.balancing``), taken only when the predicted gain repays
-their cost (about one step: the replicas' next step builds a schedule for
-its count) within ``balance.payback_steps``. They are looked at again every
-``window`` steps while a straggler lasts, and go back to equal once every
-rank they were for has recovered. A new plan starts on equal shares.
+With ``balance.mode: act``, cheapest first:
+
+- a straggler in a run of several replicas that average gradients by
+  all-reduce moves micro-batches off its replica onto the others
+  (``shares``): the global batch and the update stay the same
+  (``StageTrainer.train_step`` weights gradients by samples). The shares are
+  the ones that minimise the planner's step time re-priced under the
+  measured paces (``planning.balancing``), taken only when the predicted gain
+  repays their cost (about one step: the replicas' next step builds a
+  schedule for its count) within ``balance.payback_steps``. They are looked
+  at again every ``window`` steps while a straggler lasts, and go back to
+  equal once every rank they were for has recovered;
+- where no share helps, a clear and lasting straggler is left out as a spare
+  (``bench_request``, carried out by ``controller.benching``) when the
+  policy's plan without it repays two re-plans within ``payback_steps``.
+
+A new plan starts on equal shares.
 """
 
 from __future__ import annotations
@@ -147,18 +154,18 @@ class Balance:
                          "replica_pace": [round(p, 3) for p in paces], **prop.figures()}]
         return self._propose_spare(step, row, paces, measured, slow)
 
-    def _propose_spare(self, step: int, row: dict, paces: list[float], measured: float, slow: dict) -> list[dict]:
+    def _propose_spare(self, step: int, row: dict, paces: list[float], measured: float,
+                       slow: dict[int, int]) -> list[dict]:
         """Leave out the slowest straggler, if that repays. Only for a clear, lasting one: slow
         since two windows at least, at a pace past ``1 + 2 * threshold``. A re-plan costs seconds,
         and on a host whose cores the workers share a rank can read 1.4x slow for a window."""
         if self._spare_plan is None or self._replan_cost_s is None:
             return []
-        lasting = {r: since for r, since in slow.items()
+        lasting = [r for r, since in slow.items()
                    if step - since >= 2 * self.cfg.window
-                   and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold}
+                   and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold]
         if not lasting:
             return []
-        slow = lasting
         choice = self._spare_plan()
         if choice is None:
             return []
@@ -174,7 +181,7 @@ class Balance:
         gain = measured - after
         if gain <= 0 or gain * self.cfg.payback_steps <= cost:
             return []
-        rank = max(slow, key=lambda r: self.tracker.compute_median(r) or 0.0)
+        rank = max(lasting, key=lambda r: self.tracker.compute_median(r) or 0.0)
         pace = self.tracker.pace_of(rank) or 1.0
         self.bench_request = (rank, pace)
         return [{"kind": "rebalance", "step": step, "action": "spare", "rank": rank, "pace": round(pace, 3),
@@ -189,10 +196,7 @@ class Balance:
         which would otherwise move ever more off a replica that is no longer the slowest."""
         now = self.shares or [self._equal] * self._topo.dp
         new = shares or [self._equal] * self._topo.dp
-        actual = []
-        for i in range(self._topo.dp):
-            per = [statistics.median(self._actual[r]) for r in self._replica_ranks(i) if self._actual.get(r)]
-            actual.append(max(per) if per else 0.0)
+        actual = self._per_replica(lambda r: statistics.median(self._actual[r]) if self._actual.get(r) else 0.0)
         givers = [actual[i] for i in range(len(now)) if new[i] < now[i]]
         takers = [actual[i] for i in range(len(now)) if new[i] > now[i]]
         return not givers or not takers or min(givers) >= max(takers)
@@ -208,12 +212,19 @@ class Balance:
     def _replica_paces(self) -> list[float] | None:
         """Each replica's compute per equal share (its slowest rank's window median) over the
         fastest replica's."""
-        topo = self._topo
-        costs = []
-        for i in range(topo.dp):
-            per = [self.tracker.compute_median(r) for r in self._replica_ranks(i)]
-            if any(c is None for c in per):
-                return None
-            costs.append(max(per))
+        costs = self._per_replica(self.tracker.compute_median)
+        if costs is None:
+            return None
         fastest = min(costs)
         return [c / fastest for c in costs] if fastest > 0 else None
+
+    def _per_replica(self, value: Callable[[int], float | None]) -> list[float] | None:
+        """Each replica's slowest rank by ``value`` (a replica runs at its slowest stage's pace);
+        None where some rank has no value yet."""
+        out = []
+        for i in range(self._topo.dp):
+            per = [value(r) for r in self._replica_ranks(i)]
+            if any(v is None for v in per):
+                return None
+            out.append(max(per))
+        return out

@@ -281,15 +281,7 @@ class Recovery(RestorePoints):
         ``request_replan`` asked: right after a snapshot step (nothing is redone), asking the
         schedule for one if none was just taken."""
         ctl, pool = self.ctl, self.ctl.pool
-        if self._replan_reason is not None:
-            if ctl.schedule.last_taken != ctl.step:
-                ctl.schedule.request()
-                return
-            reason = self._replan_reason
-            ctl.transition(RunState.RESIZING, workers=len(ctl.bench.usable()))
-            self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason=reason)
-            return
-        if not self._grow_wanted:
+        if self._replan_reason is None and not self._grow_wanted:
             now = time.monotonic()
             if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
                 return
@@ -300,12 +292,16 @@ class Recovery(RestorePoints):
                 return
             self._grow_wanted = True
         if ctl.schedule.last_taken != ctl.step:
-            ctl.schedule.request()  # the next step takes a snapshot; grow from it
+            ctl.schedule.request()  # the next step takes a snapshot; re-plan from it
             return
-        self._grow_wanted = False
-        if self._larger_plan():  # still: a worker may have gone meanwhile
-            ctl.transition(RunState.RESIZING, workers=len(ctl.bench.usable()))
-            self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason="grow")
+        reason = self._replan_reason
+        if reason is None:
+            self._grow_wanted = False
+            if not self._larger_plan():  # still: a worker may have gone meanwhile
+                return
+            reason = "grow"
+        ctl.transition(RunState.RESIZING, workers=len(ctl.bench.usable()))
+        self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason=reason)
 
     def _larger_plan(self) -> bool:
         """Whether spare workers would let the policy choose a plan larger than the current one."""

@@ -93,7 +93,12 @@ class GlobalSampler:
             out[mask] = self._epoch_rows(int(e), pos[mask])
         return out
 
-    def replica_rows(self, cursor: int, global_batch: int, dp: int, replica: int) -> np.ndarray:
-        """Rows of one replica's share of the global batch that starts at ``cursor``."""
-        per = global_batch // dp
-        return self.rows(cursor + replica * per, per)
+    def replica_rows(self, cursor: int, global_batch: int, dp: int, replica: int,
+                     shares: list[int] | None = None) -> np.ndarray:
+        """Rows of one replica's share of the global batch that starts at ``cursor``: equal shares,
+        or ``shares`` samples per replica (balancing), taken in replica order, so that every split
+        reads the same samples."""
+        if shares is None:
+            per = global_batch // dp
+            return self.rows(cursor + replica * per, per)
+        return self.rows(cursor + sum(shares[:replica]), shares[replica])

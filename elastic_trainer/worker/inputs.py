@@ -40,13 +40,9 @@ class StageInputs:
         self.last_rank = topo.rank(replica, topo.pp - 1)
 
     def _rows(self, step: int, shares: list[int] | None = None) -> np.ndarray:
-        gb = self.cfg.train.global_batch_size
-        if shares is None:
-            return self.sampler.replica_rows((step - 1) * gb, gb, self.topo.dp, self.replica)
-        # Unequal shares (balancing): this replica's micro-batches, in replica order, of the same
-        # global batch, so the step reads exactly the samples equal shares would.
-        mb = self.cfg.train.micro_batch_size
-        return self.sampler.rows((step - 1) * gb + sum(shares[:self.replica]) * mb, shares[self.replica] * mb)
+        gb, mb = self.cfg.train.global_batch_size, self.cfg.train.micro_batch_size
+        samples = [n * mb for n in shares] if shares is not None else None
+        return self.sampler.replica_rows((step - 1) * gb, gb, self.topo.dp, self.replica, samples)
 
     def _eval_rows(self, batch: int) -> np.ndarray:
         gb = self.cfg.train.global_batch_size

@@ -108,6 +108,10 @@ def test_replica_slices_tile_the_global_batch_for_any_dp():
     for dp in (1, 2, 4, 8):
         parts = np.concatenate([s.replica_rows(64, 32, dp, r) for r in range(dp)])
         assert (parts == whole).all()
+    # Unequal shares (balancing) tile the same global batch, in replica order.
+    shares = [20, 4, 8]
+    parts = [s.replica_rows(64, 32, 3, r, shares) for r in range(3)]
+    assert [len(p) for p in parts] == shares and (np.concatenate(parts) == whole).all()
 
 
 def test_the_order_permutes_a_corpus_that_fits_the_read_ahead_and_mixes_blocks_of_a_larger_one(corpus_dir):
