@@ -48,6 +48,7 @@ class Recovery(RestorePoints):
         self._abandoned: list = []  # snapshot parts of failed steps, read once they end (else Ray logs them)
         self.shrunk: ShrunkWorld | None = None  # the survivors' shrunk world, for the next plan to keep
         self.holder_reads = 0   # snapshot parts the last restore read from a holder's pinned copy
+        self.relayed_reads = 0  # and those it read through their live writer
         self._shrinks = 0
 
     # -- detect ----------------------------------------------------------------------------
@@ -214,6 +215,7 @@ class Recovery(RestorePoints):
                 replan_s=t1 - detected - retry_s, restore_s=t2 - t1, attempts=attempts, failed_attempts_s=retry_s,
                 _resumed=t2,
                 restore_parts=dict(ctl.setup_timings), parts_from_holders=self.holder_reads,
+                parts_relayed=self.relayed_reads,
                 **ctl.restore_moved,
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))

@@ -35,6 +35,7 @@ class RestorePoints:
     _durable_refs: dict
     durable_manifest: dict
     holder_reads: int
+    relayed_reads: int
 
     # -- restore ---------------------------------------------------------------------------
     def restore_point(self) -> tuple[int, dict, dict] | None:
@@ -114,14 +115,18 @@ class RestorePoints:
         written = {w: per[step] for w, per in ctl.snapshots.written(set(pool.workers)).items() if step in per}
         loads = plan_loads(chosen, ranks, {r: plan.blocks_of(r) for r in ranks}, own,
                            {w: blocks for w, (_, blocks) in written.items()})
-        self.holder_reads = 0
+        self.holder_reads = self.relayed_reads = 0
 
         def ref(load: Load, wid: int):
             if load.kind == "local":
                 return ("local", step)
             if load.kind == "written":
                 # The worker's own part lies in its node's object store: loading it moves nothing.
-                return ("own", written[wid][0]) if load.worker == wid else written[load.worker][0]
+                # Another rank reads it through its writer, never from a dead holder's copy.
+                if load.worker == wid:
+                    return ("own", written[wid][0])
+                self.relayed_reads += 1
+                return pool[load.worker].actor.relay_part.remote([written[load.worker][0]])
             if load.kind == "export":
                 return pool[load.worker].actor.export_blocks.remote(step, list(load.blocks))
             if load.kind == "snapshot":
@@ -131,6 +136,10 @@ class RestorePoints:
                 if holder is not None:
                     self.holder_reads += 1
                     return pool[holder].actor.pinned_part.remote((step, load.part))
+                writer = ctl.snapshots.writer(step, load.part)
+                if writer in pool.workers and writer != wid:
+                    self.relayed_reads += 1
+                    return pool[writer].actor.relay_part.remote([ctl.snapshots.ref(step, load.part)])
                 return ctl.snapshots.ref(step, load.part)
             return self._durable_refs[load.shard]
 

@@ -266,6 +266,10 @@ class SnapshotStore:
     def ref(self, step: int, rank: int):
         return self.snaps[step].shards[rank].ref
 
+    def writer(self, step: int, rank: int) -> int | None:
+        """The worker that produced ``rank``'s part of ``step``."""
+        return self.snaps[step].shards[rank].wid
+
     def live_holder(self, step: int, rank: int, alive_nodes: set[str], alive_workers: set[int]) -> int | None:
         """A live worker holding a pinned copy of ``rank``'s part of ``step`` when the node that
         produced the part is gone (else None: the part's own object is the one to read)."""

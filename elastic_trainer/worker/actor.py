@@ -359,6 +359,14 @@ class TrainWorker:
         return self.copies.pin(key, ray.get(refs[0]), keep_from)
 
     @ray.method(concurrency_group="snapshot")
+    def relay_part(self, refs: list) -> dict:
+        """This worker's own snapshot part (``refs[0]``, in its node's object store) returned as a
+        new object from here. The part's own object also has copies on its holders' nodes; when
+        one of those just died, a reader's pull can try that node first and wait until Ray
+        declares it dead (10-30 s), while the new object lies on this live node alone."""
+        return ray.get(refs[0])
+
+    @ray.method(concurrency_group="snapshot")
     def pinned_part(self, key: tuple) -> dict:
         """The copy this worker pinned of another rank's part (``key`` = (step, rank)), returned as a
         new object from this node: a restore whose part's own node died reads it from here, instead

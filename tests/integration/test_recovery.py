@@ -208,6 +208,8 @@ def test_pp_only_run_loses_a_stage_and_restores_it_from_the_snapshot(fresh_clust
     # The lost stage's part is read from its holder's pinned copy, not from the dead node's object
     # (which Ray would chase until it declared the node dead, about 30 s).
     assert rec["parts_from_holders"] > 0
+    # The survivors' parts are read through their writers, never through a copy on the dead node.
+    assert rec["parts_relayed"] > 0
     assert rec["steps_redone"] <= 2
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
