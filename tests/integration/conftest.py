@@ -1,8 +1,16 @@
+import time
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 NUM_NODES = 4
+# The GCS declares a killed node dead about 15 s after the kill (its health checks); until then
+# a new run could place a worker there. A handover waits for that, or starts the cluster anew
+# (about 9 s) where the wait would be longer.
+_DECLARED_DEAD_S = 16.0
+_RESTART_S = 9.0
+_SETTLE_S = 30.0
 
 
 def start_cluster(num_nodes: int) -> tuple[Cluster, list]:
@@ -19,24 +27,88 @@ def stop_cluster(c: Cluster) -> None:
     c.shutdown()
 
 
+class SharedCluster:
+    """One simulated cluster for the integration tests, handed to each test with the nodes it
+    asks for: starting one costs about 9 s, topping it up after a test killed a node about 1 s.
+
+    A handover takes the cluster as the last test left it, removes or adds one-CPU nodes to
+    the count asked for, and then waits until Ray sees exactly those nodes alive (a killed
+    node is declared dead some seconds after) and every CPU free (nothing of the last test
+    still runs). Where the last test killed a node so late that Ray would take longer to
+    declare it dead than a new cluster takes to start, or where it does not settle, the
+    cluster is started anew."""
+
+    def __init__(self):
+        self.c: Cluster | None = None
+        self.nodes: list = []
+        self._killed: dict[str, float] = {}   # node id -> when a test killed it
+
+    def get(self, num_nodes: int) -> tuple[Cluster, list]:
+        if self.c is not None and not self._top_up(num_nodes):
+            self.close()
+        if self.c is None:
+            self.c, self.nodes = start_cluster(num_nodes)
+            self._watch_kills(self.c)
+        return self.c, list(self.nodes)
+
+    def _watch_kills(self, c: Cluster) -> None:
+        remove = c.remove_node
+
+        def remove_node(node, allow_graceful=True):
+            if not allow_graceful:
+                self._killed[node.node_id] = time.monotonic()
+            return remove(node, allow_graceful)
+        c.remove_node = remove_node
+
+    def _top_up(self, num_nodes: int) -> bool:
+        c = self.c
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        pending = [t for nid, t in self._killed.items() if nid in alive]
+        if pending and max(pending) + _DECLARED_DEAD_S - time.monotonic() > _RESTART_S:
+            return False
+        live = [n for n in self.nodes if n in c.worker_nodes]
+        live += [n for n in c.worker_nodes if n not in live]   # nodes a test added
+        for node in live[num_nodes:]:
+            c.remove_node(node, allow_graceful=True)
+        live = live[:num_nodes]
+        live += [c.add_node(num_cpus=1) for _ in range(num_nodes - len(live))]
+        self.nodes = live
+        want = {c.head_node.node_id} | {n.node_id for n in live}
+        deadline = time.monotonic() + _SETTLE_S
+        while time.monotonic() < deadline:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            if alive == want and ray.available_resources().get("CPU", 0) == num_nodes:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def close(self) -> None:
+        if self.c is not None:
+            stop_cluster(self.c)
+        self.c, self.nodes, self._killed = None, [], {}
+
+
+@pytest.fixture(scope="package")
+def shared_cluster():
+    pool = SharedCluster()
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(shared_cluster):
     """Four one-CPU nodes shared by a module's tests (none of which removes nodes)."""
-    c, nodes = start_cluster(NUM_NODES)
-    yield c, nodes
-    stop_cluster(c)
+    return shared_cluster.get(NUM_NODES)
 
 
 @pytest.fixture
-def fresh_cluster():
-    """A cluster of its own for a test that kills nodes: call with the number of nodes."""
-    made = []
+def fresh_cluster(shared_cluster):
+    """For a test that kills or adds nodes: call with the number of one-CPU nodes (default four)
+    it starts with. Earlier tests may have used them; nothing of theirs still runs."""
+    return lambda num_nodes=NUM_NODES: shared_cluster.get(num_nodes)
 
-    def make(num_nodes: int = NUM_NODES):
-        c, nodes = start_cluster(num_nodes)
-        made.append(c)
-        return c, nodes
 
-    yield make
-    for c in made:
-        stop_cluster(c)
+@pytest.fixture
+def own_ray(shared_cluster):
+    """For a test that starts a Ray of its own: the shared cluster is stopped first."""
+    shared_cluster.close()

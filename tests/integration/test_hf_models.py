@@ -29,7 +29,6 @@ from elastic_trainer.worker.faults import EVAL_FAULT_ENV, SNAPSHOT_DELAY_ENV
 from elastic_trainer.worker.stage import build_optimizer
 
 from ..conftest import tiny_config
-from .conftest import start_cluster, stop_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -88,10 +87,8 @@ def reference(cfg):
 
 
 @pytest.fixture(scope="module")
-def cluster5():
-    c, nodes = start_cluster(5)
-    yield c, nodes
-    stop_cluster(c)
+def cluster5(shared_cluster):
+    return shared_cluster.get(5)
 
 
 @pytest.fixture(scope="module")

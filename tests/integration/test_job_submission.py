@@ -26,7 +26,7 @@ STEP_SERIES = re.compile(r'^ray_elastic_trainer_step\{[^}]*run="jobtest"[^}]*\} 
 
 
 @pytest.fixture
-def ray_head(tmp_path):
+def ray_head(own_ray, tmp_path):
     import ray
 
     if ray.is_initialized():

@@ -17,7 +17,7 @@ SERIES = re.compile(r"^(ray_elastic_trainer_\w+)\{(.*)\} (\S+)$", re.M)
 
 
 @pytest.fixture
-def metrics_port():
+def metrics_port(own_ray):
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process")
     port = free_port("127.0.0.1")

@@ -1,7 +1,6 @@
 """A node loss in bf16 and fp16 runs: the loss curve continues, and so does fp16's loss scale.
 
-Its own module: these tests start clusters of their own (``fresh_cluster``), which cannot live
-beside the module-wide cluster the other precision tests share.
+Beside ``test_precision``: these tests kill nodes (``fresh_cluster``).
 """
 
 import pytest
