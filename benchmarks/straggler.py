@@ -87,8 +87,10 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
         "median_step_s": statistics.median(r["step_time_s"] for r in h[3:]),
     }
     ev = [e for e in result.events if e["kind"] in ("straggler", "straggler_recovered", "rebalance")]
-    out["events"] = [{k: e[k] for k in ("kind", "rank", "step", "since_step", "pace", "shares", "predicted_step_s")
-                      if k in e} for e in ev]
+    out["events"] = [{k: e[k] for k in ("kind", "action", "rank", "ranks", "step", "since_step", "pace", "shares",
+                                        "stages", "predicted_step_s") if k in e} for e in ev]
+    out["replans"] = [{"reason": r["reason"], "step": r["failed_step"], "steps_redone": r["steps_redone"],
+                       "seconds": round(r.get("total_s") or 0.0, 3)} for r in result.recoveries]
     out["shares_by_step"] = {r["step"]: r["shares"] for r in h if r.get("shares")}
     out["slowdown"] = {"from_step": start, "to_step": end} if slow else None
     return out

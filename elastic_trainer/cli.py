@@ -39,7 +39,8 @@ def balancing_hint(cfg: TrainerConfig) -> str | None:
     return (f"note: {m} micro-batch(es) per replica (train.global_batch_size {t.global_batch_size} / (dp {p.dp} x "
             f"micro_batch_size {t.micro_batch_size})) leave no share to move off the slow replica; "
             f"--set train.micro_batch_size=1 gives {t.global_batch_size // p.dp} per replica (else balancing "
-            "can only leave the rank out, where that repays)")
+            + ("can only re-cut the stages or leave the rank out" if p.pp > 1 else "can only leave the rank out")
+            + ", where that repays)")
 
 
 def _cmd_run(args) -> int:

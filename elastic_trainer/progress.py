@@ -97,6 +97,12 @@ class ProgressPrinter:
             self._line(f"-> rebalance: leaving rank {ev['rank']} out as a spare (pace {ev['pace']:.2f}): dp="
                        f"{ev['plan_after']['dp']} x pp={ev['plan_after']['pp']} predicted "
                        f"{ev['predicted_step_s'] * 1e3:.1f} ms/step against {ev['step_s_before'] * 1e3:.1f}")
+        elif kind == "rebalance" and ev.get("action") == "recut":
+            self._line(f"-> rebalance: re-cutting the stages {ev['stages_before']} -> {ev['stages']} for rank(s) "
+                       f"{ev['ranks']} (stage paces {ev['stage_pace']}), predicted {ev['step_s_before'] * 1e3:.1f} -> "
+                       f"{ev['predicted_step_s'] * 1e3:.1f} ms/step (repays in {ev['payback_steps']:.0f} steps)")
+        elif kind == "rebalance" and ev.get("action") == "balanced cut":
+            self._line(f"-> rebalance: the balanced cut {ev['stages']} again ({ev.get('reason')})")
         elif kind == "rebalance" and ev.get("action") == "readmit":
             why = (f"is back to pace {ev['pace']:.2f}" if ev.get("pace") is not None
                    else f"is let back in ({ev.get('reason')})")

@@ -25,11 +25,20 @@ With ``balance.mode: act``, cheapest first:
   schedule for its count) within ``balance.payback_steps``. They are looked
   at again every ``window`` steps while a straggler lasts, and go back to
   equal once every rank they were for has recovered;
-- where no share helps, a clear and lasting straggler is left out as a spare
+- in a pipeline, where no share helps, a clear and lasting straggler's stage
+  is given fewer blocks (``cut_request``, a live re-plan with every rank on
+  its worker): the cut that minimises the slowest stage under the measured
+  stage paces (``planning.recut``), when that repays two re-plans (there
+  and back) within ``payback_steps``. The balanced cut comes back once every
+  rank it was for has recovered. Paces stay those of the balanced cut (each
+  rank's compute scaled by its stage's modelled work there over now), so the
+  re-cut rank still reads slow until it is not;
+- where neither helps, a clear and lasting straggler is left out as a spare
   (``bench_request``, carried out by ``controller.benching``) when the
   policy's plan without it repays two re-plans within ``payback_steps``.
 
-A new plan starts on equal shares.
+A new plan starts on equal shares. The same workers on the same layout (a
+re-cut, a retry in place) keep their paces.
 """
 
 from __future__ import annotations
@@ -40,21 +49,36 @@ from collections.abc import Callable
 
 from ..config import BalanceSection
 from ..planning.balancing import predict_step_s, propose_shares
+from ..planning.recut import propose_recut, stage_work
 from .pace import PaceTracker
+
+Bounds = tuple[tuple[int, int], ...]
 
 
 class Balance:
     def __init__(self, cfg: BalanceSection, sync: str = "allreduce",
                  spare_plan: Callable[[], object | None] | None = None,
-                 replan_cost_s: Callable[[], float] | None = None):
+                 replan_cost_s: Callable[[], float] | None = None,
+                 cut_fits: Callable[[Bounds], bool] | None = None):
         """``spare_plan``: the policy's choice (``PlanChoice``) on the usable workers less one,
-        None where there is none; ``replan_cost_s``: what a live re-plan costs, as measured."""
+        None where there is none; ``replan_cost_s``: what a live re-plan costs, as measured;
+        ``cut_fits``: whether the current layout cut so fits a worker's memory."""
         self.cfg = cfg
         self.on = cfg.mode != "off"
         self.acts = cfg.mode == "act"
         self.shares_ok = sync == "allreduce"   # the other sync modes average models, not gradients
-        self._spare_plan, self._replan_cost_s = spare_plan, replan_cost_s
+        self._spare_plan, self._replan_cost_s, self._cut_fits = spare_plan, replan_cost_s, cut_fits
         self.bench_request: tuple[int, float] | None = None   # (rank, pace) to leave out, for the controller
+        self.cut_request: Bounds | None = None                 # stage bounds to re-plan to, for the controller
+        self._bounds: Bounds | None = None       # the plan's stage cut
+        self._balanced: Bounds | None = None     # the cut the policy chose for this layout
+        self._awaiting: Bounds | None = None     # a re-cut asked for, not yet taken
+        self._cut_for: set[int] = set()          # the stragglers the cut was made for
+        self._costs_fn: Callable[[], list[float]] | None = None
+        self._costs: list[float] | None = None   # each block's modelled work
+        self._scale: dict[int, float] = {}       # rank -> its stage's balanced work over its work now
+        self._workers: dict[int, int] | None = None
+        self._virtual = 1
         self.tracker = PaceTracker(cfg.threshold, cfg.window)
         self.shares: list[int] | None = None   # micro-batches per replica; None: equal
         self._for: set[int] = set()            # the stragglers the shares were made for
@@ -70,18 +94,43 @@ class Balance:
         self._actual: dict[int, collections.deque] = {}   # rank -> compute seconds as run, over the window
         self._decided_at = 0
 
-    def new_plan(self, topo, equal_micro_batches: int = 1, row_fn: Callable[[], dict | None] | None = None) -> None:
-        """A new plan: paces start again on equal shares. ``row_fn`` gives the planner's row of
-        the plan (asked for once, when a straggler first needs pricing)."""
-        self.tracker.reset({r: topo.coords(r)[1] for r in range(topo.world_size)})
+    def new_plan(self, topo, equal_micro_batches: int = 1, row_fn: Callable[[], dict | None] | None = None,
+                 bounds=None, workers: dict[int, int] | None = None,
+                 costs_fn: Callable[[], list[float]] | None = None, virtual: int = 1) -> None:
+        """A new plan: shares start equal. ``row_fn`` gives the planner's row of the plan, and
+        ``costs_fn`` each block's modelled work (each asked for once, when a straggler first
+        needs pricing); ``bounds``: its stage cut; ``workers``: rank -> worker id. Paces start
+        again, except where the same workers run the same layout, cut as it was or as asked
+        (``cut_request``): then each rank keeps its pace, read at the balanced cut."""
+        bounds = tuple(tuple(b) for b in bounds) if bounds is not None else None
+        same = (self._topo is not None and (topo.dp, topo.pp) == (self._topo.dp, self._topo.pp)
+                and workers is not None and workers == self._workers and bounds is not None
+                and bounds in (self._bounds, self._awaiting))
         self._topo, self._equal, self._row_fn, self._row = topo, equal_micro_batches, row_fn, None
+        self._workers, self._virtual = dict(workers) if workers is not None else None, virtual
+        self._bounds, self._awaiting, self.cut_request = bounds, None, None
+        if same:
+            self._scale = self._scales()
+        else:
+            self.tracker.reset({r: topo.coords(r)[1] for r in range(topo.world_size)})
+            self._balanced, self._cut_for, self._scale = bounds, set(), {}
+            self._costs_fn, self._costs = costs_fn, None
+            self._healthy.clear()
+            self._unproven.clear()
+            self._actual = {r: collections.deque(maxlen=self.cfg.window) for r in range(topo.world_size)}
         self.shares, self._for = None, set()
         self.bench_request = None
         self._worker_s.clear()
-        self._healthy.clear()
-        self._unproven.clear()
-        self._actual = {r: collections.deque(maxlen=self.cfg.window) for r in range(topo.world_size)}
         self._decided_at = 0
+
+    def _scales(self) -> dict[int, float]:
+        """Rank -> its stage's work at the balanced cut over its work now (1 on the balanced cut)."""
+        if self._bounds == self._balanced or self._bounds is None or self._balanced is None:
+            return {}
+        costs = self._block_costs()
+        was, now = stage_work(costs, self._balanced), stage_work(costs, self._bounds)
+        return {r: was[self._topo.coords(r)[1]] / now[self._topo.coords(r)[1]]
+                for r in range(self._topo.world_size) if now[self._topo.coords(r)[1]] > 0}
 
     def observe(self, step: int, results: dict, record: dict, where: dict[int, tuple]) -> list[dict]:
         """Add the pace of ``step`` to ``record`` (``results``: worker id -> its step result;
@@ -93,7 +142,8 @@ class Balance:
         record["rank_compute_s"] = {str(r): round(c, 6) for r, c in sorted(own.items())}
         for r, c in own.items():
             self._actual.setdefault(r, collections.deque(maxlen=self.cfg.window)).append(c)
-        compute = {o["rank"]: self._equal_share_compute(o) for o in results.values()}
+        compute = {o["rank"]: self._equal_share_compute(o) * self._scale.get(o["rank"], 1.0)
+                   for o in results.values()}
         record["rank_wait_s"] = {str(o["rank"]): round(o.get("wait_s", 0.0), 6)
                                  for o in sorted(results.values(), key=lambda o: o["rank"])}
         if self.shares is not None:
@@ -134,8 +184,17 @@ class Balance:
             before, self.shares, self._for = self.shares, None, set()
             return [{"kind": "rebalance", "step": step, "action": "equal shares", "shares": None,
                      "shares_before": before, "reason": "the ranks it was for recovered"}]
+        if self._awaiting is not None or self.bench_request is not None:
+            return []   # a re-plan is on its way
+        if self._bounds != self._balanced and not (self._cut_for & slow.keys()):
+            self.cut_request = self._awaiting = self._balanced
+            return [{"kind": "rebalance", "step": step, "action": "balanced cut",
+                     "stages": [list(b) for b in self._balanced], "stages_before": [list(b) for b in self._bounds],
+                     "reason": "the ranks it was for recovered"}]
         if not slow or not (named or step - self._decided_at >= self.cfg.window):
             return []
+        if len(self._worker_s) < self.cfg.window:
+            return []   # a plan just taken (a re-cut keeps the stragglers): its step is not known yet
         self._decided_at = step
         row = self._plan_row()
         paces = self._replica_paces()
@@ -152,18 +211,59 @@ class Balance:
                 return [{"kind": "rebalance", "step": step, "action": "shares" if prop.shares else "equal shares",
                          "shares_before": before, "ranks": sorted(slow),
                          "replica_pace": [round(p, 3) for p in paces], **prop.figures()}]
-        return self._propose_spare(step, row, paces, measured, slow)
+        return self._propose_recut(step, row, measured, slow) or self._propose_spare(step, row, paces, measured, slow)
+
+    def _lasting(self, step: int, slow: dict[int, int]) -> list[int]:
+        """The stragglers worth a re-plan: slow since two windows at least, at a pace past
+        ``1 + 2 * threshold``. A re-plan costs seconds, and on a host whose cores the workers
+        share a rank can read 1.4x slow for a window."""
+        return [r for r, since in slow.items()
+                if step - since >= 2 * self.cfg.window and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold]
+
+    def _propose_recut(self, step: int, row: dict, measured: float, slow: dict[int, int]) -> list[dict]:
+        """Give a lasting straggler's stage fewer blocks, if that repays two re-plans (there and
+        back). Each stage's pace is its slowest replica's compute, read at the balanced cut,
+        over the stage's modelled work there (``planning.recut``)."""
+        topo = self._topo
+        if (topo.pp < 2 or self._virtual != 1 or self._replan_cost_s is None or self._bounds is None
+                or not self._lasting(step, slow)):
+            return []
+        costs = self._block_costs()
+        if costs is None:
+            return []
+        work = stage_work(costs, self._balanced)
+        per_stage = []
+        for s in range(topo.pp):
+            medians = [self.tracker.compute_median(topo.rank(i, s)) for i in range(topo.dp)]
+            if any(m is None for m in medians) or work[s] <= 0:
+                return []
+            per_stage.append(max(medians) / work[s])
+        cost = 2 * (self._replan_cost_s() + 2 * measured)
+        share = row["compute_s"] / row["total_s"] if row.get("total_s") else 1.0
+        # Paces are window medians, good to a few percent: a re-cut (a re-plan each) must save
+        # half the threshold at least, or a noisy stage pace would move blocks to and fro.
+        prop = propose_recut(costs, self._bounds, per_stage, share, measured, self.cfg.payback_steps, cost,
+                             min_gain=self.cfg.threshold / 2)
+        if prop is None or (self._cut_fits is not None and not self._cut_fits(tuple(prop.bounds))):
+            return []
+        self.cut_request = self._awaiting = tuple(tuple(b) for b in prop.bounds)
+        self._cut_for = set(slow)
+        fastest = min(per_stage)
+        return [{"kind": "rebalance", "step": step, "action": "recut", "ranks": sorted(slow),
+                 "stages_before": [list(b) for b in self._bounds],
+                 "stage_pace": [round(p / fastest, 3) for p in per_stage], **prop.figures()}]
+
+    def _block_costs(self) -> list[float] | None:
+        if self._costs is None and self._costs_fn is not None:
+            self._costs, self._costs_fn = self._costs_fn(), None
+        return self._costs
 
     def _propose_spare(self, step: int, row: dict, paces: list[float], measured: float,
                        slow: dict[int, int]) -> list[dict]:
-        """Leave out the slowest straggler, if that repays. Only for a clear, lasting one: slow
-        since two windows at least, at a pace past ``1 + 2 * threshold``. A re-plan costs seconds,
-        and on a host whose cores the workers share a rank can read 1.4x slow for a window."""
+        """Leave out the slowest lasting straggler (``_lasting``), if that repays."""
         if self._spare_plan is None or self._replan_cost_s is None:
             return []
-        lasting = [r for r, since in slow.items()
-                   if step - since >= 2 * self.cfg.window
-                   and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold]
+        lasting = self._lasting(step, slow)
         if not lasting:
             return []
         choice = self._spare_plan()

@@ -38,7 +38,7 @@ from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
-from ..planning.policy import choose_plan, plan_row
+from ..planning.policy import choose_plan, cut_fits, plan_block_costs, plan_row
 from .durable_writer import DurableWriter
 from .balance import Balance
 from .benching import Bench
@@ -88,7 +88,7 @@ class Controller(ControllerViews):
         self.recovery = Recovery(self)
         self.evaluator = Evaluator(self)
         self.balance = Balance(self.cfg.balance, self.cfg.comm.sync, self._spare_plan,
-                               lambda: self.last_setup_s)        # per-rank pace and stragglers
+                               lambda: self.last_setup_s, self._cut_fits)   # per-rank pace and stragglers
         self.bench = Bench(self)                                        # stragglers left out as spares
         self.last_setup_s = 0.0   # the last plan's set-up, what balancing prices a re-plan at
         self.reset_refs: dict = {}   # worker id -> its last reset (a benched worker's probe waits for it)
@@ -327,7 +327,8 @@ class Controller(ControllerViews):
         self.ranks = ranks
         self.plan = plan
         self.balance.new_plan(topo, self.cfg.train.global_batch_size // (topo.dp * self.cfg.train.micro_batch_size),
-                              lambda: plan_row(self.cfg, topo.dp, topo.pp))
+                              lambda: plan_row(self.cfg, topo.dp, topo.pp), plan.stage_bounds, ranks,
+                              lambda: plan_block_costs(self.cfg, topo.dp), self.cfg.parallel.stages_per_rank)
         self.snapshots.set_plan(plan)
         self.schedule.restart(restored)
         with self._lock:
@@ -344,6 +345,10 @@ class Controller(ControllerViews):
             self.plans.append(desc)
         self.last_setup_s = time.perf_counter() - started
         return desc
+
+    def _cut_fits(self, bounds) -> bool:
+        topo = self.plan.topology
+        return cut_fits(self.cfg, topo.dp, topo.pp, bounds, self.worker_memory())
 
     def _spare_plan(self):
         """The policy's plan on the usable workers less one (a straggler left out), or None
@@ -377,6 +382,9 @@ class Controller(ControllerViews):
                 rank, pace = self.balance.bench_request
                 self.balance.bench_request = None
                 self.bench.bench(rank, pace, step)
+            if self.balance.cut_request:
+                self.recovery.request_replan("recut", cut=self.balance.cut_request)
+                self.balance.cut_request = None
         except Exception as e:  # noqa: BLE001 - working around a straggler must never end the run
             log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", self.run_name, step, e,
                         exc_info=True)

@@ -45,6 +45,7 @@ class Recovery(RestorePoints):
         self._last_grow_check = time.monotonic()
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
         self._replan_reason: str | None = None   # a re-plan asked for (a straggler benched), likewise
+        self._cut: tuple | None = None           # the stage cut a re-plan asked for keeps (a re-cut)
         self._abandoned: list = []  # snapshot parts of failed steps, read once they end (else Ray logs them)
         self.shrunk: ShrunkWorld | None = None  # the survivors' shrunk world, for the next plan to keep
         self.holder_reads = 0   # snapshot parts the last restore read from a holder's pinned copy
@@ -219,7 +220,7 @@ class Recovery(RestorePoints):
                 **ctl.restore_moved,
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
-            self._replan_reason = None   # this plan already leaves every benched worker out
+            self._replan_reason = self._cut = None   # this plan already leaves every benched worker out
             ctl.bench.after_replan(ctl.step)
             log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",
                      ctl.run_name, reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size, len(pool),
@@ -232,12 +233,18 @@ class Recovery(RestorePoints):
 
         With ``keep`` (after a failure) and every worker of the current plan alive, the
         plan stays as it is, each rank on its worker: nothing about the cluster changed,
-        and a retry in place loads every block from the rank's own copy. Otherwise the
-        policy chooses, by the planner's calibrated model.
+        and a retry in place loads every block from the rank's own copy. A re-cut asked for
+        (``request_replan(cut=...)``) likewise keeps every rank on its worker, with the new
+        stage bounds. Otherwise the policy chooses, by the planner's calibrated model.
         """
         ctl = self.ctl
         usable_ids = set(ctl.bench.usable())
-        if keep and ctl.plan is not None and all(w in usable_ids for w in ctl.ranks.values()):
+        intact = ctl.plan is not None and all(w in usable_ids for w in ctl.ranks.values())
+        if self._cut is not None and intact and len(self._cut) == len(ctl.plan.stage_bounds):
+            topo = ctl.plan.topology
+            plan = plan_for(self.cfg, topo.dp, topo.pp, self._cut, ctl.counts)
+            return plan, dict(ctl.ranks), f"re-cut: stages {[list(b) for b in self._cut]}, each rank on its worker"
+        if keep and intact:
             topo = ctl.plan.topology
             plan = plan_for(self.cfg, topo.dp, topo.pp, ctl.plan.stage_bounds, ctl.counts)
             return plan, dict(ctl.ranks), "kept: every worker of the plan is alive"
@@ -273,10 +280,11 @@ class Recovery(RestorePoints):
                        f"within failure.wait_for_nodes_s({self.cfg.failure.wait_for_nodes_s:g})"
                        + (f"; durable checkpoint at {path}" if path else ""))
 
-    def request_replan(self, reason: str) -> None:
+    def request_replan(self, reason: str, cut: tuple | None = None) -> None:
         """Re-plan on the usable workers at the next snapshot step, as a grow does (``reason``
-        names it in the recovery event)."""
-        self._replan_reason = reason
+        names it in the recovery event). ``cut``: keep the layout and every rank on its worker,
+        with these stage bounds (where every worker of the plan is still usable)."""
+        self._replan_reason, self._cut = reason, cut
 
     def maybe_grow(self) -> None:
         """Re-plan onto workers that joined if the policy prefers a larger plan, or as

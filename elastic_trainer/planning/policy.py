@@ -21,9 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import TrainerConfig
-from .constants import run_constants
-from .layouts import NothingFits
+from .constants import flops_rate, run_constants
+from .layouts import Layout, NothingFits
+from .memory import worker_memory
+from .model_shape import model_shape
 from .planner import predict_candidates, rank_key, serves
+from .recut import block_costs
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,30 @@ def plan_row(cfg: TrainerConfig, dp: int, pp: int, constants: dict | None = None
         return None
     ok = [r for r in rows if (r["dp"], r["pp"]) == (dp, pp) and serves(r, cfg.comm.compression, cfg.comm.sync)]
     return min(ok, key=rank_key) if ok else None
+
+
+def plan_block_costs(cfg: TrainerConfig, dp: int, constants: dict | None = None) -> list[float]:
+    """Each block's modelled compute seconds per step on a rank of a ``dp``-replica run of ``cfg``,
+    by the terms :func:`planner.predict_candidates` prices a rank's compute with (see
+    :func:`recut.block_costs`): what a stage re-cut weighs blocks by."""
+    doc = run_constants(cfg) if constants is None else constants
+    rate, opt_cost, _, block_cost, _ = flops_rate((doc or {}).get("compute"))
+    t = cfg.train
+    micro = max(1, t.global_batch_size // (dp * t.micro_batch_size))
+    return block_costs(model_shape(cfg).param_counts, t.global_batch_size // dp * cfg.data.seq_len, micro, rate,
+                       block_cost, opt_cost)
+
+
+def cut_fits(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, worker_memory_bytes: float | None) -> bool:
+    """Whether ``dp x pp`` cut into ``stage_bounds`` fits ``worker_memory_bytes`` on every worker by
+    the planner's memory model (always, where no bound is set)."""
+    if worker_memory_bytes is None:
+        return True
+    t = cfg.train
+    lay = Layout(dp, pp, tuple(tuple(b) for b in stage_bounds), max(1, t.global_batch_size // (dp * t.micro_batch_size)),
+                 cfg.parallel.stages_per_rank)
+    need, _ = worker_memory(lay, model_shape(cfg), cfg.parallel.schedule, t.activation_checkpointing == "blocks")
+    return need <= worker_memory_bytes
 
 
 def _reason(best: dict, rows: Sequence[dict], memory: float | None) -> str:

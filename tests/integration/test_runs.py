@@ -267,3 +267,44 @@ def test_a_straggler_no_share_can_help_is_left_out_as_a_spare_and_let_back_in(cl
     plans = [(p["dp"], p["pp"]) for p in result.plans]
     assert plans[:3] == [(2, 1), (1, 1), (2, 1)], plans
     assert [r["loss"] for r in result.history] == pytest.approx(reference_losses(cfg, cfg.train.steps), rel=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_a_slow_stage_of_a_pipeline_is_recut_and_cut_back_with_the_curve_unchanged(cluster, corpus_dir):
+    from ..helpers import reference_losses
+
+    # One replica: no share can move, so the slow rank's stage is given fewer blocks by a live
+    # re-plan (each rank on its worker), and the balanced cut comes back once it recovers. Two
+    # workers at least: the tiny model runs faster on one, which would make a spare repay. The
+    # slowdown starts after the first window, which is a lone pipeline's yardstick.
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, parallel={"dp": 1, "pp": 2}, run={"name": "recut"}, train={"steps": 90},
+        balance={"window": 6, "payback_steps": 500}, scaling={"min_workers": 2},
+        failure={"allow_fault_injection": True}))
+    state = {"recut_at": None}
+    actions = {9: _slow("recut", 1, 0, 1, 3.0)}
+
+    def on_step(rec):
+        _at_steps(actions)(rec)
+        if state["recut_at"] is None and rec["plan"] > 0:
+            state["recut_at"] = rec["step"]
+            actions[rec["step"] + 10] = _slow("recut", 1, 0, 1, 1.0)
+
+    result = Trainer(cfg, verbose=False, on_step=on_step).fit()
+    moves = [e for e in result.events if e["kind"] == "rebalance"]
+    assert 1 in [e["rank"] for e in result.events if e["kind"] == "straggler"]
+    recut = [m for m in moves if m["action"] == "recut"]
+    back = [m for m in moves if m["action"] == "balanced cut"]
+    assert recut and recut[0]["ranks"] == [1] and recut[0]["predicted_step_s"] < recut[0]["step_s_before"]
+    first, cut = result.plans[0]["stages"], recut[0]["stages"]
+    # The slow stage holds fewer blocks, the other more; every block is held once.
+    assert cut[1][1] - cut[1][0] < first[1]["blocks"][1] - first[1]["blocks"][0] and cut[0][0] == 0
+    assert back and back[0]["step"] > recut[0]["step"] and back[0]["stages"] == [s["blocks"] for s in first]
+    # Live re-plans after a snapshot step: nothing redone, the same workers, back to the first cut.
+    reasons = [r["reason"] for r in result.recoveries]
+    assert reasons[:2] == ["recut", "recut"], reasons
+    assert all(r["steps_redone"] == 0 and r["plan_after"]["dp"] == 1 for r in result.recoveries)
+    assert [p["stages"][1]["blocks"] for p in result.plans[:3]] == [first[1]["blocks"], cut[1], first[1]["blocks"]]
+    assert len({tuple(sorted(p["workers"].values())) for p in result.plans}) == 1
+    # The cut moves where blocks run, not what they compute: the curve is the balanced run's.
+    assert [r["loss"] for r in result.history] == pytest.approx(reference_losses(cfg, cfg.train.steps), rel=1e-5)

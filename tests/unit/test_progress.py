@@ -74,3 +74,17 @@ def test_a_spare_and_its_return_are_told():
                         "ms/step against 50.0")
     assert lines[1] == "-> rebalance: worker 1 is back to pace 1.00 after 20 steps benched; it may be grown onto"
     assert "worker 2 is let back in (no plan fits" in lines[2]
+
+
+def test_a_recut_and_the_balanced_cut_back_are_told():
+    out = io.StringIO()
+    p = ProgressPrinter(_cfg(), out)
+    p.event({"kind": "rebalance", "step": 20, "action": "recut", "ranks": [1], "stages_before": [[0, 4], [4, 8]],
+             "stages": [[0, 6], [6, 8]], "stage_pace": [1.0, 3.0], "predicted_step_s": 0.04, "step_s_before": 0.06,
+             "payback_steps": 12.4, "cost_s": 0.5})
+    p.event({"kind": "rebalance", "step": 40, "action": "balanced cut", "stages": [[0, 4], [4, 8]],
+             "stages_before": [[0, 6], [6, 8]], "reason": "the ranks it was for recovered"})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("-> rebalance: re-cutting the stages [[0, 4], [4, 8]] -> [[0, 6], [6, 8]] for rank(s) [1] "
+                        "(stage paces [1.0, 3.0]), predicted 60.0 -> 40.0 ms/step (repays in 12 steps)")
+    assert lines[1] == "-> rebalance: the balanced cut [[0, 4], [4, 8]] again (the ranks it was for recovered)"
