@@ -41,6 +41,7 @@ quiet machine:
 
     python benchmarks/comm.py                      # everything, 40 steps per run, first 10 skipped
     python benchmarks/comm.py --only-sweep         # part 1 only
+    python benchmarks/comm.py --only-topk          # the two top-k exchanges at dp = 2, 4, 8
     python benchmarks/comm.py --skip-sweep --steps 60 --warmup 20
 """
 
@@ -394,6 +395,9 @@ def main() -> None:
     ap.add_argument("--max", default="256MiB", help="largest sweep message")
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per sweep size")
     ap.add_argument("--only-sweep", action="store_true", help="part 1 only")
+    ap.add_argument("--only-topk", action="store_true",
+                    help="only the two top-k exchanges at dp = 2, 4, 8 (bytes per rank, seconds per step; "
+                         "writes benchmarks/results/topk_exchange.json)")
     ap.add_argument("--skip-sweep", action="store_true", help="no sweep: predict with --constants or the built-ins")
     ap.add_argument("--constants", help="with --skip-sweep: a bench-comm --out file")
     ap.add_argument("--runs", help="comma-separated compression:sync pairs, default all nine")
@@ -401,6 +405,13 @@ def main() -> None:
                     help="CPUs of the head node; the workers take the 4 one-CPU nodes, and the controller and "
                          "parameter-server shards ask for no CPU, so 0 (the default) fits")
     args = ap.parse_args()
+    if args.only_topk:
+        from _topk_exchange import measure, print_rows
+
+        rows = measure()
+        print_rows(rows)
+        (ROOT / "benchmarks" / "results" / "topk_exchange.json").write_text(json.dumps(rows, indent=1) + "\n")
+        return
     if args.only_sweep and args.skip_sweep:
         ap.error("--only-sweep and --skip-sweep leave nothing to do")
     if args.warmup >= args.steps:

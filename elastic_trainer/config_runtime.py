@@ -59,6 +59,10 @@ class CommSection(_Strict):
     compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = Field(
         "none", description="Gradient compression; int8, topk and powersgd keep an error-feedback residual.")
     topk_ratio: float = Field(0.01, gt=0, le=1, description="topk: share of gradient entries sent.")
+    topk_exchange: Literal["allgather", "sparse_reduce"] = Field(
+        "allgather", description="topk: 'allgather' sends every rank's entries to every rank ((dp-1) x k per "
+                                 "rank); 'sparse_reduce' scatters them by index range, sums, re-sparsifies to k "
+                                 "and all-gathers (about 2 x k per rank at any dp).")
     topk_warmup_steps: int = Field(
         0, ge=0, description="topk: steps over which the share sent falls geometrically from 25% to "
                              "topk_ratio (sparsity warm-up, as in Deep Gradient Compression); 0: none.")

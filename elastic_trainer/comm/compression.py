@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .algorithms import ring_allreduce_bytes
 from .codec import Codec, Shapes, timed
 from .powersgd import PowerSGDCodec
+from .sparse_reduce import sparse_allreduce, sparse_reduce_bytes
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 
@@ -155,22 +156,31 @@ class Int8Codec(Codec):
 
 
 class TopKCodec(Codec):
-    """Each rank sends its ``ratio * N`` largest-magnitude entries (values + int32 indices) by all-gather.
+    """Each rank sends its ``ratio * N`` largest-magnitude entries (values + int32 indices).
 
-    Error feedback keeps everything not sent; with ``value_dtype=float16`` it
-    also keeps the rounding of the sent values (clamped to fp16's range).
+    ``exchange="allgather"``: by all-gather, so a rank sends and receives
+    ``(p - 1) k`` pairs. ``exchange="sparse_reduce"``: scattered by index range,
+    summed by the range's owner, re-sparsified to ``k`` and all-gathered
+    (``comm.sparse_reduce``): about ``2k`` pairs at any ``p``.
+
+    Error feedback keeps everything not sent (and, with ``sparse_reduce``, what
+    the owner's re-sparsify dropped); with ``value_dtype=float16`` it also keeps
+    the rounding of the sent values (clamped to fp16's range).
     """
 
     name = "topk"
-    options = ("ratio", "value_dtype", "error_feedback", "warmup_steps")
+    options = ("ratio", "value_dtype", "error_feedback", "warmup_steps", "exchange")
+    EXCHANGES = ("allgather", "sparse_reduce")
     state_kinds = ("residual",)
     # Where a sparsity warm-up starts: a quarter of the entries (DGC's 75% sparsity).
     WARMUP_START = 0.25
 
     def __init__(self, ratio: float = 0.01, value_dtype: torch.dtype | str = torch.float32,
-                 error_feedback: bool = True, warmup_steps: int = 0):
+                 error_feedback: bool = True, warmup_steps: int = 0, exchange: str = "allgather"):
         if not 0 < ratio <= 1:
             raise ValueError(f"topk ratio must be in (0, 1]; got {ratio}")
+        if exchange not in self.EXCHANGES:
+            raise ValueError(f"topk exchange must be one of {', '.join(self.EXCHANGES)}; got {exchange!r}")
         if warmup_steps < 0:
             raise ValueError(f"topk warmup_steps must be >= 0; got {warmup_steps}")
         dtypes = {"float32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
@@ -179,7 +189,7 @@ class TopKCodec(Codec):
             raise ValueError(f"topk value_dtype must be float32 or float16; got {value_dtype}")
         super().__init__()
         self.ratio, self.value_dtype, self.error_feedback = ratio, value_dtype, error_feedback
-        self.warmup_steps = warmup_steps
+        self.warmup_steps, self.exchange = warmup_steps, exchange
 
     def ratio_at(self, step: int | None) -> float:
         """Share sent in ``step`` (counted from 1): during the warm-up it falls geometrically
@@ -202,6 +212,12 @@ class TopKCodec(Codec):
         if self.error_feedback and bucket in self._state["residual"]:
             x.add_(self._state["residual"][bucket])
         k = self.k(x.numel(), step)
+        if self.exchange == "sparse_reduce":
+            avg, residual = sparse_allreduce(x, k, group, p, dist.get_rank(group), stats, self.value_dtype)
+            flat.copy_(avg)
+            if self.error_feedback:
+                self._state["residual"][bucket] = residual
+            return
         idx = x.abs().topk(k, sorted=False).indices
         vals = x[idx]
         if self.value_dtype == torch.float16:
@@ -222,7 +238,11 @@ class TopKCodec(Codec):
 
     def expected_bytes(self, numel, p, shapes=None, step=None):
         """Bytes one rank sends; in ``step`` if given (the warm-up sends more), else steady state."""
-        return (p - 1) * self._message_bytes(numel, step) if p > 1 else 0
+        if p < 2:
+            return 0
+        if self.exchange == "sparse_reduce":
+            return sparse_reduce_bytes(numel, p, self.k(numel, step), torch.finfo(self.value_dtype).bits // 8)
+        return (p - 1) * self._message_bytes(numel, step)
 
 
 _FACTORIES = {

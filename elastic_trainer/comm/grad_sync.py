@@ -43,7 +43,7 @@ _ALLREDUCE_CODECS = {"none": torch.float32, "fp16": torch.float16, "bf16": torch
 
 def codec_options(comm: CommSection, seed: int) -> dict:
     if comm.compression == "topk":
-        return {"ratio": comm.topk_ratio, "warmup_steps": comm.topk_warmup_steps}
+        return {"ratio": comm.topk_ratio, "warmup_steps": comm.topk_warmup_steps, "exchange": comm.topk_exchange}
     if comm.compression == "powersgd":
         return {"rank": comm.powersgd_rank, "start_step": comm.powersgd_start_step, "seed": seed}
     return {}

@@ -42,7 +42,7 @@ def _buckets(shapes: list[tuple[int, ...]], bucket_bytes: int) -> list[list[tupl
 def _codec_opts(cfg: TrainerConfig, name: str) -> dict:
     c = cfg.comm
     if name == "topk":
-        return {"ratio": c.topk_ratio}
+        return {"ratio": c.topk_ratio, "exchange": c.topk_exchange}
     if name == "powersgd":
         return {"rank": c.powersgd_rank, "start_step": c.powersgd_start_step}
     return {}
@@ -58,7 +58,8 @@ def _latency_steps(name: str, p: int, bucket: list[tuple[int, tuple[int, ...]]],
     if name == "int8":
         return 2 * (p - 1)  # all-to-all, then all-gather
     if name == "topk":
-        return p - 1
+        # All-gather; sparse_reduce runs an all-to-all before it.
+        return (p - 1) * (2 if opts.get("exchange") == "sparse_reduce" else 1)
     # PowerSGD: an all-reduce of P with the uncompressed entries, and one of Q if any matrix is compressed.
     matrices, rest = make_codec("powersgd", **opts)._plan(numel, bucket)
     first = sum(hi - lo for lo, hi in rest) + sum(n * r for _, n, _, r in matrices)

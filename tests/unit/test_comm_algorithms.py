@@ -34,13 +34,19 @@ CODEC_RUNS = {
     "int8": {"chunk": 256},
     "topk": {"ratio": 0.05},
     "topk16": {"ratio": 0.05, "value_dtype": "float16"},
+    "topk_rs": {"ratio": 0.05, "exchange": "sparse_reduce"},
+    "topk_rs16": {"ratio": 0.05, "exchange": "sparse_reduce", "value_dtype": "float16"},
+    # k covers every entry: the dense average.
+    "topk_rs_full": {"ratio": 1.0, "exchange": "sparse_reduce"},
     "powersgd": {"rank": 2, "start_step": 3},
 }
+# Runs of one codec under other options.
+CODEC_OF = {"topk16": "topk", "topk_rs": "topk", "topk_rs16": "topk", "topk_rs_full": "topk"}
 GPT_CODECS = {"none": {}, "fp16": {}, "bf16": {}, "int8": {}, "topk": {"ratio": 0.01}, "powersgd": {"rank": 4}}
 
 
 def _codec(run: str, **extra):
-    return make_codec("topk" if run == "topk16" else run, **CODEC_RUNS.get(run, {}), **extra)
+    return make_codec(CODEC_OF.get(run, run), **CODEC_RUNS.get(run, {}), **extra)
 
 
 def _grads(rank: int, step: int, base: torch.Tensor) -> torch.Tensor:
@@ -86,7 +92,7 @@ def _check_codecs(rank: int, world: int) -> dict:
     base = torch.randn(BUCKET, generator=torch.Generator().manual_seed(7))
     singles = [dist.new_group([r]) for r in range(world)]
     out = {}
-    for run in list(CODEC_RUNS) + ["topk_no_ef", "powersgd_no_ef"]:
+    for run in list(CODEC_RUNS) + ["topk_no_ef", "topk_rs_no_ef", "powersgd_no_ef"]:
         name = run.replace("_no_ef", "")
         codec = _codec(name, **({"error_feedback": False} if run.endswith("no_ef") else {}))
         opts = dict(CODEC_RUNS[name])
@@ -99,7 +105,7 @@ def _check_codecs(rank: int, world: int) -> dict:
             stats = CommStats()
             codec.average(flat, None, stats, shapes=SHAPES)
             rec["bytes"].append(stats.bytes)
-            rec["expected"].append(expected_bytes("topk" if name == "topk16" else name, BUCKET, world, SHAPES,
+            rec["expected"].append(expected_bytes(CODEC_OF.get(name, name), BUCKET, world, SHAPES,
                                                   **opts, **({"step": step} if name == "powersgd" else {})))
             rec["step_err"].append(float((flat.double() - true).norm() / true.norm()))
             cum_d += flat.double()
@@ -216,9 +222,9 @@ def _run(world: int, deadline_s: float = 120.0) -> list[dict]:
     return _RUNS[world]
 
 
-def _spawn(world: int, deadline_s: float) -> list[dict]:
+def _spawn(world: int, deadline_s: float, target=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir), nprocs=world, join=False,
+        ctx = mp.start_processes(target or _worker, args=(world, _free_port(), out_dir), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + deadline_s
         while not ctx.join(timeout=1):
@@ -291,6 +297,9 @@ def test_lossless_and_low_precision_averages_are_close(world):
     assert max(codecs["bf16"]["step_err"]) < 8e-3
     # Before its start step PowerSGD is a plain all-reduce.
     assert max(codecs["powersgd"]["step_err"][:3]) < 1e-6
+    # The sparse reduce with k covering every entry sends and keeps them all: the dense sums.
+    assert max(codecs["topk_rs_full"]["step_err"]) < 1e-6
+    assert codecs["topk_rs_full"]["identity_err"] < 1e-6
 
 
 @WORLDS
@@ -305,7 +314,7 @@ def test_int8_stays_within_its_scale_error(world):
 def test_error_feedback_makes_the_sum_of_averages_converge(world):
     codecs = _run(world)[0]["codecs"]
     half = STEPS // 2 - 1
-    for run in ("int8", "topk", "topk16", "powersgd"):
+    for run in ("int8", "topk", "topk16", "topk_rs", "topk_rs16", "powersgd"):
         rec = codecs[run]
         # Exactly what was not delivered is still owed: decoded + mean residual == true, summed over steps.
         assert rec["identity_err"] < 1e-5, run
@@ -313,7 +322,7 @@ def test_error_feedback_makes_the_sum_of_averages_converge(world):
         assert rec["sum_err"][-1] < 0.7 * rec["sum_err"][half], run
         # ...and ends far below the error of any one lossy step.
         assert rec["sum_err"][-1] < 0.25 * min(rec["step_err"][5:]), run
-    for run in ("topk", "powersgd"):
+    for run in ("topk", "topk_rs", "powersgd"):
         # Without error feedback the dropped part is gone: the running sum stays as wrong as one step.
         no_ef = codecs[f"{run}_no_ef"]["sum_err"]
         assert no_ef[-1] > 0.8 * no_ef[half] and no_ef[-1] > 0.5, run
@@ -329,6 +338,7 @@ def test_codec_state_restores_into_a_fresh_codec(world):
         assert res["codecs"]["none"]["state_keys"] == []
         assert res["codecs"]["topk"]["state_keys"] == ["residual.0"]
         assert res["codecs"]["topk_no_ef"]["state_keys"] == []
+        assert res["codecs"]["topk_rs"]["state_keys"] == ["residual.0"]
         assert res["codecs"]["powersgd"]["state_keys"] == ["q.0", "residual.0", "step.0"]
 
 
@@ -362,9 +372,11 @@ def test_unknown_codec_and_option_say_what_would_fit():
     with pytest.raises(ValueError) as e:
         make_codec("zstd")
     assert "'zstd'" in str(e.value) and all(name in str(e.value) for name in CODECS)
-    with pytest.raises(ValueError, match=r"'topk' takes options \(ratio, value_dtype, error_feedback, warmup_steps\); "
-                                         r"got unknown rank"):
+    with pytest.raises(ValueError, match=r"'topk' takes options \(ratio, value_dtype, error_feedback, warmup_steps, "
+                                         r"exchange\); got unknown rank"):
         make_codec("topk", rank=4)
+    with pytest.raises(ValueError, match="exchange must be one of allgather, sparse_reduce; got 'tree'"):
+        make_codec("topk", exchange="tree")
     with pytest.raises(ValueError, match="ratio must be in"):
         make_codec("topk", ratio=0)
     with pytest.raises(ValueError, match="needs the bucket's parameter shapes"):
@@ -405,3 +417,44 @@ def test_topk_warmup_sends_a_falling_share_then_the_ratio():
     assert expected_bytes("topk", n, 2, ratio=0.01, warmup_steps=30) == math.ceil(0.01 * n) * 8
     with pytest.raises(ValueError, match="warmup_steps must be >= 0; got -1"):
         make_codec("topk", warmup_steps=-1)
+
+
+def _sparse_bytes_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Bytes each rank counts for both top-k exchanges on the demo GPT's gradients, in one bucket."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        grads = torch.randn(GPT_NUMEL, generator=torch.Generator().manual_seed(rank))
+        out = {}
+        for exchange in ("allgather", "sparse_reduce"):
+            codec, stats = make_codec("topk", ratio=0.01, exchange=exchange), CommStats()
+            codec.average(grads.clone(), None, stats)
+            out[exchange] = {"bytes": stats.bytes, "expected": expected_bytes("topk", GPT_NUMEL, world, ratio=0.01,
+                                                                             exchange=exchange)}
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+# The demo GPT's parameter count (jobs/demo.yaml: 4 layers, d_model 128, vocab 256, seq 128).
+GPT_NUMEL = 875_264
+
+
+def test_sparse_reduce_topk_bytes_per_rank_stay_flat_in_dp():
+    counted = {}
+    for world in (2, 4, 8):
+        ranks = _spawn(world, 120.0, _sparse_bytes_worker)
+        for exchange in ("allgather", "sparse_reduce"):
+            # expected_bytes is the busiest rank's count.
+            assert max(r[exchange]["bytes"] for r in ranks) == ranks[0][exchange]["expected"], (world, exchange)
+        counted[world] = {ex: max(r[ex]["bytes"] for r in ranks) for ex in ("allgather", "sparse_reduce")}
+    sparse = [counted[w]["sparse_reduce"] for w in (2, 4, 8)]
+    # About 2k index-value pairs at any dp: within 10% of each other...
+    assert max(sparse) <= 1.1 * min(sparse), counted
+    k = math.ceil(0.01 * GPT_NUMEL)
+    assert all(2 * k * 8 <= b <= 2.05 * k * 8 for b in sparse), counted
+    # ...where the all-gather's grow as (dp - 1) k.
+    assert [counted[w]["allgather"] for w in (2, 4, 8)] == [(w - 1) * k * 8 for w in (2, 4, 8)]
+    assert counted[8]["sparse_reduce"] * 3 < counted[8]["allgather"]

@@ -58,9 +58,13 @@ class OffDevice(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("name", CODECS + ("topk_sparse_reduce",))
 def test_every_codec_allocates_on_its_input_device(fake_world, name, device):
-    codec = make_codec(name, **OPTIONS.get(name, {}))
+    if name == "topk_sparse_reduce" and device == "cpu":
+        pytest.skip("the fake backend leaves received buffers unwritten, and this exchange indexes by what it "
+                    "receives; tests/unit/test_comm_algorithms.py runs it on CPU under gloo")
+    codec = (make_codec("topk", ratio=0.05, exchange="sparse_reduce") if name == "topk_sparse_reduce"
+             else make_codec(name, **OPTIONS.get(name, {})))
     for step in (1, 2):  # a second step uses the state the first left (residuals, PowerSGD's Q)
         flat = torch.randn(NUMEL, device=device)
         with OffDevice(device) as mode:
