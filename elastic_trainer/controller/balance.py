@@ -53,6 +53,8 @@ from ..planning.recut import propose_recut, stage_work
 from .pace import PaceTracker
 
 Bounds = tuple[tuple[int, int], ...]
+# Steps on a new cut that set each rank's scale (``Balance._calibrate``).
+_CALIBRATION_STEPS = 4
 
 
 class Balance:
@@ -79,6 +81,7 @@ class Balance:
         self._scale: dict[int, float] = {}       # rank -> its stage's balanced work over its work now
         self._workers: dict[int, int] | None = None
         self._virtual = 1
+        self._calib: tuple[dict, dict] | None = None   # (compute before a re-cut, since) per rank
         self.tracker = PaceTracker(cfg.threshold, cfg.window)
         self.shares: list[int] | None = None   # micro-batches per replica; None: equal
         self._for: set[int] = set()            # the stragglers the shares were made for
@@ -108,9 +111,15 @@ class Balance:
                 and bounds in (self._bounds, self._awaiting))
         self._topo, self._equal, self._row_fn, self._row = topo, equal_micro_batches, row_fn, None
         self._workers, self._virtual = dict(workers) if workers is not None else None, virtual
-        self._bounds, self._awaiting, self.cut_request = bounds, None, None
+        before, self._bounds, self._awaiting, self.cut_request = self._bounds, bounds, None, None
+        self._calib = None
         if same:
             self._scale = self._scales()
+            if bounds != before and self._scale:
+                # The modelled work of a block can be off (a head's softmax, an embedding), and
+                # the slowdown is the same a moment later: the first steps on the new cut set
+                # each rank's scale so that it reads the compute it had just before.
+                self._calib = ({r: self.tracker.compute_median(r) for r in range(topo.world_size)}, {})
         else:
             self.tracker.reset({r: topo.coords(r)[1] for r in range(topo.world_size)})
             self._balanced, self._cut_for, self._scale = bounds, set(), {}
@@ -152,7 +161,10 @@ class Balance:
         # the equal share from fewer calls, are not named on top.
         held = ({r for i, n in enumerate(self.shares) if n < self._equal for r in self._replica_ranks(i)}
                 if self.shares is not None else set())
-        paces, events = self.tracker.update(step, compute, held)
+        if self._calib is not None:
+            paces, events = self._calibrate(compute), []
+        else:
+            paces, events = self.tracker.update(step, compute, held)
         record["pace"] = {str(r): round(p, 4) for r, p in sorted(paces.items())}
         worker_s = record.get("worker_s") or record.get("step_time_s") or 0.0
         self._worker_s.append(worker_s)
@@ -166,6 +178,21 @@ class Balance:
             wid, node = where.get(ev["rank"], (None, None))
             ev.update(worker=wid, node=node)
         return events
+
+    def _calibrate(self, compute: dict[int, float]) -> dict[int, float]:
+        """A step of the first ones on a new cut: gathered, not paced (the paces stay as they
+        were); after ``_CALIBRATION_STEPS`` each rank's scale is corrected by its compute before
+        the re-cut over its median since."""
+        before, after = self._calib
+        for r, c in compute.items():
+            after.setdefault(r, []).append(c)
+        if all(len(after.get(r, ())) >= _CALIBRATION_STEPS for r in before):
+            for r, was in before.items():
+                now = statistics.median(after[r])
+                if was and now > 0:
+                    self._scale[r] = self._scale.get(r, 1.0) * was / now
+            self._calib = None
+        return {r: p for r in compute if (p := self.tracker.pace_of(r)) is not None}
 
     def _equal_share_compute(self, o: dict) -> float:
         """What the rank's step would have taken on the equal share: its passes at their steady
@@ -213,20 +240,23 @@ class Balance:
                          "replica_pace": [round(p, 3) for p in paces], **prop.figures()}]
         return self._propose_recut(step, row, measured, slow) or self._propose_spare(step, row, paces, measured, slow)
 
-    def _lasting(self, step: int, slow: dict[int, int]) -> list[int]:
-        """The stragglers worth a re-plan: slow since two windows at least, at a pace past
+    def _lasting(self, step: int, slow: dict[int, int], windows: int = 2) -> list[int]:
+        """The stragglers worth a re-plan: slow since ``windows`` windows at least, at a pace past
         ``1 + 2 * threshold``. A re-plan costs seconds, and on a host whose cores the workers
         share a rank can read 1.4x slow for a window."""
-        return [r for r, since in slow.items()
-                if step - since >= 2 * self.cfg.window and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold]
+        return [r for r, since in slow.items() if step - since >= windows * self.cfg.window
+                and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold]
 
     def _propose_recut(self, step: int, row: dict, measured: float, slow: dict[int, int]) -> list[dict]:
         """Give a lasting straggler's stage fewer blocks, if that repays two re-plans (there and
         back). Each stage's pace is its slowest replica's compute, read at the balanced cut,
-        over the stage's modelled work there (``planning.recut``)."""
+        over the stage's modelled work there (``planning.recut``). Lasting here means one window
+        past its naming, not two as for a spare: every worker stays, and the cut comes back at
+        the cost of one more re-plan (in the benchmark the second window cost a re-cut 10 of
+        the slowdown's 50 steps)."""
         topo = self._topo
         if (topo.pp < 2 or self._virtual != 1 or self._replan_cost_s is None or self._bounds is None
-                or not self._lasting(step, slow)):
+                or not self._lasting(step, slow, windows=1)):
             return []
         costs = self._block_costs()
         if costs is None:

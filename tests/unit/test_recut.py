@@ -102,26 +102,30 @@ def _run(b: Balance, steps, compute_of):
     return events
 
 
-def test_a_lasting_straggler_in_a_pipeline_gets_a_recut_and_the_balanced_cut_back():
+@pytest.mark.parametrize("head_off_by", [1.0, 3.0])
+def test_a_lasting_straggler_in_a_pipeline_gets_a_recut_and_the_balanced_cut_back(head_off_by):
     b, balanced, costs = _pp2_balance()
-    work = stage_work(costs, balanced)
-    per = [0.01 * w / work[0] for w in work]   # both stages at the same pace
+    # What the blocks really cost: the model's figures, or with the last block (the head, the
+    # softmax over the vocabulary) three times what the model says.
+    true = costs[:-1] + [costs[-1] * head_off_by]
+    work = stage_work(true, balanced)
 
     def actual(step, slow_from=6, slow_to=10_000, cut=balanced):
-        w = stage_work(costs, cut)
+        w = stage_work(true, cut)
         factor = {0: 1.0, 1: 3.0 if slow_from <= step < slow_to else 1.0}
-        return {r: per[0] / work[0] * w[r] * factor[r] for r in (0, 1)}
+        return {r: 0.01 / work[0] * w[r] * factor[r] for r in (0, 1)}
 
     events = _run(b, range(1, 60), actual)
     named = [e for e in events if e["kind"] == "straggler"]
     [recut] = [e for e in events if e["kind"] == "rebalance"]
     assert [e["rank"] for e in named] == [1]
     assert recut["action"] == "recut" and recut["ranks"] == [1]
-    # Lasting first: two windows after it was named.
-    assert recut["step"] >= named[0]["since_step"] + 10
+    # Lasting first: a window past its onset (a spare waits two).
+    assert named[0]["since_step"] + 5 <= recut["step"] < named[0]["since_step"] + 10
     new = b.cut_request
     assert new[1][1] - new[1][0] < balanced[1][1] - balanced[1][0]
-    assert recut["stage_pace"][1] == pytest.approx(3.0, rel=0.05)
+    # Measured time over modelled work: 3x, and more where the head costs more than modelled.
+    assert recut["stage_pace"][1] == pytest.approx(3.0 * work[1] / stage_work(costs, balanced)[1], rel=0.02)
     # The controller re-plans: the same workers on the new cut keep their paces.
     b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
     assert b.cut_request is None and 1 in b.tracker.stragglers
@@ -129,7 +133,9 @@ def test_a_lasting_straggler_in_a_pipeline_gets_a_recut_and_the_balanced_cut_bac
     still = _run(b, range(step0, step0 + 20), lambda s: actual(s, cut=new))
     assert not [e for e in still if e["kind"] in ("rebalance", "straggler_recovered")]
     assert 1 in b.tracker.stragglers   # read at the balanced cut, it is still slow
-    # It recovers: the balanced cut comes back.
+    assert b.tracker.pace_of(1) == pytest.approx(3.0, rel=0.1)
+    # It recovers: the balanced cut comes back (where the model is off too: the first steps on
+    # the new cut set each rank's scale from what it computed just before).
     back = _run(b, range(step0 + 20, step0 + 60), lambda s: actual(s, slow_to=0, cut=new))
     assert [e["kind"] for e in back if e["kind"] != "straggler"] == ["straggler_recovered", "rebalance"]
     assert back[-1]["action"] == "balanced cut" and b.cut_request == balanced
