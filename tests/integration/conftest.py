@@ -5,17 +5,22 @@ import ray
 from ray.cluster_utils import Cluster
 
 NUM_NODES = 4
-# The GCS declares a killed node dead about 15 s after the kill (its health checks); until then
-# a new run could place a worker there. A handover waits for that, or starts the cluster anew
-# (about 9 s) where the wait would be longer.
-_DECLARED_DEAD_S = 16.0
+# Ray's GCS declares a killed node dead once it misses this many health checks, this far apart
+# (Ray's defaults, 5 x 3 s, take about 15 s); until then a new run could place a worker there.
+# A run sees a loss when the actor's connection drops, without it, but the next test's handover
+# waits for it: with these a killed node is declared dead in about 5 s. (A run that waited on
+# it, such as a pull from the dead node, would wait less here; benchmarks/ keep the defaults.)
+_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 4}
+# A handover waits for that, or starts the cluster anew (about 9 s) where the wait would be longer.
+_DECLARED_DEAD_S = 6.0
 _RESTART_S = 9.0
 _SETTLE_S = 30.0
 
 
 def start_cluster(num_nodes: int) -> tuple[Cluster, list]:
     """A head with no CPUs (so work lands on removable nodes) plus one-CPU nodes."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                      "_system_config": _HEALTH_CHECKS})
     nodes = [c.add_node(num_cpus=1) for _ in range(num_nodes)]
     c.wait_for_nodes()
     ray.init(address=c.address)
