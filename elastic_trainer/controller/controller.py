@@ -405,9 +405,14 @@ class Controller(ControllerViews):
             if self.ps:
                 self.ps.snapshot(step)
         for snap in self.snapshots.poll():
-            # Not a result event (one per step would drown the others): a metric only.
+            # Not a result event (one per step would drown the others): a metric, and the record.
+            seconds = snap.committed_at - snap.started
             self.metrics.record_event({"kind": "snapshot", "step": snap.step, "bytes": snap.nbytes,
-                                       "seconds": snap.committed_at - snap.started})
+                                       "seconds": seconds})
+            record["snapshot_commit_s"] = max(seconds, record.get("snapshot_commit_s", 0.0))
+        # What driving the run has cost so far, in actor calls (set once the step's snapshot is
+        # issued, so the record already in the history gains it).
+        record["actor_calls"] = self.driver.calls + self.snapshots.calls
         for snap in self.snapshots.take_dropped():
             self.event("snapshot_dropped", step=snap.step, reason=snap.dropped)
         self.snapshots.prune()

@@ -86,6 +86,7 @@ class SnapshotStore:
         self._plan = None
         self._phases: list[dict[int, list[int]]] = [{}]
         self._taken = 0   # scheduled snapshots so far: whose turn it is to write
+        self.calls = 0    # pin requests issued so far
 
     def set_plan(self, plan) -> None:
         """Who writes what from now on: the put phases of ``plan`` (a ``planning.plan.Plan``)."""
@@ -149,6 +150,7 @@ class SnapshotStore:
                     continue
                 used.add(h_node)
                 entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref], keep_from)
+                self.calls += 1
                 pending[h_wid] += 1
             if len(used) < min(self.replicas, len({w[2] for w in workers})):
                 short.append(rank)

@@ -48,6 +48,7 @@ class StepDriver:
         self.cfg = cfg
         self.step_times: collections.deque = collections.deque(maxlen=20)
         self.steps_since_setup = 0
+        self.calls = 0   # actor calls issued so far (what driving the steps costs, benchmarks/control_plane.py)
 
     def _tight(self) -> float:
         f = self.cfg.failure
@@ -79,6 +80,7 @@ class StepDriver:
             # Asked for at once: the part comes back once the step has begun it, on a
             # thread of its own, and its write into the object store overlaps the next step.
             out.shard_refs[w] = actor.snapshot_part.remote(step, blocks) if blocks else None
+        self.calls += len(actors) + sum(1 for r in out.shard_refs.values() if r is not None)
         return self._collect(out, refs, actors, started + self.step_timeout())
 
     def evaluate(self, step: int, actors: dict[int, object], batches: int) -> StepOutcome:
@@ -88,6 +90,7 @@ class StepDriver:
         out = StepOutcome(step, started)
         timeout = self.step_timeout() * max(1, batches)
         refs = {actor.evaluate.remote(step, timeout): w for w, actor in actors.items()}
+        self.calls += len(refs)
         return self._collect(out, refs, actors, started + timeout)
 
     def _collect(self, out: StepOutcome, refs: dict, actors: dict[int, object], deadline: float) -> StepOutcome:
@@ -118,6 +121,7 @@ class StepDriver:
                         out.first_signal = time.perf_counter()
                         deadline = min(deadline, out.first_signal + max(_ERROR_GRACE_S, self.cfg.failure.ping_timeout_s))
                         pings = {actors[w].ping.remote(): w for w in pending.values()}
+                        self.calls += len(pings)
             if out.first_signal is not None and not pings and all(w in out.answered for w in pending.values()):
                 # Every silent rank is alive: their own errors (or a peer's) arrive within
                 # moments, and one of them may be the cause, so wait a little for them.

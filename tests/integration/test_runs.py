@@ -31,6 +31,12 @@ def test_default_cpu_placement_is_one_worker_per_node(cluster, corpus_dir):
     assert sorted(w["rank"] for w in result.workers) == [0, 1, 2, 3]
     assert len(result.plans) == 1 and {r["plan"] for r in result.history} == {0}
     assert len({w["pid"] for w in result.workers}) == 4
+    # The controller counts what driving the run costs: a train_step per rank each step, a
+    # snapshot part per stage on a snapshot step (dp=2 on 4 nodes: every part has copies, no pins).
+    calls = [r["actor_calls"] for r in result.history]
+    per_step = [b - a for a, b in zip(calls, calls[1:])]
+    snap = [r["snapshot"] for r in result.history[1:]]
+    assert per_step == [4 + (2 if s else 0) for s in snap], (per_step, snap)
     # Actors were named after the run and rank, and are gone after the run.
     time.sleep(1)
     assert not any(a["name"].startswith("place-") for a in ray.util.list_named_actors(all_namespaces=True))

@@ -1,0 +1,186 @@
+"""What driving every step from one controller costs as the run grows: N workers of a tiny model.
+
+The real controller runs N data-parallel workers (dp=N, pp=1) of a 2-layer,
+d_model 16 GPT on 4 simulated nodes, N/4 workers a node (each asks for 1/ (N/4)
+of its node's one CPU), snapshots at the default (``memory_every: auto``).
+For each N it reports, from the run's own step records after ``--warmup``
+steps:
+
+- the controller's time per step: the step's wall time minus the slowest
+  worker's own time (``step_time_s - worker_s``: what issuing, waiting for and
+  gathering the step costs beyond the work itself), median and 90th percentile;
+- the actor calls the controller makes per step (its running count,
+  ``actor_calls`` in the step record: ``train_step`` and ``snapshot_part`` per
+  rank, pings after a failure, pins of snapshot parts);
+- the snapshot commit time: from a snapshot's parts being taken to its
+  commit (every part stored and pinned; ``snapshot_commit_s``), median;
+- one recovery: a node killed mid-run, its phases (detect, re-plan, restore,
+  first step).
+
+Then it fits each figure against N (linear ``a + b N`` and power ``a N^b``,
+least squares on the data, the better by residual kept), prints the fitted
+form beside the data, and projects to 1,000 and 10,000 ranks.
+
+Run on a quiet machine (each N starts N worker processes; 32 on this
+2-core, 23 GB host take about a minute to start):
+
+    python benchmarks/control_plane.py                    # N = 4, 8, 16, 32
+    python benchmarks/control_plane.py --workers 4,8,16,32,64
+
+Writes benchmarks/results/control_plane.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NODES = 4
+
+
+def tiny_config(n: int, steps: int, name: str, corpus: str) -> dict:
+    per_node = max(1, n // NODES)
+    return {
+        "run": {"name": name, "log_every": 100_000, "report_dir": None, "output_dir": tempfile.mkdtemp()},
+        "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "d_model": 16},
+        "data": {"path": corpus, "seq_len": 16},
+        "train": {"steps": steps, "global_batch_size": n, "micro_batch_size": 1, "lr": 1e-3, "seed": 1},
+        "parallel": {"dp": n, "pp": 1},
+        "scaling": {"resources_per_worker": {"CPU": 1.0 / per_node}, "placement_timeout_s": 600},
+        "comm": {"timeout_s": 120},
+        "failure": {"startup_timeout_s": 600},
+        "balance": {"mode": "off"},
+    }
+
+
+def calls_per_step(history: list[dict]) -> float:
+    """Actor calls the controller issued per step: its running count (``actor_calls``) over the steps."""
+    if len(history) < 2:
+        return float("nan")
+    return (history[-1]["actor_calls"] - history[0]["actor_calls"]) / (len(history) - 1)
+
+
+def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool) -> dict:
+    from ray.cluster_utils import Cluster
+    import ray
+
+    from elastic_trainer import Trainer, TrainerConfig
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [c.add_node(num_cpus=1) for _ in range(NODES)]
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    try:
+        raw = tiny_config(n, steps, f"cp{n}{'k' if kill else ''}", corpus)
+        cfg = TrainerConfig.model_validate(raw)
+        done = set()
+
+        def on_step(rec):
+            if kill and rec["step"] >= steps // 2 and "k" not in done:
+                done.add("k")
+                c.remove_node(nodes[-1], allow_graceful=False)
+
+        t0 = time.perf_counter()
+        result = Trainer(cfg, verbose=False, on_step=on_step).fit()
+        wall = time.perf_counter() - t0
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    h = [r for r in result.history[warmup:] if r["plan"] == 0]
+    over = sorted(r["step_time_s"] - r["worker_s"] for r in h)
+    commits = [r["snapshot_commit_s"] for r in h if r.get("snapshot_commit_s") is not None]
+    out = {"workers": n, "steps": len(h), "wall_s": wall,
+           "controller_s_median": statistics.median(over), "controller_s_p90": over[int(0.9 * (len(over) - 1))],
+           "step_s_median": statistics.median(r["step_time_s"] for r in h),
+           "calls_per_step": calls_per_step(h),
+           "snapshot_steps": sum(1 for r in h if r.get("snapshot")),
+           "commit_s_median": statistics.median(commits) if commits else None}
+    if kill and result.recoveries:
+        rec = result.recoveries[0]
+        out["recovery"] = {k: rec.get(k) for k in ("detect_s", "replan_s", "restore_s", "first_step_s", "total_s")}
+    return out
+
+
+def fit(xs: list[float], ys: list[float]) -> dict:
+    """The better of ``a + b x`` and ``a x^b`` by least squares (the power fit in log space)."""
+    n = len(xs)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    a = my - b * mx
+    lin = {"form": "a + b N", "a": a, "b": b, "f": lambda x: a + b * x}
+    fits = [lin]
+    if all(y > 0 for y in ys) and n >= 2:
+        lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+        mlx, mly = statistics.fmean(lx), statistics.fmean(ly)
+        s = sum((x - mlx) ** 2 for x in lx)
+        pb = sum((x - mlx) * (y - mly) for x, y in zip(lx, ly)) / s if s else 0.0
+        pa = math.exp(mly - pb * mlx)
+        fits.append({"form": "a N^b", "a": pa, "b": pb, "f": lambda x: pa * x ** pb})
+    for f in fits:
+        f["rss"] = sum((f["f"](x) - y) ** 2 for x, y in zip(xs, ys))
+    best = min(fits, key=lambda f: f["rss"])
+    return {"form": best["form"], "a": best["a"], "b": best["b"], "rss": best["rss"],
+            "at_1000": best["f"](1000), "at_10000": best["f"](10000),
+            "others": [{k: f[k] for k in ("form", "a", "b", "rss")} for f in fits if f is not best]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", default="4,8,16,32")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--no-recovery", action="store_true", help="leave out the run with a node killed")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
+    args = ap.parse_args()
+    from elastic_trainer.data.corpus import prepare_stdlib_corpus
+
+    corpus = os.path.join(tempfile.mkdtemp(), "stdlib")
+    prepare_stdlib_corpus(corpus, 16, max_bytes=256 << 10)
+    rows = []
+    for n in [int(x) for x in args.workers.split(",")]:
+        print(f"N = {n} ...", flush=True)
+        row = run_one(n, args.steps, args.warmup, corpus, kill=False)
+        if not args.no_recovery:
+            row["recovery"] = run_one(n, args.steps, args.warmup, corpus, kill=True).get("recovery")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    xs = [r["workers"] for r in rows]
+    fits = {}
+    for key in ("controller_s_median", "calls_per_step", "commit_s_median"):
+        ys = [r[key] for r in rows]
+        if all(y is not None for y in ys) and len(xs) >= 2:
+            fits[key] = fit(xs, ys)
+    if not args.no_recovery and all(r.get("recovery") for r in rows):
+        for phase in ("detect_s", "replan_s", "restore_s", "total_s"):
+            fits[f"recovery_{phase}"] = fit(xs, [r["recovery"][phase] for r in rows])
+    print("\n| N | controller ms/step (median, p90) | step ms | calls/step | commit ms | recovery s (detect, re-plan, restore, total) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        rec = r.get("recovery") or {}
+        rs = ", ".join(f"{rec[k]:.2f}" for k in ("detect_s", "replan_s", "restore_s", "total_s")) if rec else "-"
+        cm = f"{r['commit_s_median'] * 1e3:.1f}" if r["commit_s_median"] is not None else "-"
+        print(f"| {r['workers']} | {r['controller_s_median'] * 1e3:.1f}, {r['controller_s_p90'] * 1e3:.1f} | "
+              f"{r['step_s_median'] * 1e3:.1f} | {r['calls_per_step']:.1f} | {cm} | {rs} |")
+    print("\n| figure | fit | at 1,000 | at 10,000 |")
+    print("|---|---|---|---|")
+    for key, f in fits.items():
+        print(f"| {key} | {f['form']}: a={f['a']:.4g}, b={f['b']:.4g} | {f['at_1000']:.4g} | {f['at_10000']:.4g} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "fits": fits}, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
