@@ -94,6 +94,8 @@ def sparse_allreduce(x: torch.Tensor, k: int, group, p: int, rank: int, stats: C
     and what this rank still owes (``x`` less what it sent, plus what its range's re-sparsify
     dropped): ``(average, residual)``. ``p``, ``rank``: the group's size and this rank in it."""
     n = x.numel()
+    if n == 0:
+        return torch.zeros_like(x), x.clone()
     bounds = ranges(n, p)
     counts = _counts(n, p, k)
     # Every part has the widest range's count: the collectives take equal parts, and a shorter
@@ -106,14 +108,14 @@ def sparse_allreduce(x: torch.Tensor, k: int, group, p: int, rank: int, stats: C
         top = seg.abs().topk(c, sorted=False).indices
         sent = _to_wire(seg[top], value_dtype)
         seg[top] -= sent.float()
-        chunks.append(_pack(*_padded(top + a, sent, width, a)))
+        chunks.append(_pack(*_padded(top + a, sent, width, min(a, n - 1))))
     send = torch.cat(chunks)
     part = width * (4 + torch.finfo(value_dtype).bits // 8)
     recv = torch.empty(p * part, dtype=torch.uint8, device=x.device)
     timed(stats, "all_to_all", (p - 1) * part, x.device, dist.all_to_all_single, recv, send, group=group)
     a, b = bounds[rank]
     total = torch.zeros(b - a, dtype=torch.float32, device=x.device)
-    for got in recv.split(part):
+    for got in (recv.split(part) if b > a else ()):   # an empty range (numel < p) receives padding only
         idx, vals = _unpack(got, width, value_dtype)
         total.index_add_(0, idx - a, vals)
     keep = total.abs().topk(counts[rank], sorted=False).indices
@@ -121,7 +123,8 @@ def sparse_allreduce(x: torch.Tensor, k: int, group, p: int, rank: int, stats: C
     # What the owner does not keep of its range's sum, it owes: carried by its own next gradient.
     total[keep] -= kept.float()
     residual[a:b] += total
-    message = _pack(*_padded(keep + a, kept, width, a))
+    # An empty range's padding goes to index 0 (its own first index may be n, past the end).
+    message = _pack(*_padded(keep + a, kept, width, a if a < n else 0))
     gathered = [torch.empty_like(message) for _ in range(p)]
     timed(stats, "all_gather", (p - 1) * message.numel(), x.device, dist.all_gather, gathered, message, group=group)
     avg = torch.zeros_like(x)

@@ -44,6 +44,7 @@ re-cut, a retry in place) keep their paces.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Callable
 
@@ -53,8 +54,13 @@ from ..planning.recut import propose_recut, stage_work
 from .pace import PaceTracker
 
 Bounds = tuple[tuple[int, int], ...]
-# Steps on a new cut that set each rank's scale (``Balance._calibrate``).
+# Steps on a new cut that set each rank's scale (``Balance._calibrate``), and the most that
+# scale may move from the modelled one: a one-block stage holding a head the model prices at a
+# third of its cost is 2x off. A larger change is the rank's speed changing (a 3x straggler
+# that recovered during the re-plan); a smaller one is absorbed until the cut expires
+# (``payback_steps``) and is measured again at the balanced cut.
 _CALIBRATION_STEPS = 4
+_MODEL_ERROR = 2.5
 
 
 class Balance:
@@ -76,6 +82,7 @@ class Balance:
         self._balanced: Bounds | None = None     # the cut the policy chose for this layout
         self._awaiting: Bounds | None = None     # a re-cut asked for, not yet taken
         self._cut_for: set[int] = set()          # the stragglers the cut was made for
+        self._cut_at = 0                         # the step the cut was asked for
         self._costs_fn: Callable[[], list[float]] | None = None
         self._costs: list[float] | None = None   # each block's modelled work
         self._scale: dict[int, float] = {}       # rank -> its stage's balanced work over its work now
@@ -113,9 +120,11 @@ class Balance:
         self._workers, self._virtual = dict(workers) if workers is not None else None, virtual
         before, self._bounds, self._awaiting, self.cut_request = self._bounds, bounds, None, None
         self._calib = None
-        if same:
+        if same and bounds == before:
+            pass   # a retry in place: the scales (calibrated ones too) stand
+        elif same:
             self._scale = self._scales()
-            if bounds != before and self._scale:
+            if self._scale:
                 # The modelled work of a block can be off (a head's softmax, an embedding), and
                 # the slowdown is the same a moment later: the first steps on the new cut set
                 # each rank's scale so that it reads the compute it had just before.
@@ -189,7 +198,9 @@ class Balance:
         if all(len(after.get(r, ())) >= _CALIBRATION_STEPS for r in before):
             for r, was in before.items():
                 now = statistics.median(after[r])
-                if was and now > 0:
+                # Past what a model's error explains, the rank's speed changed meanwhile (it
+                # recovered during the re-plan, or turned slow): the modelled scale stands.
+                if was and now > 0 and abs(math.log(was / now)) <= math.log(_MODEL_ERROR):
                     self._scale[r] = self._scale.get(r, 1.0) * was / now
             self._calib = None
         return {r: p for r in compute if (p := self.tracker.pace_of(r)) is not None}
@@ -213,15 +224,24 @@ class Balance:
                      "shares_before": before, "reason": "the ranks it was for recovered"}]
         if self._awaiting is not None or self.bench_request is not None:
             return []   # a re-plan is on its way
-        if self._bounds != self._balanced and not (self._cut_for & slow.keys()):
-            self.cut_request = self._awaiting = self._balanced
-            return [{"kind": "rebalance", "step": step, "action": "balanced cut",
-                     "stages": [list(b) for b in self._balanced], "stages_before": [list(b) for b in self._bounds],
-                     "reason": "the ranks it was for recovered"}]
+        if self._bounds != self._balanced:
+            expired = step - self._cut_at >= self.cfg.payback_steps
+            if not slow or expired:
+                # Back when its ranks recovered; and after payback_steps in any case, to be
+                # measured again at the balanced cut (a pace read on a re-cut may drift).
+                self.cut_request = self._awaiting = self._balanced
+                return [{"kind": "rebalance", "step": step, "action": "balanced cut",
+                         "stages": [list(b) for b in self._balanced], "stages_before": [list(b) for b in self._bounds],
+                         "reason": "the ranks it was for recovered" if not slow else
+                         "balance.payback_steps on the re-cut: measured again at the balanced cut"}]
+            if not (self._cut_for & slow.keys()):
+                self._cut_for = set(slow)   # another straggler now: the next decision re-cuts from here
         if not slow or not (named or step - self._decided_at >= self.cfg.window):
             return []
         if len(self._worker_s) < self.cfg.window:
             return []   # a plan just taken (a re-cut keeps the stragglers): its step is not known yet
+        if not (self.shares_ok and self._topo.dp > 1) and not self._lasting(step, slow, windows=1):
+            return []   # nothing to weigh yet: look again next step
         self._decided_at = step
         row = self._plan_row()
         paces = self._replica_paces()
@@ -255,8 +275,10 @@ class Balance:
         the cost of one more re-plan (in the benchmark the second window cost a re-cut 10 of
         the slowdown's 50 steps)."""
         topo = self._topo
+        # Not on top of unequal shares: the measured step has their gain in it, and a re-plan
+        # starts on equal shares again.
         if (topo.pp < 2 or self._virtual != 1 or self._replan_cost_s is None or self._bounds is None
-                or not self._lasting(step, slow, windows=1)):
+                or self.shares is not None or not self._lasting(step, slow, windows=1)):
             return []
         costs = self._block_costs()
         if costs is None:
@@ -277,7 +299,7 @@ class Balance:
         if prop is None or (self._cut_fits is not None and not self._cut_fits(tuple(prop.bounds))):
             return []
         self.cut_request = self._awaiting = tuple(tuple(b) for b in prop.bounds)
-        self._cut_for = set(slow)
+        self._cut_for, self._cut_at = set(slow), step
         fastest = min(per_stage)
         return [{"kind": "rebalance", "step": step, "action": "recut", "ranks": sorted(slow),
                  "stages_before": [list(b) for b in self._bounds],

@@ -383,12 +383,18 @@ class Controller(ControllerViews):
                 self.balance.bench_request = None
                 self.bench.bench(rank, pace, step)
             if self.balance.cut_request:
-                self.recovery.request_replan("recut", cut=self.balance.cut_request)
+                # A re-plan already asked for (a straggler benched) goes first; it changes the
+                # workers, and with them the balancing starts again.
+                if not self.recovery.replan_pending():
+                    self.recovery.request_replan("recut", cut=self.balance.cut_request)
                 self.balance.cut_request = None
         except Exception as e:  # noqa: BLE001 - working around a straggler must never end the run
             log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", self.run_name, step, e,
                         exc_info=True)
             self.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
+        # What driving the run has cost so far, in actor calls (this step's snapshot pins, issued
+        # below, count in the next record).
+        record["actor_calls"] = self.driver.calls + self.snapshots.calls
         with self._lock:
             self.history.append(record)
             self.step = step
@@ -405,14 +411,9 @@ class Controller(ControllerViews):
             if self.ps:
                 self.ps.snapshot(step)
         for snap in self.snapshots.poll():
-            # Not a result event (one per step would drown the others): a metric, and the record.
-            seconds = snap.committed_at - snap.started
+            # Not a result event (one per step would drown the others): a metric only.
             self.metrics.record_event({"kind": "snapshot", "step": snap.step, "bytes": snap.nbytes,
-                                       "seconds": seconds})
-            record["snapshot_commit_s"] = max(seconds, record.get("snapshot_commit_s", 0.0))
-        # What driving the run has cost so far, in actor calls (set once the step's snapshot is
-        # issued, so the record already in the history gains it).
-        record["actor_calls"] = self.driver.calls + self.snapshots.calls
+                                       "seconds": snap.committed_at - snap.started})
         for snap in self.snapshots.take_dropped():
             self.event("snapshot_dropped", step=snap.step, reason=snap.dropped)
         self.snapshots.prune()

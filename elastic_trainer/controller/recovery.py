@@ -286,6 +286,10 @@ class Recovery(RestorePoints):
         with these stage bounds (where every worker of the plan is still usable)."""
         self._replan_reason, self._cut = reason, cut
 
+    def replan_pending(self) -> bool:
+        """Whether a re-plan asked for (``request_replan``) is still to be taken."""
+        return self._replan_reason is not None
+
     def maybe_grow(self) -> None:
         """Re-plan onto workers that joined if the policy prefers a larger plan, or as
         ``request_replan`` asked: right after a snapshot step (nothing is redone), asking the

@@ -116,6 +116,13 @@ class RestorePoints:
         loads = plan_loads(chosen, ranks, {r: plan.blocks_of(r) for r in ranks}, own,
                            {w: blocks for w, (_, blocks) in written.items()})
         self.holder_reads = self.relayed_reads = 0
+        relayed: dict = {}   # (writer, step, rank): one relayed copy however many ranks read it
+
+        def relay(writer: int, key, part_ref):
+            if key not in relayed:
+                self.relayed_reads += 1
+                relayed[key] = pool[writer].actor.relay_part.remote([part_ref])
+            return relayed[key]
 
         def ref(load: Load, wid: int):
             if load.kind == "local":
@@ -125,8 +132,7 @@ class RestorePoints:
                 # Another rank reads it through its writer, never from a dead holder's copy.
                 if load.worker == wid:
                     return ("own", written[wid][0])
-                self.relayed_reads += 1
-                return pool[load.worker].actor.relay_part.remote([written[load.worker][0]])
+                return relay(load.worker, ("written", load.worker), written[load.worker][0])
             if load.kind == "export":
                 return pool[load.worker].actor.export_blocks.remote(step, list(load.blocks))
             if load.kind == "snapshot":
@@ -138,8 +144,7 @@ class RestorePoints:
                     return pool[holder].actor.pinned_part.remote((step, load.part))
                 writer = ctl.snapshots.writer(step, load.part)
                 if writer in pool.workers and writer != wid:
-                    self.relayed_reads += 1
-                    return pool[writer].actor.relay_part.remote([ctl.snapshots.ref(step, load.part)])
+                    return relay(writer, ("part", load.part), ctl.snapshots.ref(step, load.part))
                 return ctl.snapshots.ref(step, load.part)
             return self._durable_refs[load.shard]
 

@@ -11,9 +11,7 @@ NUM_NODES = 4
 # waits for it: with these a killed node is declared dead in about 5 s. (A run that waited on
 # it, such as a pull from the dead node, would wait less here; benchmarks/ keep the defaults.)
 _HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 4}
-# A handover waits for that, or starts the cluster anew (about 9 s) where the wait would be longer.
-_DECLARED_DEAD_S = 6.0
-_RESTART_S = 9.0
+# A handover waits for that (less than a new cluster's 9 s), up to this long.
 _SETTLE_S = 30.0
 
 
@@ -38,39 +36,23 @@ class SharedCluster:
 
     A handover takes the cluster as the last test left it, removes or adds one-CPU nodes to
     the count asked for, and then waits until Ray sees exactly those nodes alive (a killed
-    node is declared dead some seconds after) and every CPU free (nothing of the last test
-    still runs). Where the last test killed a node so late that Ray would take longer to
-    declare it dead than a new cluster takes to start, or where it does not settle, the
-    cluster is started anew."""
+    node is declared dead some seconds after), every CPU free and no named actor left
+    (nothing of the last test still runs, its controller included). Where that does not
+    settle, the cluster is started anew."""
 
     def __init__(self):
         self.c: Cluster | None = None
         self.nodes: list = []
-        self._killed: dict[str, float] = {}   # node id -> when a test killed it
 
     def get(self, num_nodes: int) -> tuple[Cluster, list]:
         if self.c is not None and not self._top_up(num_nodes):
             self.close()
         if self.c is None:
             self.c, self.nodes = start_cluster(num_nodes)
-            self._watch_kills(self.c)
         return self.c, list(self.nodes)
-
-    def _watch_kills(self, c: Cluster) -> None:
-        remove = c.remove_node
-
-        def remove_node(node, allow_graceful=True):
-            if not allow_graceful:
-                self._killed[node.node_id] = time.monotonic()
-            return remove(node, allow_graceful)
-        c.remove_node = remove_node
 
     def _top_up(self, num_nodes: int) -> bool:
         c = self.c
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        pending = [t for nid, t in self._killed.items() if nid in alive]
-        if pending and max(pending) + _DECLARED_DEAD_S - time.monotonic() > _RESTART_S:
-            return False
         live = [n for n in self.nodes if n in c.worker_nodes]
         live += [n for n in c.worker_nodes if n not in live]   # nodes a test added
         for node in live[num_nodes:]:
@@ -82,7 +64,8 @@ class SharedCluster:
         deadline = time.monotonic() + _SETTLE_S
         while time.monotonic() < deadline:
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            if alive == want and ray.available_resources().get("CPU", 0) == num_nodes:
+            if (alive == want and ray.available_resources().get("CPU", 0) == num_nodes
+                    and not ray.util.list_named_actors(all_namespaces=True)):
                 return True
             time.sleep(0.1)
         return False
@@ -90,7 +73,7 @@ class SharedCluster:
     def close(self) -> None:
         if self.c is not None:
             stop_cluster(self.c)
-        self.c, self.nodes, self._killed = None, [], {}
+        self.c, self.nodes = None, []
 
 
 @pytest.fixture(scope="package")

@@ -432,10 +432,20 @@ def _sparse_bytes_worker(rank: int, world: int, port: int, out_dir: str) -> None
             codec.average(grads.clone(), None, stats)
             out[exchange] = {"bytes": stats.bytes, "expected": expected_bytes("topk", GPT_NUMEL, world, ratio=0.01,
                                                                              exchange=exchange)}
+        # Fewer entries than ranks (some ranges empty), k covering them all: the dense average.
+        tiny = torch.randn(3, generator=gen_tiny(rank))
+        dense = tiny.clone()
+        dist.all_reduce(dense)
+        make_codec("topk", ratio=1.0, exchange="sparse_reduce").average(tiny, None, None)
+        out["tiny_err"] = float((tiny - dense / world).abs().max())
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(out, f)
     finally:
         dist.destroy_process_group()
+
+
+def gen_tiny(rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(50 + rank)
 
 
 # The demo GPT's parameter count (jobs/demo.yaml: 4 layers, d_model 128, vocab 256, seq 128).
@@ -446,6 +456,7 @@ def test_sparse_reduce_topk_bytes_per_rank_stay_flat_in_dp():
     counted = {}
     for world in (2, 4, 8):
         ranks = _spawn(world, 120.0, _sparse_bytes_worker)
+        assert all(r["tiny_err"] < 1e-6 for r in ranks), (world, [r["tiny_err"] for r in ranks])
         for exchange in ("allgather", "sparse_reduce"):
             # expected_bytes is the busiest rank's count.
             assert max(r[exchange]["bytes"] for r in ranks) == ranks[0][exchange]["expected"], (world, exchange)

@@ -75,11 +75,11 @@ def test_a_recut_is_proposed_only_when_it_repays_two_replans():
     assert back is not None and back.bounds == [(0, 4), (4, 8)]
 
 
-def _pp2_balance(window=5, payback=1000):
+def _pp2_balance(window=5, payback=1000, replan_s=0.2):
     cfg = TrainerConfig.from_dict(tiny_config("/nonexistent", parallel={"dp": 1, "pp": 2}))
     row = plan_row(cfg, 1, 2)
     costs = plan_block_costs(cfg, 1)
-    b = Balance(BalanceSection(window=window, payback_steps=payback), "allreduce", None, lambda: 0.2)
+    b = Balance(BalanceSection(window=window, payback_steps=payback), "allreduce", None, lambda: replan_s)
     bounds = tuple(tuple(x) for x in row["stage_bounds"])
     assert row["micro_batches"] == 8
     b.new_plan(Topology(1, 2), 8, lambda: row, bounds, {0: 10, 1: 11}, lambda: costs)
@@ -150,3 +150,36 @@ def test_a_new_layout_or_other_workers_start_paces_again():
     _run(b, range(8, 12), lambda s: {0: 0.01, 1: 0.01})
     b.new_plan(Topology(1, 2), 8, lambda: None, balanced, {0: 10, 1: 12}, lambda: costs)   # a retry in place
     assert b.tracker.compute_median(0) is not None
+
+
+def _slow_then(b, costs, balanced, well_after_recut: bool, until: int):
+    """Rank 1 3x slow from step 6, and well again from the re-plan on (``well_after_recut``) or
+    not; the controller's side of a re-cut done for it; the events after the re-cut."""
+    work = stage_work(costs, balanced)
+
+    def actual(cut, factor):
+        w = stage_work(costs, cut)
+        return {0: 0.01 / work[0] * w[0], 1: 0.01 / work[0] * w[1] * factor}
+
+    events = _run(b, range(1, 60), lambda s: actual(balanced, 3.0 if s >= 6 else 1.0))
+    [recut] = [e for e in events if e["kind"] == "rebalance"]
+    new = b.cut_request
+    b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
+    return _run(b, range(recut["step"] + 1, until), lambda s: actual(new, 1.0 if well_after_recut else 3.0))
+
+
+def test_a_rank_that_recovers_during_the_recut_is_not_calibrated_into_reading_slow():
+    b, balanced, costs = _pp2_balance()
+    # Rank 1 is well again from the first step on the new cut: a 3x change is no model error.
+    after = _slow_then(b, costs, balanced, well_after_recut=True, until=200)
+    kinds = [(e["kind"], e.get("action")) for e in after]
+    assert kinds[:2] == [("straggler_recovered", None), ("rebalance", "balanced cut")], kinds
+    assert b.cut_request == balanced
+
+
+def test_a_recut_is_measured_again_at_the_balanced_cut_after_payback_steps():
+    b, balanced, costs = _pp2_balance(payback=40, replan_s=0.001)
+    after = _slow_then(b, costs, balanced, well_after_recut=False, until=200)
+    [back] = [e for e in after if e.get("action") == "balanced cut"]
+    assert "payback_steps" in back["reason"] and b.cut_request == balanced
+    assert not [e for e in after if e["kind"] == "straggler_recovered"]
