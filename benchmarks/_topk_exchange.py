@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -57,19 +56,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, ratio: float, iters:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(worlds=(2, 4, 8), ratio: float = 0.01, iters: int = 10) -> list[dict]:
     import torch.multiprocessing as mp
+
+    from elastic_trainer.worker.process_group import free_port
 
     rows = []
     for world in worlds:
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(_worker, args=(world, _free_port(), out_dir, ratio, iters), nprocs=world,
+            mp.start_processes(_worker, args=(world, free_port("127.0.0.1"), out_dir, ratio, iters), nprocs=world,
                                start_method="spawn")
             ranks = []
             for r in range(world):

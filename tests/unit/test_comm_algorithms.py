@@ -10,7 +10,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import tempfile
 import time
 
@@ -23,6 +22,7 @@ from elastic_trainer.comm.algorithms import bytes_sent, chunked_allreduce, get_a
 from elastic_trainer.comm.stats import CommStats
 from elastic_trainer.comm.compression import CODECS, expected_bytes, make_codec
 from elastic_trainer.planning.calibration import sweep
+from elastic_trainer.worker.process_group import free_port
 
 SIZES = (1, 5, 1000, 4099)
 # A bucket with two plain matrices, a conv-like 3-D weight, and vectors between and after them.
@@ -201,12 +201,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _RUNS: dict[int, list[dict] | BaseException] = {}
 
 
@@ -224,7 +218,7 @@ def _run(world: int, deadline_s: float = 120.0) -> list[dict]:
 
 def _spawn(world: int, deadline_s: float, target=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(target or _worker, args=(world, _free_port(), out_dir), nprocs=world, join=False,
+        ctx = mp.start_processes(target or _worker, args=(world, free_port("127.0.0.1"), out_dir), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + deadline_s
         while not ctx.join(timeout=1):
