@@ -226,16 +226,21 @@ class Balance:
             return []   # a re-plan is on its way
         if self._bounds != self._balanced:
             expired = step - self._cut_at >= self.cfg.payback_steps
-            if not slow or expired:
+            recovered = not (self._cut_for & slow.keys())
+            # Another clearly slow rank takes a cut over from those that recovered (the next
+            # decision re-cuts from here); one a little slow, as a busy host makes a rank for a
+            # while, does not hold it.
+            others = set(self._clearly_slow(slow)) if recovered else set()
+            if (recovered and not others) or expired:
                 # Back when its ranks recovered; and after payback_steps in any case, to be
                 # measured again at the balanced cut (a pace read on a re-cut may drift).
                 self.cut_request = self._awaiting = self._balanced
                 return [{"kind": "rebalance", "step": step, "action": "balanced cut",
                          "stages": [list(b) for b in self._balanced], "stages_before": [list(b) for b in self._bounds],
-                         "reason": "the ranks it was for recovered" if not slow else
-                         "balance.payback_steps on the re-cut: measured again at the balanced cut"}]
-            if not (self._cut_for & slow.keys()):
-                self._cut_for = set(slow)   # another straggler now: the next decision re-cuts from here
+                         "reason": "balance.payback_steps on the re-cut: measured again at the balanced cut"
+                         if expired else "the ranks it was for recovered"}]
+            if recovered:
+                self._cut_for = others
         if not slow or not (named or step - self._decided_at >= self.cfg.window):
             return []
         if len(self._worker_s) < self.cfg.window:
@@ -260,12 +265,15 @@ class Balance:
                          "replica_pace": [round(p, 3) for p in paces], **prop.figures()}]
         return self._propose_recut(step, row, measured, slow) or self._propose_spare(step, row, paces, measured, slow)
 
+    def _clearly_slow(self, slow: dict[int, int]) -> list[int]:
+        """The stragglers at a pace past ``1 + 2 * threshold``. On a host whose cores the workers
+        share a rank can read 1.2x slow for a while, and 1.4x for a window."""
+        return sorted(r for r in slow if (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold)
+
     def _lasting(self, step: int, slow: dict[int, int], windows: int = 2) -> list[int]:
-        """The stragglers worth a re-plan: slow since ``windows`` windows at least, at a pace past
-        ``1 + 2 * threshold``. A re-plan costs seconds, and on a host whose cores the workers
-        share a rank can read 1.4x slow for a window."""
-        return [r for r, since in slow.items() if step - since >= windows * self.cfg.window
-                and (self.tracker.pace_of(r) or 0.0) > 1 + 2 * self.cfg.threshold]
+        """The stragglers worth a re-plan: clearly slow (``_clearly_slow``), since ``windows``
+        windows at least. A re-plan costs seconds."""
+        return [r for r in self._clearly_slow(slow) if step - slow[r] >= windows * self.cfg.window]
 
     def _propose_recut(self, step: int, row: dict, measured: float, slow: dict[int, int]) -> list[dict]:
         """Give a lasting straggler's stage fewer blocks, if that repays two re-plans (there and
@@ -278,7 +286,10 @@ class Balance:
         # Not on top of unequal shares: the measured step has their gain in it, and a re-plan
         # starts on equal shares again.
         if (topo.pp < 2 or self._virtual != 1 or self._replan_cost_s is None or self._bounds is None
-                or self.shares is not None or not self._lasting(step, slow, windows=1)):
+                or self.shares is not None):
+            return []
+        lasting = self._lasting(step, slow, windows=1)
+        if not lasting:
             return []
         costs = self._block_costs()
         if costs is None:
@@ -299,9 +310,11 @@ class Balance:
         if prop is None or (self._cut_fits is not None and not self._cut_fits(tuple(prop.bounds))):
             return []
         self.cut_request = self._awaiting = tuple(tuple(b) for b in prop.bounds)
-        self._cut_for, self._cut_at = set(slow), step
+        # For the lasting stragglers: a rank a little slow besides neither shows in the event
+        # nor keeps the cut once they recover.
+        self._cut_for, self._cut_at = set(lasting), step
         fastest = min(per_stage)
-        return [{"kind": "rebalance", "step": step, "action": "recut", "ranks": sorted(slow),
+        return [{"kind": "rebalance", "step": step, "action": "recut", "ranks": lasting,
                  "stages_before": [list(b) for b in self._bounds],
                  "stage_pace": [round(p / fastest, 3) for p in per_stage], **prop.figures()}]
 

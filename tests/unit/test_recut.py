@@ -183,3 +183,26 @@ def test_a_recut_is_measured_again_at_the_balanced_cut_after_payback_steps():
     [back] = [e for e in after if e.get("action") == "balanced cut"]
     assert "payback_steps" in back["reason"] and b.cut_request == balanced
     assert not [e for e in after if e["kind"] == "straggler_recovered"]
+
+
+def test_a_rank_a_little_slow_besides_neither_joins_nor_holds_the_cut():
+    b, balanced, costs = _pp2_balance()
+    work = stage_work(costs, balanced)
+
+    def actual(step, cut, slow_to=10_000):
+        w = stage_work(costs, cut)
+        # Rank 0 reads 1.25x slow from step 6 on (a busy host), rank 1 3x over steps 6 .. slow_to.
+        factor = {0: 1.25 if step >= 6 else 1.0, 1: 3.0 if 6 <= step < slow_to else 1.0}
+        return {r: 0.01 / work[0] * w[r] * factor[r] for r in (0, 1)}
+
+    events = _run(b, range(1, 60), lambda s: actual(s, balanced))
+    assert {e["rank"] for e in events if e["kind"] == "straggler"} == {0, 1}
+    [recut] = [e for e in events if e["kind"] == "rebalance"]
+    assert recut["action"] == "recut" and recut["ranks"] == [1]
+    new = b.cut_request
+    b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
+    step0 = recut["step"] + 1
+    back = _run(b, range(step0, step0 + 60), lambda s: actual(s, new, slow_to=step0 + 10))
+    assert 0 in b.tracker.stragglers   # still a little slow, and the cut goes back all the same
+    assert back[-1]["action"] == "balanced cut" and b.cut_request == balanced
+    assert back[-1]["reason"] == "the ranks it was for recovered"
