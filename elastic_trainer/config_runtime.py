@@ -143,6 +143,10 @@ class FailureSection(_Strict):
     min_step_timeout_s: float = Field(5.0, gt=0, description="Floor of the tightened step timeout.")
     rendezvous_timeout_s: float = Field(30.0, gt=0, description="How long ranks wait for each other when (re)joining process groups.")
     ping_timeout_s: float = Field(1.0, gt=0, description="A worker that does not answer a ping in this long counts as lost.")
+    heartbeat_timeout_s: float = Field(
+        1.0, ge=0, description="After warm-up, a rank whose step runs on while it answers no heartbeat for this "
+                               "long counts as lost (a frozen node, whose sockets stay open); 0 leaves it to "
+                               "the step timeout.")
     pin_timeout_s: float = Field(
         30.0, gt=0, description="A snapshot whose pinned copies are not all stored this long after its step is "
                                 "dropped (its objects freed), and so is one whose pin fails.")

@@ -6,7 +6,7 @@ bystander: it keeps its process and takes part in the re-plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -24,8 +24,14 @@ class Diagnosis:
     dead: list[int]          # actor or node gone
     hung: list[int]          # alive process that answers nothing
     raised: list[int]        # the step raised an error of its own (not a peer's)
-    kind: str                # death | hang | exception | collective
+    kind: str                # death | silent | hang | exception | collective
     detail: str
+    silent: list[int] = field(default_factory=list)   # answered no heartbeat (a frozen node, say)
+
+    @property
+    def lost(self) -> list[int]:
+        """The workers this failure takes out of the run."""
+        return self.dead + self.silent + self.hung
 
 
 def is_collective_error(e: BaseException) -> bool:
@@ -33,9 +39,15 @@ def is_collective_error(e: BaseException) -> bool:
     return any(m in text for m in _COLLECTIVE_MARKERS)
 
 
-def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: float) -> Diagnosis:
+def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: float,
+             heartbeat_timeout_s: float | None = None) -> Diagnosis:
     dead, raised, hung = [], [], []
     details = []
+    # No heartbeat answered in the whole timeout: nothing more to ask them (a frozen process
+    # answers no ping either), and nothing else has failed yet.
+    silent = [w for w in outcome.silent if w in outcome.pending]
+    for wid in silent:
+        details.append(f"worker {wid}: answered no heartbeat in {heartbeat_timeout_s or 0:g}s while its step ran")
     for wid, e in outcome.errors.items():
         if isinstance(e, ray.exceptions.RayActorError):
             dead.append(wid)
@@ -49,7 +61,7 @@ def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: fl
             dead.append(wid)
             details.append(f"worker {wid}: {type(e).__name__}: {e}")
     # Workers that did not answer: alive and blocked behind a peer, or hung themselves.
-    unknown = [w for w in outcome.pending if w not in outcome.answered]
+    unknown = [w for w in outcome.pending if w not in outcome.answered and w not in silent]
     if unknown and outcome.errors:
         # Peers failed because their connections closed, and this one has been silent
         # since (pinged at the first error): its process is gone with its node. A hung
@@ -67,7 +79,8 @@ def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: fl
                 dead.append(wid)
                 details.append(f"worker {wid}: died" if isinstance(answer, ray.exceptions.RayActorError)
                                else f"worker {wid}: its ping failed: {type(answer).__name__}")
-    kind = "death" if dead else "hang" if hung else "exception" if raised else "collective"
+    kind = ("death" if dead else "silent" if silent else "hang" if hung else "exception" if raised
+            else "collective")
     if kind == "collective":
         details.append("a collective failed while every worker was alive")
-    return Diagnosis(dead, hung, raised, kind, "; ".join(details))
+    return Diagnosis(dead, hung, raised, kind, "; ".join(details), silent)

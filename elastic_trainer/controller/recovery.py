@@ -56,7 +56,8 @@ class Recovery(RestorePoints):
     def recover(self, out: StepOutcome) -> None:
         ctl = self.ctl
         ctl.transition(RunState.RECOVERING, step=out.step)
-        diag = diagnose(out, {w: h.actor for w, h in ctl.pool.workers.items()}, self.cfg.failure.ping_timeout_s)
+        diag = diagnose(out, {w: h.actor for w, h in ctl.pool.workers.items()}, self.cfg.failure.ping_timeout_s,
+                        self.cfg.failure.heartbeat_timeout_s)
         detected = time.perf_counter()
         plan_before = ctl.plan.describe() if ctl.plan else None
         self._record_failure(out.step, diag)
@@ -66,13 +67,15 @@ class Recovery(RestorePoints):
             self.retries_left -= 1
         else:
             self.failures += 1
-        ctl.pool.kill_hung(diag.hung)
+        # A silent worker may be a frozen process on a live node: killed as a hung one is (on a
+        # frozen node the kill waits, and nothing waits on it).
+        ctl.pool.kill_hung(diag.hung + diag.silent)
         self._abandoned += [ref for ref in out.shard_refs.values() if ref is not None]
-        lost_ranks = [r for r, w in ctl.ranks.items() if w in diag.dead + diag.hung]
-        ctl.pool.drop(diag.dead + diag.hung)
+        lost_ranks = [r for r, w in ctl.ranks.items() if w in diag.lost]
+        ctl.pool.drop(diag.lost)
         if ctl.ps:
             ctl.ps.abandon_step()
-        self._end_collectives(lost_ranks)
+        self._end_collectives(lost_ranks, silent=bool(diag.silent))
         self._quiesce(out)
         self._check_limits(diag)
         self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
@@ -122,7 +125,8 @@ class Recovery(RestorePoints):
 
     def _record_failure(self, step: int, diag: Diagnosis) -> None:
         workers = self.ctl.pool.workers
-        for kind, wids in (("death", diag.dead), ("hang", diag.hung), ("exception", diag.raised)):
+        for kind, wids in (("death", diag.dead), ("silent", diag.silent), ("hang", diag.hung),
+                           ("exception", diag.raised)):
             for w in wids:
                 h = workers.get(w)
                 self.ctl.event("failure", failure=kind, worker=w, rank=h.rank if h else None,
@@ -132,14 +136,15 @@ class Recovery(RestorePoints):
                            detail=diag.detail)
         log.warning("[%s] step %d failed (%s): %s", self.ctl.run_name, step, diag.kind, diag.detail)
 
-    def _end_collectives(self, lost_ranks: list[int]) -> None:
-        """Survivors end the collectives they wait in (NCCL; see ``survivors``), and the world they
-        shrank to, if they did, is kept for the next plan."""
+    def _end_collectives(self, lost_ranks: list[int], silent: bool = False) -> None:
+        """Survivors end the collectives they wait in (NCCL, or any backend after a silent loss;
+        see ``survivors``), and the world they shrank to, if they did, is kept for the next plan."""
         ctl = self.ctl
         self._shrinks += 1
         self.shrunk = end_collectives(
             ctl.pool, self.cfg.scaling.resolved_backend(), ctl.plan.topology if ctl.plan else None, dict(ctl.ranks),
-            lost_ranks, ctl.plan.stage_bounds if ctl.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s)
+            lost_ranks, ctl.plan.stage_bounds if ctl.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s,
+            silent=silent)
 
     def _quiesce(self, out: StepOutcome) -> None:
         """Let survivors abandon the failed step: with the lost workers killed, their

@@ -3,6 +3,13 @@
 A step either completes on every rank (``StepOutcome.ok``) and is recorded,
 or it becomes the input of a recovery: the outcome says who answered, who
 raised, who stayed silent and when the first sign of trouble came.
+
+A rank whose step runs long is sent heartbeats (pings, which a rank answers
+even while blocked in a collective): every quarter of
+``failure.heartbeat_timeout_s`` once the step has run that long. One that
+answers none for the whole timeout is lost (``StepOutcome.silent``): a frozen
+node keeps its sockets open, so nothing else would tell before the step
+timeout. A step that ends sooner sends none.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class StepOutcome:
     pending: list[int] = field(default_factory=list)          # no answer by the deadline
     answered: set = field(default_factory=set)                # pending ranks that answered a ping
     first_signal: float | None = None                         # first error, or the deadline
+    silent: list[int] = field(default_factory=list)           # answered no heartbeat in heartbeat_timeout_s
     shard_refs: dict = field(default_factory=dict)            # worker id -> snapshot part ref (None: no part)
     inflight: dict = field(default_factory=dict)              # step refs still running: ref -> worker id
     snapshot: bool = False                                    # the step takes a snapshot
@@ -56,9 +64,18 @@ class StepDriver:
 
     def step_timeout(self) -> float:
         """The start-up timeout during warm-up, then a multiple of the median step time."""
-        if self.steps_since_setup < self.cfg.failure.warmup_steps or not self.step_times:
+        if self._warming():
             return self.cfg.failure.startup_timeout_s
         return self._tight()
+
+    def _warming(self) -> bool:
+        return self.steps_since_setup < self.cfg.failure.warmup_steps or not self.step_times
+
+    def heartbeat_timeout(self) -> float | None:
+        """``failure.heartbeat_timeout_s`` after warm-up (a rank building its stage or compiling
+        may hold the interpreter for longer); None when off."""
+        h = self.cfg.failure.heartbeat_timeout_s
+        return None if h <= 0 or self._warming() else h
 
     def collective_timeout(self) -> float:
         """Generous until the step time is known, then a multiple of it."""
@@ -96,12 +113,17 @@ class StepDriver:
     def _collect(self, out: StepOutcome, refs: dict, actors: dict[int, object], deadline: float) -> StepOutcome:
         pending = dict(refs)
         pings: dict = {}
+        beat = _Heartbeat(self.heartbeat_timeout(), out.started, actors)
         while pending:
-            wait = deadline - time.perf_counter()
-            if wait <= 0:
+            now = time.perf_counter()
+            wait = min(deadline, beat.next_at) - now
+            if wait <= 0 and now >= deadline:
                 break
-            ready, _ = ray.wait(list(pending) + list(pings), num_returns=1, timeout=wait)
+            ready, _ = ray.wait(list(pending) + list(pings) + list(beat.refs), num_returns=1, timeout=max(0.0, wait))
             for ref in ready:
+                if ref in beat.refs:
+                    beat.answer(ref)
+                    continue
                 if ref in pings:
                     wid = pings.pop(ref)
                     try:
@@ -126,7 +148,15 @@ class StepDriver:
                 # Every silent rank is alive: their own errors (or a peer's) arrive within
                 # moments, and one of them may be the cause, so wait a little for them.
                 deadline = min(deadline, time.perf_counter() + _ERROR_GRACE_S)
+            if pending and out.first_signal is None and time.perf_counter() >= beat.next_at:
+                # Nothing else has said how the step goes: those answering no heartbeat are lost.
+                out.silent = beat.tick(list(pending.values()))
+                self.calls += beat.sent_last
+                if out.silent:
+                    out.first_signal = time.perf_counter()
+                    break
         out.pending = list(pending.values())
+        out.answered |= beat.heard_from & set(out.pending)
         if out.pending and out.first_signal is None:
             out.first_signal = time.perf_counter()
         out.inflight = pending
@@ -175,3 +205,42 @@ class StepDriver:
             "snapshot_buffer_bytes": max(o.get("snapshot_buffer_bytes", 0) for o in results),
             "time": time.time(),
         }
+
+
+class _Heartbeat:
+    """The heartbeats of one step's wait (see the module docstring)."""
+
+    def __init__(self, timeout_s: float | None, started: float, actors: dict[int, object]):
+        self.timeout_s, self.actors = timeout_s, actors
+        self.next_at = started + timeout_s / 4 if timeout_s else float("inf")
+        self.refs: dict = {}                  # heartbeat ref -> (worker id, sent at)
+        self.heard: dict[int, float] = {}     # worker id -> when the latest answered heartbeat was sent
+        self.started = started
+        self.sent_last = 0
+
+    @property
+    def heard_from(self) -> set[int]:
+        return set(self.heard)
+
+    def answer(self, ref) -> None:
+        wid, sent = self.refs.pop(ref)
+        try:
+            ray.get(ref)
+        except Exception:  # noqa: BLE001 - a dead worker's heartbeat; its step ref will say how it died
+            return
+        self.heard[wid] = max(self.heard.get(wid, sent), sent)
+
+    def tick(self, pending: list[int]) -> list[int]:
+        """The ``pending`` workers silent for the whole timeout; if none, send the next
+        heartbeats to those without one in flight."""
+        now = time.perf_counter()
+        silent = [w for w in pending if now - self.heard.get(w, self.started) > self.timeout_s]
+        if silent:
+            self.sent_last = 0
+            return silent
+        waiting = {wid for wid, _ in self.refs.values()}
+        fresh = [w for w in pending if w not in waiting]
+        self.refs.update({self.actors[w].ping.remote(): (w, now) for w in fresh})
+        self.sent_last = len(fresh)
+        self.next_at = now + self.timeout_s / 4
+        return []

@@ -1,7 +1,9 @@
 """After a failure: the survivors end the collectives they wait in, and the next plan may keep their world.
 
 On gloo a survivor's collective fails by itself once its peer's process is
-gone, so nothing is sent. On NCCL it would wait on the GPU for good, so every
+gone, so nothing is sent; where a peer went silent instead (no heartbeat: its
+node froze, its sockets stay open), every survivor is told to cut its groups'
+sockets (``worker.group_sockets``), which ends its collective at once. On NCCL it would wait on the GPU for good, so every
 survivor is told to end it (``TrainWorker.abort_comms``). Where the backend
 can shrink a communicator, the survivors drop the lost ranks in place: the
 replicas that lost a rank leave whole (their live ranks abort and become
@@ -48,14 +50,19 @@ def exclusion(topo: Topology, ranks: dict[int, int], lost_ranks: list[int]) -> t
 
 
 def end_collectives(pool: "WorkerPool", backend: str, topo: Topology | None, ranks: dict[int, int],
-                    lost: list[int], plan_bounds: list | None, shrink_id: int, timeout_s: float) -> ShrunkWorld | None:
+                    lost: list[int], plan_bounds: list | None, shrink_id: int, timeout_s: float,
+                    silent: bool = False) -> ShrunkWorld | None:
     """Tell the survivors of the failed plan to end their collectives (see the module docstring).
-    ``lost``: ranks of the lost workers. Returns the shrunk world where every survivor kept one
-    consistently, else None. Without a lost rank (a step raised, a collective failed with
-    every worker alive) every survivor aborts."""
-    if not abort_needed(backend) or topo is None:
+    ``lost``: ranks of the lost workers; ``silent``: one of them went silent rather than died.
+    Returns the shrunk world where every survivor kept one consistently, else None. Without a
+    lost rank (a step raised, a collective failed with every worker alive) every survivor aborts."""
+    if topo is None:
         return None
     survivors = {w: r for r, w in ranks.items() if w in pool}
+    if not abort_needed(backend):
+        if silent:
+            pool.ask("abort_comms", list(survivors), timeout_s, [], None, timeout_s)
+        return None
     dropped, spares = exclusion(topo, ranks, lost)
     # Rank 0 hosts the world's store, which a shrink opens anew: without it, no shrink.
     keep = [w for w, r in survivors.items() if r not in dropped] if lost and 0 not in dropped else []

@@ -4,7 +4,8 @@ The training thread joins and leaves (``setup``, ``reset``); the controller's
 ``abort_comms`` reaches the control thread while the training thread may be
 blocked inside a collective, and the step guard's thread may abort on a
 timeout. A lock keeps those changes one at a time. See ``group_failure`` for
-what each backend needs.
+what each backend needs, and ``group_sockets`` for ending a gloo collective
+whose peer went silent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from ..parallel.topology import Topology
 from .group_failure import abort_needed, can_shrink, leave_groups, shrink_world
+from .group_sockets import GroupSockets
 from .process_group import Groups, destroy_groups, init_groups, subgroups
 from .step_guard import StepGuard
 
@@ -34,6 +36,7 @@ class GroupKeeper:
         self._groups: Groups | None = None
         self._shrunk: tuple[int, int, int] | None = None  # (shrink id, rank, world size) held for the next plan
         self._guard: StepGuard | None = None
+        self._sockets = GroupSockets()       # a gloo plan's sockets, cut when a peer goes silent
         self._lock = threading.RLock()
 
     def join(self, backend: str, addr: str, port: int, topo: Topology, rank: int, timeout_s: float,
@@ -53,8 +56,9 @@ class GroupKeeper:
                 if reuse_world is not None:
                     log.warning("%s: the plan keeps shrunk world %s as rank %d of %d, this worker holds %s: "
                                 "joining by rendezvous", self.name, reuse_world, rank, topo.world_size, kept)
-                groups = init_groups(backend, addr, port, topo, rank, timeout_s, rendezvous_timeout_s,
-                                     aborted=aborted, device=device)
+                with self._sockets.opened_during():
+                    groups = init_groups(backend, addr, port, topo, rank, timeout_s, rendezvous_timeout_s,
+                                         aborted=aborted, device=device)
                 how = "rendezvous"
             self.backend, self._groups = backend, groups
         return groups, how
@@ -65,16 +69,20 @@ class GroupKeeper:
             self._groups = None
             if self._shrunk is None:
                 destroy_groups()
+                self._sockets.forget()
 
     def fail(self, excluded: list[int], shrink_id: int | None, timeout_s: float = 30.0) -> dict:
         """A peer failed (the controller says so): end whatever this rank's collectives wait for.
-        gloo's fail on their own, so nothing is done there. NCCL's are shrunk past the
-        ``excluded`` ranks where the backend can (keeping the world), else aborted. Either way
-        the step in flight, if any, then raises (``StepGuard.trip``) rather than go on with what
-        the aborted work left."""
+        gloo's fail on their own where the peer's process is gone; the controller asks here
+        only where a peer went silent, and the groups' sockets are cut (``group_sockets``).
+        NCCL's are shrunk past the ``excluded`` ranks where the backend can (keeping the world),
+        else aborted. Either way the step in flight, if any, then raises (``StepGuard.trip``)
+        rather than go on with what the aborted work left."""
         with self._lock:
-            if self.backend is None or not dist.is_initialized() or not abort_needed(self.backend):
+            if self.backend is None or not dist.is_initialized():
                 return {"shrunk": False, "aborted": False}
+            if not abort_needed(self.backend):
+                return {"shrunk": False, "aborted": False, "sockets_cut": self._sockets.cut()}
             try:
                 if excluded and shrink_id is not None and can_shrink():
                     out = self._shrink(excluded, shrink_id, timeout_s)

@@ -215,6 +215,14 @@ def test_pp_only_run_loses_a_stage_and_restores_it_from_the_snapshot(fresh_clust
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
 
 
+def _kill_all(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_hung_worker_is_detected_and_replaced_by_a_replan(fresh_cluster, corpus_dir):
     fresh_cluster(4)
     cfg = config(corpus_dir, "hang", steps=20, parallel={"dp": 2, "pp": 2})
@@ -228,16 +236,74 @@ def test_hung_worker_is_detected_and_replaced_by_a_replan(fresh_cluster, corpus_
     try:
         result = Trainer(cfg, verbose=False, on_step=Chaos().at(5, hang)).fit()
     finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(stopped)
     assert_contiguous_data(result, cfg)
-    assert "hang" in [f["failure"] for f in result.failures]
+    # A frozen process answers no heartbeat: lost within failure.heartbeat_timeout_s of its step.
+    assert "silent" in [f["failure"] for f in result.failures]
     assert stopped[0] not in {w["pid"] for w in result.workers}
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def test_a_frozen_node_is_caught_by_the_heartbeat_before_the_step_timeout(fresh_cluster, corpus_dir):
+    # The whole node stops (its raylet and every worker on it, SIGSTOP): no process exits and no
+    # connection closes, so only a missed heartbeat tells. Ray's own health check takes about
+    # 5 s here (4 missed checks 1 s apart), the step timeout 3 s at least.
+    c, nodes = fresh_cluster(4)
+    cfg = config(corpus_dir, "freeze", steps=24, parallel={"dp": 2, "pp": 2})
+    frozen: list[int] = []
+    node_box = []
+
+    def freeze():
+        node = node_of_rank("freeze", 3, nodes)
+        raylet = node.all_processes["raylet"][0].process.pid
+        pids = _process_tree(raylet)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        frozen.extend(pids)
+        node_box.append(node)
+
+    try:
+        result = Trainer(cfg, verbose=False, on_step=Chaos().at(5, freeze)).fit()
+    finally:
+        _kill_all(frozen)
+        for node in node_box:
+            c.remove_node(node, allow_graceful=False)
+    assert len(frozen) >= 2   # the raylet and the worker at least
+    assert_contiguous_data(result, cfg)
+    [fail] = result.failures
+    assert fail["failure"] == "silent" and fail["rank"] == 3 and "heartbeat" in fail["detail"], result.failures
+    [rec] = result.recoveries
+    h = cfg.failure.heartbeat_timeout_s
+    # Caught within the timeout (plus a quarter, the heartbeat's period) of the step's start,
+    # well before the step timeout; the survivors' collectives ended by cutting their sockets.
+    assert rec["reason"] == "silent" and rec["detect_s"] < 1.25 * h + 0.75 < cfg.failure.min_step_timeout_s, rec
+    assert rec["total_s"] < cfg.failure.min_step_timeout_s, rec
+    assert rec["sources"] == {"live": len(block_param_counts(cfg.model))}
+    ref = reference_losses(cfg, cfg.train.steps)
+    change = rec["failed_step"]
+    got = [r["loss"] for r in result.history]
+    assert got[:change - 1] == pytest.approx(ref[:change - 1], rel=1e-4)
+    assert got[change - 1:change + 9] == pytest.approx(ref[change - 1:change + 9], rel=1e-3)
 
 
 def test_exception_in_a_step_rolls_back_and_retries_with_the_same_workers(fresh_cluster, corpus_dir):

@@ -80,8 +80,10 @@ def test_nccl_leaves_by_aborting_never_by_destroying(gloo_world, calls, monkeypa
 def test_the_controllers_abort_reaches_nccl_groups_only(gloo_world, calls, monkeypatch):
     keeper = GroupKeeper("test")
     keeper.backend = "gloo"
-    assert keeper.fail([1], shrink_id=1) == {"shrunk": False, "aborted": False}
-    assert calls == [] and dist.is_initialized()   # gloo's collectives fail on their own
+    # gloo's collectives fail on their own where a peer died; where one went silent the
+    # controller asks, and the groups' sockets are cut (none here: a file store, one rank).
+    assert keeper.fail([1], shrink_id=1) == {"shrunk": False, "aborted": False, "sockets_cut": 0}
+    assert calls == [] and dist.is_initialized()
     keeper.backend = "nccl"
     assert not group_failure.can_shrink()           # no shrinking backend here: abort instead
     assert keeper.fail([1], shrink_id=1) == {"shrunk": False, "aborted": True}
@@ -197,7 +199,10 @@ def test_survivors_are_told_to_end_their_collectives_on_nccl_only():
     topo, ranks = Topology(2, 2), {0: 10, 1: 11, 2: 12, 3: 13}
     pool = _Pool({10, 11, 12})
     assert end_collectives(pool, "gloo", topo, ranks, [3], [(0, 1), (1, 2)], 1, 5.0) is None
-    assert pool.asked == []                           # the gloo path stays as it was
+    assert pool.asked == []                           # a dead peer's sockets close: nothing to ask
+    silent = _Pool({10, 11, 12})
+    assert end_collectives(silent, "gloo", topo, ranks, [3], [(0, 1), (1, 2)], 1, 5.0, silent=True) is None
+    assert silent.asked == [([10, 11, 12], [], None)]  # a frozen one's stay open: every survivor cuts its own
     shrunk = end_collectives(pool, "nccl", topo, ranks, [3], [(0, 1), (1, 2)], 1, 5.0)
     assert pool.asked == [([12], [], None), ([10, 11], [2, 3], 1)]   # 12 (replica 1) aborts; 10, 11 shrink
     assert shrunk.ranks == {10: 0, 11: 1} and shrunk.pp == 2

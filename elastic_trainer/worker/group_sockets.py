@@ -1,0 +1,95 @@
+"""The TCP sockets a plan's gloo groups hold, and cutting them when a peer goes silent.
+
+gloo raises in a collective whose peer's process is gone, because the peer's
+sockets close. A peer that stops without closing them (a frozen node: a
+machine SIGSTOPped, or cut off the network) holds every rank that waits on it
+until the collective timeout, seconds at least: ``ProcessGroupGloo.abort``
+returns and leaves a pending receive waiting (torch 2.13). Shutting the
+groups' connected sockets down ends such a receive at once ("Connection
+closed by peer"), so the step raises as after a death and the rank joins the
+next plan, in new groups.
+
+Which sockets are the groups': those this process opened while it joined them
+(``opened_during``). gloo connects a group's full mesh when it is built, and
+the store's connections are made then too. Only TCP sockets are taken (Ray's
+local links are Unix sockets). Listening sockets stay open: gloo's accept
+loop ends the process when a listener is shut under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+_FD_DIR = "/proc/self/fd"
+
+
+def socket_fds() -> dict[int, str]:
+    """fd -> ``socket:[inode]`` for each socket this process has open (Linux; {} elsewhere)."""
+    out = {}
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"{_FD_DIR}/{name}")
+        except OSError:
+            continue   # closed meanwhile
+        if link.startswith("socket:"):
+            out[int(name)] = link
+    return out
+
+
+class GroupSockets:
+    """The connected TCP sockets of the groups last joined, to cut (``cut``) when a peer goes silent."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, str] = {}
+
+    @contextlib.contextmanager
+    def opened_during(self):
+        """Take the sockets opened inside this block as the groups' (a failed join's too)."""
+        before = socket_fds()
+        try:
+            yield
+        finally:
+            self._held = {fd: link for fd, link in socket_fds().items() if before.get(fd) != link}
+
+    def held(self) -> int:
+        return len(self._held)
+
+    def forget(self) -> None:
+        """The groups are gone (destroyed): their fds may be reused by anything."""
+        self._held = {}
+
+    def cut(self) -> int:
+        """Shut down the groups' connected TCP sockets, so that every receive on them ends now;
+        returns how many. The fds stay open (the groups still own them) until the groups are
+        destroyed."""
+        cut = 0
+        for fd, link in self._held.items():
+            try:
+                if os.readlink(f"{_FD_DIR}/{fd}") != link:
+                    continue   # closed, and the number reused for another socket
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                    continue
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                # On the duplicate: shutdown acts on the connection, which both fds share.
+                s.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:
+                pass   # not connected (any more)
+            finally:
+                s.close()
+        self._held = {}
+        return cut
