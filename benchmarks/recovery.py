@@ -16,9 +16,12 @@ machine:
     python benchmarks/recovery.py --skip-ray-train
     python benchmarks/recovery.py --rounds 6 --steady-steps 150 --skip-ray-train  # the snapshot cost, steadier
     python benchmarks/recovery.py --soak [--seed N]  # 300 steps, 6 nodes, 5 losses, 2 added (_soak.py)
+    python benchmarks/recovery.py --loss-rounds 5 --steps 40 --kill-at 20   # SIGKILL and SIGSTOP, 5 each
 
 Targets: recovery within 3 s and at least 5x faster than Ray Train; at most 1
-step redone; snapshots at memory_every: 1 cost at most 5% of step time.
+step redone; snapshots at memory_every: 1 cost at most 5% of step time. With
+``--loss-rounds``: kill to first step at most 1.2 s for a SIGKILL, and the
+heartbeat timeout plus 1 s for a frozen node (medians).
 """
 
 from __future__ import annotations
@@ -76,14 +79,39 @@ def run_elastic_steady(raw: dict) -> float:
     return steady(Trainer(TrainerConfig.model_validate(raw), verbose=False).fit().history)
 
 
-def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int) -> dict:
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int, how: str = "kill") -> dict:
+    """One run that loses the last rank's node after ``kill_at``: SIGKILLed (``kill``, Ray's
+    ``remove_node``) or frozen (``freeze``: SIGSTOP to its raylet and every process below, so
+    nothing exits and no connection closes; killed once the run ends)."""
+    import signal
+
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
     from elastic_trainer.naming import NAMESPACE
 
     name = raw["run"]["name"]
-    killed = {}
+    killed: dict = {}
+    frozen: list[int] = []
 
     def on_step(rec):
         if rec["step"] >= kill_at and not killed:
@@ -91,11 +119,28 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int) -> dict:
             target = max((w for w in st["workers"] if w["rank"] is not None), key=lambda w: w["rank"])
             node = next(n for n in nodes if n.node_id == target["node_id"])
             killed["step"] = st["step"]
-            killed["at"] = time.time()
-            cluster.remove_node(node, allow_graceful=False)
+            if how == "freeze":
+                pids = _process_tree(node.all_processes["raylet"][0].process.pid)
+                killed["at"] = time.time()
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                frozen.extend(pids)
+                killed["node"] = node
+            else:
+                killed["at"] = time.time()
+                cluster.remove_node(node, allow_graceful=False)
             nodes.remove(node)
 
-    result = Trainer(TrainerConfig.model_validate(raw), verbose=False, on_step=on_step).fit()
+    try:
+        result = Trainer(TrainerConfig.model_validate(raw), verbose=False, on_step=on_step).fit()
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if "node" in killed:
+            cluster.remove_node(killed["node"], allow_graceful=False)
     [rec] = result.recoveries
     before = [r for r in result.history if r["step"] <= rec["restored_step"]]
     after = [r for r in result.history if r["step"] > rec["failed_step"]]
@@ -108,7 +153,65 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int) -> dict:
         "steps_redone": rec["steps_redone"], "restored_step": rec["restored_step"],
         "sources": rec["sources"], "plan_before": rec["plan_before"], "plan_after": rec["plan_after"],
         "steady_step_s": steady(before), "steady_step_s_after": steady(after, skip=2),
+        "reason": rec["reason"],
     }
+
+
+def _settle(cluster, n_nodes: int, timeout_s: float = 60.0) -> list:
+    """Top the cluster up to ``n_nodes`` live one-CPU nodes and wait until Ray sees just those,
+    every CPU free (a lost node is declared dead some seconds after)."""
+    import ray
+
+    live = [n for n in cluster.worker_nodes]
+    for _ in range(n_nodes - len(live)):
+        live.append(cluster.add_node(num_cpus=1))
+    want = {cluster.head_node.node_id} | {n.node_id for n in live}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        if alive == want and ray.available_resources().get("CPU", 0) == n_nodes:
+            return live
+        time.sleep(0.2)
+    raise RuntimeError(f"the cluster did not settle to {n_nodes} nodes in {timeout_s:g} s")
+
+
+def losses_main(args) -> None:
+    """``--loss-rounds``: rounds of one node loss each, by kind, kill to first step after recovery."""
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.data.dataset import ensure_prepared
+
+    ensure_prepared(TrainerConfig.model_validate(demo_config(1, "prep")).data)
+    import ray
+
+    kinds = args.loss.split(",")
+    out: dict = {k: [] for k in kinds}
+    cluster, nodes = start_cluster()
+    try:
+        for i in range(args.loss_rounds):
+            for kind in kinds:   # interleaved, so that drift on the host falls on both alike
+                nodes = _settle(cluster, NODES)
+                print(f"round {i + 1}/{args.loss_rounds}: {kind} ...", flush=True)
+                raw = demo_config(args.steps, f"{kind}{i}",
+                                  failure={"ping_timeout_s": args.ping_timeout} if args.ping_timeout else {})
+                out[kind].append(run_elastic_kill(raw, cluster, nodes, args.kill_at, how=kind))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(f"\nelastic_trainer, demo GPT dp=2 x pp=2, one of {NODES} nodes lost after step ~{args.kill_at}, "
+          f"{args.loss_rounds} rounds")
+    for kind, runs in out.items():
+        total = [r["kill_to_first_step_s"] for r in runs]
+        detect = [r["kill_to_detect_s"] for r in runs]
+        print(f"  {kind:6s} kill -> first step: median {statistics.median(total):.2f} s "
+              f"(min {min(total):.2f}, max {max(total):.2f}); kill -> detected median {statistics.median(detect):.2f} s; "
+              f"reasons {sorted({r['reason'] for r in runs})}")
+        for r in runs:
+            print(f"         {r['kill_to_first_step_s']:.2f} s: first error {r['kill_to_first_error_s']:.2f}, "
+                  f"detect {r['kill_to_detect_s']:.2f}, re-plan {r['replan_s']:.2f}, restore {r['restore_s']:.2f}, "
+                  f"first step {r['first_step_s']:.2f}; redone {r['steps_redone']}")
+    res = ROOT / "benchmarks" / "results"
+    res.mkdir(parents=True, exist_ok=True)
+    (res / "recovery_losses.json").write_text(json.dumps(out, indent=1, default=str))
 
 
 def main() -> None:
@@ -121,9 +224,17 @@ def main() -> None:
     ap.add_argument("--skip-ray-train", action="store_true")
     ap.add_argument("--soak", action="store_true", help="the soak instead: 5 losses, 2 nodes added, 300 steps")
     ap.add_argument("--seed", type=int, default=None, help="--soak: the seed of its moments (default: random)")
+    ap.add_argument("--loss-rounds", type=int, default=0,
+                    help="instead: this many rounds of one node loss each (--loss), kill to first step")
+    ap.add_argument("--loss", default="kill,freeze",
+                    help="--loss-rounds: kill (SIGKILL, remove_node) and/or freeze (SIGSTOP the whole node)")
+    ap.add_argument("--ping-timeout", type=float, default=None,
+                    help="--loss-rounds: failure.ping_timeout_s for the runs (default: the config's)")
     args = ap.parse_args()
     if args.soak:
         return soak_main(args)
+    if args.loss_rounds:
+        return losses_main(args)
 
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.data.dataset import ensure_prepared

@@ -113,6 +113,7 @@ class StepDriver:
     def _collect(self, out: StepOutcome, refs: dict, actors: dict[int, object], deadline: float) -> StepOutcome:
         pending = dict(refs)
         pings: dict = {}
+        unreachable: set[int] = set()
         beat = _Heartbeat(self.heartbeat_timeout(), out.started, actors)
         while pending:
             now = time.perf_counter()
@@ -129,8 +130,8 @@ class StepDriver:
                     try:
                         ray.get(ref)
                         out.answered.add(wid)
-                    except Exception:  # noqa: BLE001 - a dead worker's ping; its step ref will say how it died
-                        pass
+                    except Exception:  # noqa: BLE001 - its step ref, if it comes, says how it died
+                        unreachable.add(wid)   # its process is gone: the call could not reach it
                     continue
                 wid = pending.pop(ref)
                 try:
@@ -144,10 +145,13 @@ class StepDriver:
                         deadline = min(deadline, out.first_signal + max(_ERROR_GRACE_S, self.cfg.failure.ping_timeout_s))
                         pings = {actors[w].ping.remote(): w for w in pending.values()}
                         self.calls += len(pings)
-            if out.first_signal is not None and not pings and all(w in out.answered for w in pending.values()):
-                # Every silent rank is alive: their own errors (or a peer's) arrive within
-                # moments, and one of them may be the cause, so wait a little for them.
-                deadline = min(deadline, time.perf_counter() + _ERROR_GRACE_S)
+            if out.first_signal is not None and not pings:
+                if not any(w in out.answered for w in pending.values()):
+                    break   # every rank still silent is out of reach: nothing more will come
+                if all(w in out.answered or w in unreachable for w in pending.values()):
+                    # The others are alive: their own errors (or a peer's) arrive within moments,
+                    # and one of them may be the cause, so wait a little for them.
+                    deadline = min(deadline, time.perf_counter() + _ERROR_GRACE_S)
             if pending and out.first_signal is None and time.perf_counter() >= beat.next_at:
                 # Nothing else has said how the step goes: those answering no heartbeat are lost.
                 out.silent = beat.tick(list(pending.values()))

@@ -29,6 +29,7 @@ from .device import bind, current_visible, worker_device
 from .probe import probe_compute
 from .faults import FaultHooks
 from .group_keeper import GroupKeeper
+from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .stage import StageTrainer
@@ -77,6 +78,7 @@ class TrainWorker:
         self._build_key = None
         self._kept = None   # (build key, blocks, device) of the last stage, until the next set-up
         self.groups = GroupKeeper(f"[{run_name}] worker {worker_id}")
+        self._raylet_watch = watch_raylet()   # a worker ends with its node (node_fate)
         # Everything imported so far lives as long as the process: keep it out of
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()
