@@ -16,8 +16,8 @@ from pydantic import Field, ValidationError, model_validator
 
 from .config_base import Strict as _Strict
 from .config_parsing import apply_overrides, format_validation_error
-from .config_runtime import (BalanceSection, CheckpointSection, CommSection, FailureSection,  # noqa: F401
-                             ScalingSection)
+from .config_runtime import (BalanceSection, CheckpointSection, CommSection, ControlSection,  # noqa: F401
+                             FailureSection, ScalingSection)
 from .config_training import (DataSection, EvalSection, ModelSection, ParallelSection,  # noqa: F401
                               RunSection, TrainSection)
 from .errors import ConfigError
@@ -37,6 +37,7 @@ class TrainerConfig(_Strict):
     comm: CommSection = Field(default_factory=CommSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     failure: FailureSection = Field(default_factory=FailureSection)
+    control: ControlSection = Field(default_factory=ControlSection)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainerConfig":

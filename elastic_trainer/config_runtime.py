@@ -131,6 +131,15 @@ class BalanceSection(_Strict):
                               "over this many steps, exceeds what taking it costs.")
 
 
+class ControlSection(_Strict):
+    """How the controller drives the steps."""
+
+    lease_steps: int = Field(
+        1, ge=1, description="Most steps a worker runs on its own per call of the controller (a lease): the "
+                             "controller then gathers their results at once and acts between leases. A lease "
+                             "ends at a snapshot step, an evaluation and the last step; 1 drives every step.")
+
+
 class FailureSection(_Strict):
     """Detection and recovery."""
 

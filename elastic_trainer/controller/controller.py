@@ -239,15 +239,36 @@ class Controller(ControllerViews):
             step = self.step + 1
             if self._error_at is not None and self._error_at in (step, 0):
                 raise RuntimeError(f"injected controller error at step {step}")
-            snap = self.schedule.due(step)
+            count = self._lease(step)
+            snap = self.schedule.due(step + count - 1)
             writers = self.snapshots.writers()
             out = self.driver.run(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,
                                   {w: writers[r] for r, w in self.ranks.items()} if snap else None,
-                                  self.balance.shares)
+                                  self.balance.shares, count=count)
             if out.ok:
-                self._commit_step(out)
+                for one in self.driver.split(out):
+                    self._commit_step(one)
             else:
                 self.recovery.recover(out)
+
+    def _lease(self, first: int) -> int:
+        """How many steps from ``first`` the workers run on their own (``control.lease_steps``):
+        up to the next snapshot step, evaluation or the last step, whichever comes first. One
+        step during warm-up (the step time sets the timeouts), with a parameter server (it
+        keeps per-step state of its own), with a controller fault armed, and while a re-plan
+        waits for its snapshot step."""
+        cap = self.cfg.control.lease_steps
+        if (cap <= 1 or self.ps is not None or self._error_at is not None or self.recovery.replan_pending()
+                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps):
+            return 1
+        last = min(self.cfg.train.steps, first + cap - 1)
+        ev = self.cfg.eval
+        if ev.enabled:
+            last = min(last, -(-first // ev.every) * ev.every)   # the next evaluation comes after it
+        for step in range(first, last):
+            if self.schedule.due(step):
+                return step - first + 1
+        return last - first + 1
 
     # -- plans -----------------------------------------------------------------------------
     def _cfg_for(self, plan: Plan) -> dict:
@@ -395,6 +416,7 @@ class Controller(ControllerViews):
         # What driving the run has cost so far, in actor calls (this step's snapshot pins, issued
         # below, count in the next record).
         record["actor_calls"] = self.driver.calls + self.snapshots.calls
+        record["heartbeats"] = self.driver.heartbeats
         with self._lock:
             self.history.append(record)
             self.step = step

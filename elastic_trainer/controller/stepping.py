@@ -24,6 +24,7 @@ import ray
 from ..config import TrainerConfig
 from ..errors import WorkerError
 from ..parallel.topology import Topology
+from .workers import ask_all
 
 # After the first error of a step the others get this long to report theirs:
 # ranks blocked behind a vanished peer fail within milliseconds on loopback.
@@ -42,7 +43,10 @@ class StepOutcome:
     silent: list[int] = field(default_factory=list)           # answered no heartbeat in heartbeat_timeout_s
     shard_refs: dict = field(default_factory=dict)            # worker id -> snapshot part ref (None: no part)
     inflight: dict = field(default_factory=dict)              # step refs still running: ref -> worker id
-    snapshot: bool = False                                    # the step takes a snapshot
+    snapshot: bool = False                                    # the step takes a snapshot (a lease: its last)
+    count: int = 1                                            # steps in it (a lease: more than one)
+    elapsed_s: float | None = None                            # a lease's step: its share of the lease's time
+    controller_s: float | None = None                         # and of what driving the lease cost
 
     @property
     def ok(self) -> bool:
@@ -57,6 +61,7 @@ class StepDriver:
         self.step_times: collections.deque = collections.deque(maxlen=20)
         self.steps_since_setup = 0
         self.calls = 0   # actor calls issued so far (what driving the steps costs, benchmarks/control_plane.py)
+        self.heartbeats = 0   # and pings to ranks inside a long step or lease (off its critical path)
 
     def _tight(self) -> float:
         f = self.cfg.failure
@@ -84,21 +89,65 @@ class StepDriver:
         return min(self.cfg.comm.timeout_s, self._tight())
 
     def run(self, step: int, actors: dict[int, object], snapshot: bool,
-            put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None) -> StepOutcome:
+            put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None,
+            count: int = 1) -> StepOutcome:
         """Run ``step`` on ``actors`` (worker id -> actor of a rank). With ``snapshot`` each
         returns its part of the step's snapshot (``put_blocks``: worker id -> blocks it writes).
-        ``shares``: micro-batches per replica (balancing), None for equal ones."""
+        ``shares``: micro-batches per replica (balancing), None for equal ones. ``count`` > 1:
+        a lease of that many steps from ``step``, each rank on its own, the snapshot (if any) at
+        the last; its results come back at once (``split`` makes them one outcome a step)."""
         started = time.perf_counter()
-        out = StepOutcome(step, started, snapshot=snapshot)
+        out = StepOutcome(step, started, snapshot=snapshot, count=count)
+        timeout = self.step_timeout()
+        last = step + count - 1
         refs = {}
         for w, actor in actors.items():
             blocks = put_blocks[w] if snapshot else None
-            refs[actor.train_step.remote(step, snapshot, blocks, self.step_timeout(), shares)] = w
+            if count == 1:
+                refs[actor.train_step.remote(step, snapshot, blocks, timeout, shares)] = w
+            else:
+                refs[actor.train_lease.remote(step, count, snapshot, blocks, timeout, shares)] = w
             # Asked for at once: the part comes back once the step has begun it, on a
             # thread of its own, and its write into the object store overlaps the next step.
-            out.shard_refs[w] = actor.snapshot_part.remote(step, blocks) if blocks else None
+            out.shard_refs[w] = (actor.snapshot_part.remote(last, blocks, timeout * (count - 1)) if blocks
+                                 else None)
         self.calls += len(actors) + sum(1 for r in out.shard_refs.values() if r is not None)
-        return self._collect(out, refs, actors, started + self.step_timeout())
+        out = self._collect(out, refs, actors, started + timeout * count)
+        if count > 1 and not out.ok:
+            out.step = self._failed_step(out, actors)
+            # Recovery times detection from the failed step's start: by the steps before it
+            # at the median pace (the lease's own record of them is gone with it).
+            done = (out.step - step) * (statistics.median(self.step_times) if self.step_times else 0.0)
+            out.started = min(out.started + done, out.first_signal or out.started + done)
+        return out
+
+    def _failed_step(self, out: StepOutcome, actors: dict[int, object]) -> int:
+        """The first step of a failed lease that did not complete on every rank: one past the
+        least any rank that answers says it completed (the lost ones say nothing)."""
+        first, last = out.step, out.step + out.count - 1
+        # Only those known alive are asked (a frozen one would hold the answer for the timeout).
+        live = [w for w in actors if (w in out.errors and not _actor_gone(out.errors[w])) or w in out.answered]
+        done = ask_all({w: actors[w].last_step.remote() for w in live}, self.cfg.failure.ping_timeout_s)
+        self.calls += len(live)
+        steps = [d for d in done.values() if isinstance(d, int)] + [last for _ in out.results]
+        return min(last, max(first, min(steps) + 1)) if steps else first
+
+    def split(self, out: StepOutcome) -> list[StepOutcome]:
+        """A completed lease as one outcome per step (a single step as itself); each step's time
+        is its share of the lease's."""
+        if out.count == 1:
+            return [out]
+        wall = time.perf_counter() - out.started
+        # What the lease cost beyond the ranks' own calls, a rank's steps being one after another
+        # (for a single step: its time minus the slowest rank's call).
+        own = max(sum(o.get("call_s", _own_s(o)) for o in r) for r in out.results.values())
+        steps = []
+        for k in range(out.count):
+            last = k == out.count - 1
+            steps.append(StepOutcome(out.step + k, out.started, results={w: r[k] for w, r in out.results.items()},
+                                     shard_refs=out.shard_refs if last else {}, snapshot=out.snapshot and last,
+                                     elapsed_s=wall / out.count, controller_s=max(0.0, wall - own) / out.count))
+        return steps
 
     def evaluate(self, step: int, actors: dict[int, object], batches: int) -> StepOutcome:
         """Run the evaluation after ``step`` on every rank; it fails like a step (``StepOutcome``).
@@ -155,12 +204,13 @@ class StepDriver:
             if pending and out.first_signal is None and time.perf_counter() >= beat.next_at:
                 # Nothing else has said how the step goes: those answering no heartbeat are lost.
                 out.silent = beat.tick(list(pending.values()))
-                self.calls += beat.sent_last
+                self.heartbeats += beat.sent_last
                 if out.silent:
                     out.first_signal = time.perf_counter()
+                    # The others answered within the timeout: alive, blocked behind the silent.
+                    out.answered |= set(pending.values()) - set(out.silent)
                     break
         out.pending = list(pending.values())
-        out.answered |= beat.heard_from & set(out.pending)
         if out.pending and out.first_signal is None:
             out.first_signal = time.perf_counter()
         out.inflight = pending
@@ -169,7 +219,7 @@ class StepDriver:
     def record(self, out: StepOutcome, topo: Topology, plan_index: int) -> dict:
         """The history record of a step that completed on every rank (and count its time)."""
         cfg, step = self.cfg, out.step
-        dt = time.perf_counter() - out.started
+        dt = out.elapsed_s if out.elapsed_s is not None else time.perf_counter() - out.started
         self.step_times.append(dt)
         self.steps_since_setup += 1
         results = list(out.results.values())
@@ -197,7 +247,12 @@ class StepDriver:
             # The slowest rank's own time; step_time_s minus this is what driving the step costs.
             # (Queuing the next step on the workers to hide that cost measured slower on
             # oversubscribed CPU nodes: Ray's task handling then competes with the step.)
-            "worker_s": max(o["compute_s"] + o["exposed_comm_s"] for o in results),
+            "worker_s": max(_own_s(o) for o in results),
+            # What the controller's driving cost: the step's time beyond the slowest rank's whole
+            # call (its own Python between passes is the rank's), a lease's spread over its steps
+            # (control.lease_steps).
+            "controller_s": (out.controller_s if out.controller_s is not None
+                             else max(0.0, dt - max(o.get("call_s", _own_s(o)) for o in results))),
             "comm_bytes": sent,
             "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sent)
                                   if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),
@@ -211,6 +266,15 @@ class StepDriver:
         }
 
 
+def _own_s(o: dict) -> float:
+    """A rank's own time in a step: its compute and the communication it waited for."""
+    return o["compute_s"] + o["exposed_comm_s"]
+
+
+def _actor_gone(e: BaseException) -> bool:
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
 class _Heartbeat:
     """The heartbeats of one step's wait (see the module docstring)."""
 
@@ -221,10 +285,6 @@ class _Heartbeat:
         self.heard: dict[int, float] = {}     # worker id -> when the latest answered heartbeat was sent
         self.started = started
         self.sent_last = 0
-
-    @property
-    def heard_from(self) -> set[int]:
-        return set(self.heard)
 
     def answer(self, ref) -> None:
         wid, sent = self.refs.pop(ref)

@@ -72,6 +72,7 @@ class TrainWorker:
         self._snap_cv = threading.Condition()
         self._jobs: dict[int, object] = {}
         self._ended = 0
+        self._done_step = 0   # the last step completed (train_lease's progress, for a failure)
         self._setups = 0
         self._overlap = True
         self._snapshot_wait_s = 60.0
@@ -237,6 +238,7 @@ class TrainWorker:
         copy: the part written is it. ``timeout_s``: the controller's step timeout, which bounds
         the step on backends whose collectives do not fail by themselves (``step_guard``).
         ``shares``: micro-batches per replica, where balancing moved some off a slow one."""
+        t0 = time.perf_counter()
         job = None
         bind(self.gpu)
         try:
@@ -258,6 +260,7 @@ class TrainWorker:
             with self._snap_cv:
                 self._ended = max(self._ended, step)
                 self._snap_cv.notify_all()
+        self._done_step = step
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
@@ -265,7 +268,29 @@ class TrainWorker:
                 "backward_s": r.backward_s, "optimizer_s": r.optimizer_s, "wait_s": r.wait_s,
                 "micro_batches": r.micro_batches, "passes_steady_s": r.passes_steady_s,
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
-                "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes}
+                "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes,
+                # The whole call here (what the controller's driving cannot save, the rank's own
+                # Python between its passes included).
+                "call_s": time.perf_counter() - t0}
+
+    @ray.method(concurrency_group="train")
+    def train_lease(self, first: int, count: int, snapshot_last: bool, put_blocks: list[int] | None = None,
+                    timeout_s: float | None = None, shares: list[int] | None = None) -> list[dict]:
+        """Steps ``first`` .. ``first + count - 1`` on this rank's own (a lease the controller
+        granted), each as ``train_step``; with ``snapshot_last`` the last takes the snapshot. The
+        results of every step, in order. A step that fails ends the lease with its error, and
+        ``last_step`` says how far it got."""
+        out = []
+        self._done_step = first - 1   # a step rolled back since may have been done before
+        for step in range(first, first + count):
+            snap = snapshot_last and step == first + count - 1
+            out.append(self.train_step(step, snap, put_blocks if snap else None, timeout_s, shares))
+        return out
+
+    @ray.method(concurrency_group="control")
+    def last_step(self) -> int:
+        """The last step this rank completed (0 before the first)."""
+        return self._done_step
 
     def evaluate(self, step: int, timeout_s: float | None = None) -> dict:
         """The held-out loss after ``step`` on this plan (``StageTrainer.evaluate``); a failure
@@ -310,11 +335,12 @@ class TrainWorker:
         return job
 
     @ray.method(concurrency_group="snapshot")
-    def snapshot_part(self, step: int, blocks: list[int]) -> dict:
+    def snapshot_part(self, step: int, blocks: list[int], wait_s: float | None = None) -> dict:
         """The object-store part of ``step``'s snapshot that holds ``blocks``: returned, not put, so
         the caller (the controller) owns the object and it outlives this worker. Ray writes it
-        into the object store on this call's thread while the next step runs."""
-        deadline = time.monotonic() + self._snapshot_wait_s
+        into the object store on this call's thread while the next step runs. ``wait_s``: how
+        long ``step`` may take to begin (a lease's last step), beyond the snapshot's own wait."""
+        deadline = time.monotonic() + self._snapshot_wait_s + (wait_s or 0.0)
         with self._snap_cv:
             setups = self._setups
             while step not in self._jobs and self._ended < step and self._setups == setups:

@@ -1,0 +1,72 @@
+"""Leases: workers run several steps on their own per controller call, exactly as step by step."""
+
+import threading
+
+import pytest
+import ray
+
+from elastic_trainer import Trainer, TrainerConfig
+from elastic_trainer.models.factory import block_param_counts
+from elastic_trainer.naming import NAMESPACE
+
+from ..conftest import tiny_config
+from ..helpers import reference_losses
+from .test_recovery import Chaos, assert_contiguous_data, node_of_rank
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _cfg(corpus, name, lease, steps=24, **sections):
+    return TrainerConfig.from_dict(tiny_config(
+        corpus, parallel={"dp": 2, "pp": 2}, run={"name": name}, train={"steps": steps},
+        checkpoint={"memory_every": 8}, control={"lease_steps": lease}, **sections))
+
+
+def test_leases_train_exactly_as_step_by_step_with_fewer_calls(cluster, corpus_dir):
+    by_step = Trainer(_cfg(corpus_dir, "steps", 1, steps=16), verbose=False).fit()
+    leased = Trainer(_cfg(corpus_dir, "leases", 16, steps=16), verbose=False).fit()
+    assert [r["step"] for r in leased.history] == list(range(1, 17))
+    assert [r["loss"] for r in leased.history] == pytest.approx([r["loss"] for r in by_step.history], rel=1e-6)
+    assert [r["cursor"] for r in leased.history] == [r["cursor"] for r in by_step.history]
+    # Three warm-up steps one at a time, then a lease up to each snapshot step (8, 16): one
+    # call per rank per lease, and one snapshot part per stage (68 calls step by step, 24 here).
+    calls = {r["step"]: r["actor_calls"] for r in leased.history}
+    assert calls[8] - calls[3] == 4 + 2 and calls[16] - calls[8] == 4 + 2
+    assert by_step.history[-1]["actor_calls"] > 2 * leased.history[-1]["actor_calls"]
+    assert [r["step"] for r in leased.history if r["snapshot"]] == [8, 16]
+    # Each lease's cost beyond the ranks' own calls is spread over its steps.
+    assert all(r["controller_s"] >= 0 for r in leased.history)
+
+
+def test_a_failure_in_a_lease_stops_every_rank_and_rolls_back_as_step_by_step(fresh_cluster, corpus_dir):
+    c, nodes = fresh_cluster(4)
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, parallel={"dp": 2, "pp": 2}, run={"name": "lease-loss"}, train={"steps": 48},
+        checkpoint={"memory_every": 24}, control={"lease_steps": 24},
+        balance={"mode": "off"},
+        failure={"min_step_timeout_s": 3, "rendezvous_timeout_s": 10, "wait_for_nodes_s": 2,
+                 "allow_fault_injection": True}))
+
+    def slow():
+        # Rank 0 computes 4x slower (a sleep: the numbers stay), so the lease of steps 25 .. 48
+        # takes seconds, and a node killed a second after step 24 is seen dies inside it.
+        actor = ray.get_actor("lease-loss-rank0-r0s0", namespace=NAMESPACE)
+        ray.get(actor.inject_fault.remote("slow_compute", seconds=4.0))
+
+    def kill_soon():
+        node = node_of_rank("lease-loss", 3, nodes)
+        threading.Timer(1.0, lambda: c.remove_node(node, allow_graceful=False)).start()
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, slow).at(24, kill_soon)).fit()
+    assert_contiguous_data(result, cfg)
+    [rec] = result.recoveries
+    assert [f["failure"] for f in result.failures] == ["death"]
+    # As step by step: back to the last snapshot before the failed step, every step since redone
+    # (steps of the lease done before it are redone too: no snapshot was taken in between).
+    assert rec["restored_step"] == 24 and 26 <= rec["failed_step"] <= 48, rec
+    assert rec["steps_redone"] == rec["failed_step"] - 24
+    assert rec["sources"] == {"live": len(block_param_counts(cfg.model))}
+    ref = reference_losses(cfg, cfg.train.steps)
+    got = [r["loss"] for r in result.history]
+    assert got[:24] == pytest.approx(ref[:24], rel=1e-4)
+    assert got[24:34] == pytest.approx(ref[24:34], rel=1e-3)
