@@ -254,12 +254,14 @@ class Controller(ControllerViews):
     def _lease(self, first: int) -> int:
         """How many steps from ``first`` the workers run on their own (``control.lease_steps``):
         up to the next snapshot step, evaluation or the last step, whichever comes first. One
-        step during warm-up (the step time sets the timeouts), with a parameter server (it
-        keeps per-step state of its own), with a controller fault armed, and while a re-plan
-        waits for its snapshot step."""
+        step during warm-up (the step time sets the timeouts), while ``memory_every: auto``
+        measures what a snapshot costs (its steps with and without must be driven alike), with
+        a parameter server (it keeps per-step state of its own), with a controller fault armed,
+        and while a re-plan waits for its snapshot step."""
         cap = self.cfg.control.lease_steps
         if (cap <= 1 or self.ps is not None or self._error_at is not None or self.recovery.replan_pending()
-                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps):
+                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps
+                or (self.schedule.auto and not self.schedule.choice_done)):
             return 1
         last = min(self.cfg.train.steps, first + cap - 1)
         ev = self.cfg.eval

@@ -25,6 +25,7 @@ from .restore_points import RestorePoints
 from .run_state import RunState
 from .stepping import StepOutcome
 from .survivors import ShrunkWorld, end_collectives, shrunk_ranks
+from .workers import failed
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -58,6 +59,7 @@ class Recovery(RestorePoints):
         ctl.transition(RunState.RECOVERING, step=out.step)
         diag = diagnose(out, {w: h.actor for w, h in ctl.pool.workers.items()}, self.cfg.failure.ping_timeout_s,
                         self.cfg.failure.heartbeat_timeout_s)
+        self._suspect_node_mates(diag)
         detected = time.perf_counter()
         plan_before = ctl.plan.describe() if ctl.plan else None
         self._record_failure(out.step, diag)
@@ -79,6 +81,19 @@ class Recovery(RestorePoints):
         self._quiesce(out)
         self._check_limits(diag)
         self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
+
+    def _suspect_node_mates(self, diag: Diagnosis) -> None:
+        """A silent worker's node may be frozen whole: its other workers (one that had already
+        returned its step, say) are silent too unless they answer a ping now."""
+        pool = self.ctl.pool
+        nodes = {pool[w].node for w in diag.silent if w in pool}
+        mates = [w for w, h in pool.workers.items() if h.node in nodes and w not in diag.lost]
+        if mates:
+            answers = pool.ask("ping", mates, self.cfg.failure.ping_timeout_s)
+            gone = [w for w, a in answers.items() if failed(a)]
+            diag.silent += gone
+            if gone:
+                diag.detail += f"; workers {gone} on the same node answered no ping either"
 
     def start_failed(self, err: WorkerError) -> None:
         """A worker failed to start, or the first set-up failed (a node lost before the first

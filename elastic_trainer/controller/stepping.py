@@ -130,7 +130,12 @@ class StepDriver:
         done = ask_all({w: actors[w].last_step.remote() for w in live}, self.cfg.failure.ping_timeout_s)
         self.calls += len(live)
         steps = [d for d in done.values() if isinstance(d, int)] + [last for _ in out.results]
-        return min(last, max(first, min(steps) + 1)) if steps else first
+        if steps:
+            return min(last, max(first, min(steps) + 1))
+        # Nobody alive to ask (a hang: every rank timed out): as far as its time went, at the median pace.
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        went = (out.first_signal or time.perf_counter()) - out.started
+        return min(last, first + int(went / median)) if median > 0 else first
 
     def split(self, out: StepOutcome) -> list[StepOutcome]:
         """A completed lease as one outcome per step (a single step as itself); each step's time
@@ -166,7 +171,8 @@ class StepDriver:
         beat = _Heartbeat(self.heartbeat_timeout(), out.started, actors)
         while pending:
             now = time.perf_counter()
-            wait = min(deadline, beat.next_at) - now
+            # Heartbeats only until something else has said how the step goes.
+            wait = min(deadline, beat.next_at if out.first_signal is None else deadline) - now
             if wait <= 0 and now >= deadline:
                 break
             ready, _ = ray.wait(list(pending) + list(pings) + list(beat.refs), num_returns=1, timeout=max(0.0, wait))
@@ -203,12 +209,21 @@ class StepDriver:
                     deadline = min(deadline, time.perf_counter() + _ERROR_GRACE_S)
             if pending and out.first_signal is None and time.perf_counter() >= beat.next_at:
                 # Nothing else has said how the step goes: those answering no heartbeat are lost.
-                out.silent = beat.tick(list(pending.values()))
+                silent = beat.tick(list(pending.values()))
                 self.heartbeats += beat.sent_last
-                if out.silent:
+                if silent and set(silent) == set(pending.values()):
+                    # Every rank still in the step at once: as likely this controller was held
+                    # up (its answers queued) as all of them froze. Those that answer a ping
+                    # now are not lost.
+                    answers = ask_all({w: actors[w].ping.remote() for w in silent}, self.cfg.failure.ping_timeout_s)
+                    self.heartbeats += len(answers)
+                    beat.heard_again([w for w, a in answers.items() if not isinstance(a, BaseException)])
+                    silent = [w for w, a in answers.items() if isinstance(a, BaseException)]
+                if silent:
+                    out.silent = silent
                     out.first_signal = time.perf_counter()
                     # The others answered within the timeout: alive, blocked behind the silent.
-                    out.answered |= set(pending.values()) - set(out.silent)
+                    out.answered |= set(pending.values()) - set(silent)
                     break
         out.pending = list(pending.values())
         if out.pending and out.first_signal is None:
@@ -276,35 +291,41 @@ def _actor_gone(e: BaseException) -> bool:
 
 
 class _Heartbeat:
-    """The heartbeats of one step's wait (see the module docstring)."""
+    """The heartbeats of one step's wait (see the module docstring): a rank is silent once a
+    heartbeat sent to it has gone unanswered for the whole timeout."""
 
     def __init__(self, timeout_s: float | None, started: float, actors: dict[int, object]):
         self.timeout_s, self.actors = timeout_s, actors
         self.next_at = started + timeout_s / 4 if timeout_s else float("inf")
-        self.refs: dict = {}                  # heartbeat ref -> (worker id, sent at)
-        self.heard: dict[int, float] = {}     # worker id -> when the latest answered heartbeat was sent
-        self.started = started
+        self.refs: dict = {}                  # heartbeat in flight -> (worker id, sent at)
         self.sent_last = 0
 
     def answer(self, ref) -> None:
-        wid, sent = self.refs.pop(ref)
-        try:
-            ray.get(ref)
-        except Exception:  # noqa: BLE001 - a dead worker's heartbeat; its step ref will say how it died
-            return
-        self.heard[wid] = max(self.heard.get(wid, sent), sent)
+        """A heartbeat came back (a dead worker's fails; its step ref says how it died)."""
+        self.refs.pop(ref, None)
+
+    def heard_again(self, wids: list[int]) -> None:
+        """These answered otherwise: their heartbeats in flight no longer count."""
+        self.refs = {r: (w, t) for r, (w, t) in self.refs.items() if w not in wids}
 
     def tick(self, pending: list[int]) -> list[int]:
-        """The ``pending`` workers silent for the whole timeout; if none, send the next
-        heartbeats to those without one in flight."""
+        """The ``pending`` workers whose heartbeat has gone unanswered for the whole timeout; if
+        none, send the next heartbeats to those without one in flight."""
+        if self.refs:
+            # Every answer that has come, not only those the wait handed over one by one: a
+            # controller held up meanwhile must not read queued answers as silence.
+            ready, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+            for ref in ready:
+                self.answer(ref)
         now = time.perf_counter()
-        silent = [w for w in pending if now - self.heard.get(w, self.started) > self.timeout_s]
+        out = {w: sent for w, sent in self.refs.values()}
+        silent = [w for w in pending if w in out and now - out[w] >= self.timeout_s]
         if silent:
             self.sent_last = 0
             return silent
-        waiting = {wid for wid, _ in self.refs.values()}
-        fresh = [w for w in pending if w not in waiting]
+        fresh = [w for w in pending if w not in out]
         self.refs.update({self.actors[w].ping.remote(): (w, now) for w in fresh})
         self.sent_last = len(fresh)
-        self.next_at = now + self.timeout_s / 4
+        oldest = min([sent for w, sent in out.items() if w in pending] + [now])
+        self.next_at = min(now + self.timeout_s / 4, oldest + self.timeout_s)
         return []

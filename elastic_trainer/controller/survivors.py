@@ -61,7 +61,8 @@ def end_collectives(pool: "WorkerPool", backend: str, topo: Topology | None, ran
     survivors = {w: r for r, w in ranks.items() if w in pool}
     if not abort_needed(backend):
         if silent:
-            pool.ask("abort_comms", list(survivors), timeout_s, [], None, timeout_s)
+            # A control call that answers at once: no rendezvous timeout to wait out.
+            pool.ask("abort_comms", list(survivors), min(timeout_s, 5.0), [], None, timeout_s)
         return None
     dropped, spares = exclusion(topo, ranks, lost)
     # Rank 0 hosts the world's store, which a shrink opens anew: without it, no shrink.

@@ -79,7 +79,8 @@ class TrainWorker:
         self._build_key = None
         self._kept = None   # (build key, blocks, device) of the last stage, until the next set-up
         self.groups = GroupKeeper(f"[{run_name}] worker {worker_id}")
-        self._raylet_watch = watch_raylet()   # a worker ends with its node (node_fate)
+        # A worker ends with its node (node_fate).
+        self._raylet_watch = watch_raylet(f"[{run_name}] worker {worker_id}")
         # Everything imported so far lives as long as the process: keep it out of
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()

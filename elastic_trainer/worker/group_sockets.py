@@ -74,10 +74,16 @@ class GroupSockets:
         cut = 0
         for fd, link in self._held.items():
             try:
-                if os.readlink(f"{_FD_DIR}/{fd}") != link:
-                    continue   # closed, and the number reused for another socket
-                s = socket.socket(fileno=os.dup(fd))
+                dup = os.dup(fd)
             except OSError:
+                continue   # closed
+            if f"socket:[{os.fstat(dup).st_ino}]" != link:
+                os.close(dup)   # the number was reused for another file
+                continue
+            try:
+                s = socket.socket(fileno=dup)
+            except OSError:
+                os.close(dup)
                 continue
             try:
                 if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:

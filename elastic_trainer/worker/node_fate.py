@@ -34,9 +34,11 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def watch_raylet(interval_s: float = 0.05, on_death=None, parent_names=("raylet",)) -> threading.Thread | None:
+def watch_raylet(name: str = "this worker", interval_s: float = 0.05, on_death=None,
+                 parent_names=("raylet",)) -> threading.Thread | None:
     """Start the watch (a daemon thread); None where the parent is not one of ``parent_names``
-    (None: any parent). ``on_death`` (default: SIGKILL this process) runs once it is gone."""
+    (None: any parent). ``on_death`` (default: SIGKILL this process) runs once it is gone.
+    ``name`` heads its log line ("[run] worker N")."""
     parent = os.getppid()
     if parent_names is not None and _comm(parent) not in parent_names:
         return None
@@ -45,7 +47,7 @@ def watch_raylet(interval_s: float = 0.05, on_death=None, parent_names=("raylet"
     def run() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
-        log.warning("this worker's raylet (pid %d) died: ending the worker now", parent)
+        log.warning("%s: its raylet (pid %d) died: ending the worker now", name, parent)
         stop()
 
     t = threading.Thread(target=run, name="raylet-watch", daemon=True)

@@ -89,7 +89,9 @@ def test_node_loss_at_2x2_replans_survivors_and_follows_the_loss_curve(fresh_clu
 
     assert_contiguous_data(result, cfg)
     [rec] = result.recoveries
-    assert [f["failure"] for f in result.failures] == ["death"]
+    # The killed worker ends with its raylet and its peers' connections fail; where they waited
+    # on something else at that moment, the heartbeat finds it silent a second later.
+    assert [f["failure"] for f in result.failures] in (["death"], ["silent"])
     assert rec["steps_redone"] <= 1
     assert rec["sources"] == {"live": len(block_param_counts(cfg.model))}
     expected = choose_plan(cfg, 3)

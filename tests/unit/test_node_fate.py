@@ -23,7 +23,7 @@ def _child(out) -> None:
         out.join_thread()
         os._exit(0)
 
-    assert watch_raylet(interval_s=0.02, on_death=died, parent_names=None) is not None
+    assert watch_raylet("test", interval_s=0.02, on_death=died, parent_names=None) is not None
     out.put(("watching", os.getpid()))
     time.sleep(30)
     out.put(("still running", t0))
