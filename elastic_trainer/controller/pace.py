@@ -96,8 +96,10 @@ class PaceTracker:
                 # Onset: the first step of the window's slow run, the change the median confirmed.
                 slow = [i for i, p in enumerate(st.paces) if p > 1 + self.threshold]
                 st.slow_since = step - (self.window - 1 - slow[0]) if slow else step
+                # The window's figures, as the pace is: one step's on a shared host can be far off.
+                med = statistics.median(st.computes)
                 events.append({"kind": "straggler", "rank": r, "step": step, "since_step": st.slow_since,
-                               "pace": round(pace, 3), "compute_s": c, "reference_s": ref,
+                               "pace": round(pace, 3), "compute_s": med, "reference_s": med / pace,
                                "against": "peers" if peers else "own start"})
             elif st.slow_since is not None and pace < 1 + self.threshold / 2:
                 events.append({"kind": "straggler_recovered", "rank": r, "step": step, "pace": round(pace, 3),

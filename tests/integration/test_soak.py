@@ -46,7 +46,8 @@ def test_soak_300_steps_5_losses_2_joins(fresh_cluster, corpus_dir, tmp_path):
     assert losses[0]["state"] == "STARTING" and losses[0]["step"] == 0
     assert sum(e["action"] == "add" for e in soak.log) == 2
     kinds = {f["failure"] for f in result.failures}
-    assert {"startup", "during_recovery", "death"} <= kinds, kinds
+    # A killed node is a death, or silent where the heartbeat finds it before its peers' errors.
+    assert {"startup", "during_recovery"} <= kinds and kinds & {"death", "silent"}, kinds
     assert any(r["reason"] == "grow" for r in result.recoveries), "the added nodes were never used"
     # Every sample exactly once, and the loss of every step as without failures.
     assert_contiguous_data(result, cfg)

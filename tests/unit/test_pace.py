@@ -33,7 +33,7 @@ def test_a_3x_slower_replica_is_a_straggler_within_the_window_and_recovers():
     paces, events = run(t, compute)
     slow = [e for e in events if e["kind"] == "straggler"]
     assert [(e["rank"], e["since_step"]) for e in slow] == [(1, 11)]
-    # Named once the window's median turns: within the window, its figures those of that step.
+    # Named once the window's median turns: within the window, with the window's figures.
     assert 11 <= slow[0]["step"] <= 11 + 6 and slow[0]["pace"] > 1.15
     assert slow[0]["compute_s"] / slow[0]["reference_s"] == pytest.approx(3.0)
     assert slow[0]["against"] == "peers" and slow[0]["reference_s"] == pytest.approx(1.0)
