@@ -79,35 +79,15 @@ def run_elastic_steady(raw: dict) -> float:
     return steady(Trainer(TrainerConfig.model_validate(raw), verbose=False).fit().history)
 
 
-def _process_tree(root: int) -> list[int]:
-    """``root`` and every process below it (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int, how: str = "kill") -> dict:
     """One run that loses the last rank's node after ``kill_at``: SIGKILLed (``kill``, Ray's
     ``remove_node``) or frozen (``freeze``: SIGSTOP to its raylet and every process below, so
     nothing exits and no connection closes; killed once the run ends)."""
-    import signal
-
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
     from elastic_trainer.naming import NAMESPACE
+    from elastic_trainer.simulate import freeze_node, kill_pids
 
     name = raw["run"]["name"]
     killed: dict = {}
@@ -120,11 +100,8 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int, how: str = "kill")
             node = next(n for n in nodes if n.node_id == target["node_id"])
             killed["step"] = st["step"]
             if how == "freeze":
-                pids = _process_tree(node.all_processes["raylet"][0].process.pid)
                 killed["at"] = time.time()
-                for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
-                frozen.extend(pids)
+                frozen.extend(freeze_node(node))
                 killed["node"] = node
             else:
                 killed["at"] = time.time()
@@ -134,11 +111,7 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int, how: str = "kill")
     try:
         result = Trainer(TrainerConfig.model_validate(raw), verbose=False, on_step=on_step).fit()
     finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_pids(frozen)
         if "node" in killed:
             cluster.remove_node(killed["node"], allow_graceful=False)
     [rec] = result.recoveries

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 
 import ray
 
@@ -21,6 +22,44 @@ def object_store_bytes() -> int:
 
     reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
     return int(reply.store_stats.object_store_bytes_used)
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def freeze_node(node) -> list[int]:
+    """Stop a simulated node whole (SIGSTOP to its raylet and every process below it): nothing
+    exits and no connection closes, as when a machine freezes. Returns the pids, for
+    :func:`kill_pids` once done (Linux)."""
+    pids = _process_tree(node.all_processes["raylet"][0].process.pid)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def kill_pids(pids) -> None:
+    """SIGKILL each of ``pids`` still alive (a stopped process dies too)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class SimulatedCluster:

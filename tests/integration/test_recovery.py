@@ -13,6 +13,7 @@ from elastic_trainer.controller.controller import RunError
 from elastic_trainer.planning.policy import choose_plan
 from elastic_trainer.models.factory import block_param_counts
 from elastic_trainer.naming import NAMESPACE
+from elastic_trainer.simulate import freeze_node, kill_pids
 
 from ..conftest import tiny_config
 from ..helpers import reference_losses
@@ -217,14 +218,6 @@ def test_pp_only_run_loses_a_stage_and_restores_it_from_the_snapshot(fresh_clust
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
 
 
-def _kill_all(pids):
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_hung_worker_is_detected_and_replaced_by_a_replan(fresh_cluster, corpus_dir):
     fresh_cluster(4)
     cfg = config(corpus_dir, "hang", steps=20, parallel={"dp": 2, "pp": 2})
@@ -238,32 +231,13 @@ def test_hung_worker_is_detected_and_replaced_by_a_replan(fresh_cluster, corpus_
     try:
         result = Trainer(cfg, verbose=False, on_step=Chaos().at(5, hang)).fit()
     finally:
-        _kill_all(stopped)
+        kill_pids(stopped)
     assert_contiguous_data(result, cfg)
     # A frozen process answers no heartbeat: lost within failure.heartbeat_timeout_s of its step.
     assert "silent" in [f["failure"] for f in result.failures]
     assert stopped[0] not in {w["pid"] for w in result.workers}
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
-
-
-def _process_tree(root: int) -> list[int]:
-    """``root`` and every process below it (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
 
 
 def test_a_frozen_node_is_caught_by_the_heartbeat_before_the_step_timeout(fresh_cluster, corpus_dir):
@@ -277,17 +251,13 @@ def test_a_frozen_node_is_caught_by_the_heartbeat_before_the_step_timeout(fresh_
 
     def freeze():
         node = node_of_rank("freeze", 3, nodes)
-        raylet = node.all_processes["raylet"][0].process.pid
-        pids = _process_tree(raylet)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        frozen.extend(pids)
+        frozen.extend(freeze_node(node))
         node_box.append(node)
 
     try:
         result = Trainer(cfg, verbose=False, on_step=Chaos().at(5, freeze)).fit()
     finally:
-        _kill_all(frozen)
+        kill_pids(frozen)
         for node in node_box:
             c.remove_node(node, allow_graceful=False)
     assert len(frozen) >= 2   # the raylet and the worker at least
