@@ -44,6 +44,7 @@ from .balance import Balance
 from .benching import Bench
 from .views import ControllerViews
 from .evaluation import Evaluator
+from .leases import lease_length
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
 from .recovery import Recovery
@@ -239,7 +240,7 @@ class Controller(ControllerViews):
             step = self.step + 1
             if self._error_at is not None and self._error_at in (step, 0):
                 raise RuntimeError(f"injected controller error at step {step}")
-            count = self._lease(step)
+            count = lease_length(self.cfg, step, self.schedule, self._one_step_at_a_time())
             snap = self.schedule.due(step + count - 1)
             writers = self.snapshots.writers()
             out = self.driver.run(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,
@@ -251,26 +252,12 @@ class Controller(ControllerViews):
             else:
                 self.recovery.recover(out)
 
-    def _lease(self, first: int) -> int:
-        """How many steps from ``first`` the workers run on their own (``control.lease_steps``):
-        up to the next snapshot step, evaluation or the last step, whichever comes first. One
-        step during warm-up (the step time sets the timeouts), while ``memory_every: auto``
-        measures what a snapshot costs (its steps with and without must be driven alike), with
-        a parameter server (it keeps per-step state of its own), with a controller fault armed,
-        and while a re-plan waits for its snapshot step."""
-        cap = self.cfg.control.lease_steps
-        if (cap <= 1 or self.ps is not None or self._error_at is not None or self.recovery.replan_pending()
-                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps
-                or (self.schedule.auto and not self.schedule.choice_done)):
-            return 1
-        last = min(self.cfg.train.steps, first + cap - 1)
-        ev = self.cfg.eval
-        if ev.enabled:
-            last = min(last, -(-first // ev.every) * ev.every)   # the next evaluation comes after it
-        for step in range(first, last):
-            if self.schedule.due(step):
-                return step - first + 1
-        return last - first + 1
+    def _one_step_at_a_time(self) -> bool:
+        """Whether the next steps must run without a lease: during warm-up (its step times set
+        the timeouts), with a parameter server (it keeps per-step state of its own), with a
+        controller fault armed, and while a re-plan waits for its snapshot step."""
+        return (self.ps is not None or self._error_at is not None or self.recovery.replan_pending()
+                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps)
 
     # -- plans -----------------------------------------------------------------------------
     def _cfg_for(self, plan: Plan) -> dict:

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.controller.controller import Controller
+from elastic_trainer.controller.leases import lease_length
 from elastic_trainer.controller.snapshot_schedule import SnapshotSchedule
 
 from ..conftest import tiny_config
@@ -18,7 +19,8 @@ def _ctl(steps=40, lease=16, memory_every=8, warm=10, **sections):
 
 
 def lease(ctl, first):
-    return Controller._lease(ctl, first)
+    # What the controller's loop asks, from its state.
+    return lease_length(ctl.cfg, first, ctl.schedule, Controller._one_step_at_a_time(ctl))
 
 
 def test_a_lease_runs_up_to_the_next_snapshot_step_and_the_last_step():
