@@ -22,7 +22,8 @@ steps:
   nodes a part needs no pins, its replicas' local copies are its copies, so
   a snapshot commits as its parts are taken: there is no latency to time);
 - one recovery: a node killed mid-run, its phases (detect, re-plan, restore,
-  first step).
+  first step), the rendezvous and group building within the restore, and how
+  many groups the next plan carried and built (``failure.keep_groups``).
 
 Then it fits each figure against N (linear ``a + b N`` and power ``a N^b``,
 least squares on the data, the better by residual kept), prints the fitted
@@ -34,6 +35,7 @@ Run on a quiet machine (each N starts N worker processes; 32 on this
     python benchmarks/control_plane.py                    # N = 4, 8, 16, 32
     python benchmarks/control_plane.py --workers 4,8,16,32,64
     python benchmarks/control_plane.py --lease-steps 1,16 --memory-every 16 --no-recovery   # with leases and without
+    python benchmarks/control_plane.py --pp 2             # dp=N/2 x pp=2: groups carried on a loss
 
 Writes benchmarks/results/control_plane.json.
 """
@@ -57,9 +59,10 @@ sys.path.insert(0, str(ROOT))
 NODES = 4
 
 
-def tiny_config(n: int, steps: int, name: str, corpus: str, lease: int = 1, memory_every="auto") -> dict:
+def tiny_config(n: int, steps: int, name: str, corpus: str, lease: int = 1, memory_every="auto",
+                pp: int = 1, keep_groups: bool = True) -> dict:
     per_node = max(1, n // NODES)
-    return {
+    raw = {
         "control": {"lease_steps": lease},
         "checkpoint": {"memory_every": memory_every},
         "run": {"name": name, "log_every": 100_000, "report_dir": None, "output_dir": tempfile.mkdtemp()},
@@ -69,9 +72,18 @@ def tiny_config(n: int, steps: int, name: str, corpus: str, lease: int = 1, memo
         "parallel": {"dp": n, "pp": 1},
         "scaling": {"resources_per_worker": {"CPU": 1.0 / per_node}, "placement_timeout_s": 600},
         "comm": {"timeout_s": 120},
-        "failure": {"startup_timeout_s": 600},
+        "failure": {"startup_timeout_s": 600, "keep_groups": keep_groups},
         "balance": {"mode": "off"},
     }
+    if pp > 1:
+        # Pipelines of two, a replica's stages on one node: the node killed takes whole replicas,
+        # and the others' pipeline groups are carried into the next plan. The memory given a
+        # worker holds half the model, not all of it, so the re-plan stays pp=2, and a global
+        # batch of 3 N divides among the replicas left (3 N / 8 of them).
+        raw["parallel"] = {"dp": n // pp, "pp": pp}
+        raw["train"]["global_batch_size"] = 3 * n
+        raw["scaling"].update({"worker_memory_gb": 0.0003, "replica_placement": "spread"})
+    return raw
 
 
 def calls_per_step(history: list[dict]) -> float:
@@ -81,7 +93,8 @@ def calls_per_step(history: list[dict]) -> float:
     return (history[-1]["actor_calls"] - history[0]["actor_calls"]) / (len(history) - 1)
 
 
-def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int = 1, memory_every="auto") -> dict:
+def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int = 1, memory_every="auto",
+            pp: int = 1, keep_groups: bool = True) -> dict:
     from ray.cluster_utils import Cluster
     import ray
 
@@ -92,7 +105,8 @@ def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int
     c.wait_for_nodes()
     ray.init(address=c.address)
     try:
-        raw = tiny_config(n, steps, f"cp{n}l{lease}{'k' if kill else ''}", corpus, lease, memory_every)
+        raw = tiny_config(n, steps, f"cp{n}l{lease}{'k' if kill else ''}", corpus, lease, memory_every, pp,
+                          keep_groups)
         cfg = TrainerConfig.model_validate(raw)
         done = set()
 
@@ -121,7 +135,11 @@ def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int
            "snapshot_steps": sum(1 for r in h if r.get("snapshot"))}
     if kill and result.recoveries:
         rec = result.recoveries[0]
-        out["recovery"] = {k: rec.get(k) for k in ("detect_s", "replan_s", "restore_s", "first_step_s", "total_s")}
+        out["recovery"] = {k: rec.get(k) for k in ("detect_s", "replan_s", "restore_s", "first_step_s", "total_s",
+                                                   "groups_carried", "groups_built")}
+        # The rendezvous and the groups' building: the slowest rank's (restore's ``groups`` part).
+        out["recovery"]["rendezvous_s"] = (rec.get("restore_parts") or {}).get("groups")
+        out["recovery"]["plan_after"] = rec.get("plan_after")
     return out
 
 
@@ -159,6 +177,10 @@ def main() -> None:
                     help="control.lease_steps to run each N with, comma-separated (1: every step driven)")
     ap.add_argument("--memory-every", default="auto",
                     help="checkpoint.memory_every (a lease ends at each snapshot step)")
+    ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                    help="pipeline stages (2: dp=N/2 x pp=2, the surviving pipelines' groups carried)")
+    ap.add_argument("--no-keep-groups", action="store_true",
+                    help="failure.keep_groups false: a recovery builds every group anew")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.json"))
     args = ap.parse_args()
     from elastic_trainer.data.corpus import prepare_stdlib_corpus
@@ -171,10 +193,12 @@ def main() -> None:
     for n in [int(x) for x in args.workers.split(",")]:
         for lease in leases:
             print(f"N = {n}, lease_steps {lease} ...", flush=True)
-            row = run_one(n, args.steps, args.warmup, corpus, kill=False, lease=lease, memory_every=memory_every)
+            row = run_one(n, args.steps, args.warmup, corpus, kill=False, lease=lease, memory_every=memory_every,
+                          pp=args.pp, keep_groups=not args.no_keep_groups)
             if not args.no_recovery:
                 row["recovery"] = run_one(n, args.steps, args.warmup, corpus, kill=True, lease=lease,
-                                          memory_every=memory_every).get("recovery")
+                                          memory_every=memory_every, pp=args.pp,
+                                          keep_groups=not args.no_keep_groups).get("recovery")
             rows.append(row)
             print(json.dumps(row), flush=True)
     fits = {}
@@ -187,14 +211,15 @@ def main() -> None:
             if all(y is not None for y in ys) and len(xs) >= 2:
                 fits[tag + key] = fit(xs, ys)
         if not args.no_recovery and all(r.get("recovery") for r in sub) and len(xs) >= 2:
-            for phase in ("detect_s", "replan_s", "restore_s", "total_s"):
+            for phase in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s"):
                 fits[f"{tag}recovery_{phase}"] = fit(xs, [r["recovery"][phase] for r in sub])
     print(f"\nsnapshots: checkpoint.memory_every {memory_every}")
-    print("\n| N | lease | controller ms/step (mean; median, p90) | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, total) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| N | lease | controller ms/step (mean; median, p90) | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, of it rendezvous, total) | groups carried / built |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rec = r.get("recovery") or {}
-        rs = ", ".join(f"{rec[k]:.2f}" for k in ("detect_s", "replan_s", "restore_s", "total_s")) if rec else "-"
+        rs = ", ".join(f"{rec[k]:.2f}" for k in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s")) if rec else "-"
+        rs += f" | {rec.get('groups_carried')} / {rec.get('groups_built')}" if rec else " | -"
         print(f"| {r['workers']} | {r['lease_steps']} | {r['controller_s_mean'] * 1e3:.2f}; "
               f"{r['controller_s_median'] * 1e3:.2f}, {r['controller_s_p90'] * 1e3:.2f} | "
               f"{r['beyond_compute_s_mean'] * 1e3:.2f} | "

@@ -156,6 +156,10 @@ class FailureSection(_Strict):
         1.0, ge=0, description="After warm-up, a rank whose step runs on while it answers no heartbeat for this "
                                "long counts as lost (a frozen node, whose sockets stay open); 0 leaves it to "
                                "the step timeout.")
+    keep_groups: bool = Field(
+        True, description="gloo: a re-plan carries each DP and PP group whose members are the same, in the "
+                          "same order, and which every member holds unbroken, instead of building it again; "
+                          "false builds every group anew.")
     pin_timeout_s: float = Field(
         30.0, gt=0, description="A snapshot whose pinned copies are not all stored this long after its step is "
                                 "dropped (its objects freed), and so is one whose pin fails.")

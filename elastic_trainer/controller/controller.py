@@ -44,6 +44,7 @@ from .balance import Balance
 from .benching import Bench
 from .views import ControllerViews
 from .evaluation import Evaluator
+from .group_keys import count_groups, keep_for, plan_keys, sticky_ranks, whole_groups
 from .leases import lease_length
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
@@ -269,17 +270,26 @@ class Controller(ControllerViews):
         return raw
 
     def apply_plan(self, plan: Plan, restore: tuple | None, ranks: dict[int, int] | None = None,
-                   reuse_world: int | None = None) -> dict:
+                   reuse_world: int | None = None, whole: set | None = None) -> dict:
         """Give every rank of ``plan`` a worker, set them up, load ``restore`` = (step, block sources, tiers).
-        ``reuse_world``: the id of the survivors' shrunk world that ``ranks`` keeps (``survivors``)."""
+        ``reuse_world``: the id of the survivors' shrunk world that ``ranks`` keeps (``survivors``).
+        ``whole``: the last plan's groups that can be carried (``group_keys``), as a failure's
+        settling found them; None asks the workers (a re-plan between steps)."""
         topo, pool = plan.topology, self.pool
         started = time.perf_counter()
         wids = self.bench.usable()   # a benched straggler holds no rank
         if len(wids) < topo.world_size:
             raise WorkerError(f"plan {topo} needs {topo.world_size} workers, {len(wids)} are alive")
+        carry = reuse_world is None and self.cfg.failure.keep_groups and self.cfg.scaling.resolved_backend() == "gloo"
+        if ranks is None and carry and self.plan is not None:
+            ranks = sticky_ranks(topo, self.plan.topology, self.ranks, wids)
         if ranks is None:
             slot_of_rank = assign_ranks(topo, [pool[w].node for w in wids], self.cfg.scaling.replica_placement)
             ranks = {r: wids[s] for r, s in enumerate(slot_of_rank)}
+        keys = plan_keys(topo, ranks)
+        if carry and whole is None and self.plan is not None:
+            whole = whole_groups(pool.ask("group_state", list(ranks.values()), self.cfg.failure.ping_timeout_s))
+        keep = keep_for(keys, whole if carry and whole else set())
         plan.rank_nodes = {r: pool[w].node for r, w in ranks.items()}
         sources = self.recovery.sources(restore, ranks, plan) if restore else {r: None for r in ranks}
         for w in sorted(pool.workers):   # benched ones too: they leave their groups
@@ -301,7 +311,7 @@ class Controller(ControllerViews):
         ps = (self.ps.handles, self.ps.assignment) if self.ps else None
         refs = {r: pool[w].actor.setup.remote(
                     cfg_json, topo.dp, topo.pp, plan.stage_bounds, r, master.ip, port, sources[r],
-                    coll_timeout, rendezvous, self._generation, ps, reuse_world)
+                    coll_timeout, rendezvous, self._generation, ps, reuse_world, keys[r], keep[r])
                 for r, w in ranks.items()}
         self._setup_refs = [(ranks[r], ref) for r, ref in refs.items()]
         with self._lock:
@@ -323,7 +333,8 @@ class Controller(ControllerViews):
                               "blocks_reused": sum(len(o["build"]["reused"]) for o in outs.values()),
                               # How the ranks joined: in the survivors' shrunk world, or by rendezvous.
                               "groups": "shrunk" if all(o.get("world") == "shrunk" for o in outs.values())
-                              else "rendezvous"}
+                              else "rendezvous",
+                              **count_groups(keys, {r: o.get("carried", []) for r, o in outs.items()})}
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
             raise WorkerError(f"ranks restored different steps {sorted(steps)}")

@@ -21,11 +21,12 @@ from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan
 from .failures import Diagnosis, diagnose
+from .group_keys import plan_keys, whole_groups
 from .restore_points import RestorePoints
 from .run_state import RunState
 from .stepping import StepOutcome
 from .survivors import ShrunkWorld, end_collectives, shrunk_ranks
-from .workers import failed
+from .workers import ask_all, failed
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -52,6 +53,7 @@ class Recovery(RestorePoints):
         self.holder_reads = 0   # snapshot parts the last restore read from a holder's pinned copy
         self.relayed_reads = 0  # and those it read through their live writer
         self._shrinks = 0
+        self.whole: set | None = None   # the groups a failure left whole, for the next plan to carry
 
     # -- detect ----------------------------------------------------------------------------
     def recover(self, out: StepOutcome) -> None:
@@ -78,6 +80,7 @@ class Recovery(RestorePoints):
         if ctl.ps:
             ctl.ps.abandon_step()
         self._end_collectives(lost_ranks, silent=bool(diag.silent))
+        self.whole = self._settle_groups(out, silent=bool(diag.silent))
         self._quiesce(out)
         self._check_limits(diag)
         self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
@@ -161,6 +164,27 @@ class Recovery(RestorePoints):
             lost_ranks, ctl.plan.stage_bounds if ctl.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s,
             silent=silent)
 
+    def _settle_groups(self, out: StepOutcome, silent: bool) -> set:
+        """gloo: which groups of the failed plan are whole (``group_keys``), to carry into the
+        next. Every survivor is told to keep those and cut the rest, which ends what any rank
+        still waits in. A silent loss cut every group already."""
+        ctl, pool = self.ctl, self.ctl.pool
+        if not (self.cfg.failure.keep_groups and self.cfg.scaling.resolved_backend() == "gloo") or ctl.plan is None:
+            return set()
+        survivors = [w for w in ctl.ranks.values() if w in pool]
+        pending = [ref for ref, w in out.inflight.items() if w in pool]
+        if pending:
+            # Ranks whose step failed on its own end it within moments; one that still runs
+            # after that waits in a group, and all its groups are cut.
+            ray.wait(pending, num_returns=len(pending), timeout=0.1)
+        whole = set() if silent else whole_groups(pool.ask("group_state", survivors, self.cfg.failure.ping_timeout_s))
+        keys = plan_keys(ctl.plan.topology, dict(ctl.ranks))
+        refs = {w: pool[w].actor.settle_groups.remote(
+                    [role for role, m in keys[r].items() if (role, tuple(m)) in whole])
+                for r, w in ctl.ranks.items() if w in pool}
+        ask_all(refs, self.cfg.failure.ping_timeout_s)
+        return whole
+
     def _quiesce(self, out: StepOutcome) -> None:
         """Let survivors abandon the failed step: with the lost workers killed, their
         collectives fail at once; any survivor still inside one after a bound is dropped."""
@@ -208,8 +232,9 @@ class Recovery(RestorePoints):
             self.shrunk = None   # a failed attempt below leaves it in no known state
             t1 = time.perf_counter()
             restore = self.restore_point()
+            whole, self.whole = (self.whole or set()) if out is not None else None, None
             try:
-                desc = ctl.apply_plan(plan, restore, ranks, reuse_world=reuse)
+                desc = ctl.apply_plan(plan, restore, ranks, reuse_world=reuse, whole=whole)
             except WorkerError as e:
                 failed_workers = getattr(e, "failed_workers", [])
                 ctl.event("failure", failure="during_recovery", worker=failed_workers, rank=None, node=None,

@@ -73,6 +73,8 @@ class TrainWorker:
         self._jobs: dict[int, object] = {}
         self._ended = 0
         self._done_step = 0   # the last step completed (train_lease's progress, for a failure)
+        self._busy = 0        # steps, leases and evaluations running now
+        self._hold_on_failure = True   # failure.keep_groups of the current plan
         self._setups = 0
         self._overlap = True
         self._snapshot_wait_s = 60.0
@@ -129,7 +131,8 @@ class TrainWorker:
     def setup(self, cfg_json: dict, dp: int, pp: int, stage_bounds: list[tuple[int, int]], rank: int,
               master_addr: str, master_port: int, sources: list | None = None,
               collective_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None,
-              generation: int = 0, ps: tuple | None = None, reuse_world: int | None = None) -> dict:
+              generation: int = 0, ps: tuple | None = None, reuse_world: int | None = None,
+              group_keys: dict | None = None, keep: list[str] | None = None) -> dict:
         """Join the process groups of a plan as ``rank`` and build its stage(s).
 
         ``sources``: object refs (nested in a list, so Ray does not resolve them
@@ -138,12 +141,15 @@ class TrainWorker:
         attempts, so ``abort_setup`` can end this one without touching a later one.
         ``ps``: (shard handles, parameter -> shard) in parameter-server mode. ``reuse_world``:
         the id of a shrink (``abort_comms``) whose world this plan keeps, instead of a rendezvous.
+        ``group_keys``: role (``dp``, ``pp``) -> the worker ids of this rank's group in the plan;
+        ``keep``: the roles whose group of the last plan has those members and is carried.
         """
         bind(self.gpu)  # CUDA's current device is per thread, and Ray's calls come on several
         with self._setup_lock:
             try:
                 return self._setup(cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-                                   collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world)
+                                   collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world,
+                                   group_keys or {}, keep or [])
             except BaseException as e:
                 log.warning("[%s] worker %d: set-up as rank %d of dp=%d x pp=%d failed: %s: %s", self.run_name,
                             self.worker_id, rank, dp, pp, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
@@ -152,10 +158,11 @@ class TrainWorker:
                 raise
 
     def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-               collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world) -> dict:
+               collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world, group_keys, keep) -> dict:
         t = [time.perf_counter()]
         cfg = TrainerConfig.model_validate(cfg_json)
-        self.reset()
+        self._hold_on_failure = cfg.failure.keep_groups
+        self.reset(keep={role: group_keys[role] for role in keep if role in group_keys})
         held = self._held_blocks(cfg) if sources else None
         self._kept = None  # not reused: let it go before building
         delay = self.faults.setup_delay()
@@ -171,9 +178,9 @@ class TrainWorker:
         def aborted() -> bool:   # the controller gave this set-up up (abort_setup)
             return self._aborted_upto >= generation > 0
 
-        groups, joined = self.groups.join(cfg.scaling.resolved_backend(), master_addr, master_port, topo, rank,
-                                          collective_timeout_s or cfg.comm.timeout_s, rendezvous_timeout_s,
-                                          aborted, device, reuse_world)
+        groups, joined, carried = self.groups.join(cfg.scaling.resolved_backend(), master_addr, master_port, topo,
+                                                   rank, collective_timeout_s or cfg.comm.timeout_s,
+                                                   rendezvous_timeout_s, aborted, device, reuse_world, group_keys)
         t.append(time.perf_counter())
         shards, moved = fetch_sources(sources, self.copies, aborted, self.worker_id) if sources else ([], {"bytes": 0, "seconds": 0.0})
         t.append(time.perf_counter())
@@ -194,7 +201,7 @@ class TrainWorker:
                  self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
         return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
-                "world": joined,
+                "world": joined, "carried": carried,
                 "timings": dict(zip(("reset", "groups", "fetch", "build", "load"), (b - a for a, b in zip(t, t[1:])))),
                 "moved": moved, "build": trainer.build_info}
 
@@ -205,13 +212,15 @@ class TrainWorker:
             return None
         return kept[1]
 
-    def reset(self) -> None:
+    def reset(self, keep: dict | None = None, hold: bool = False) -> None:
         """Leave the process groups and drop the stage; keep local copies.
 
         gloo closes a group's sockets only when the last reference to it goes,
         so the stage (schedule, pipeline stages, averager) is dropped and
         collected first. Peers blocked on this rank then fail at once instead
-        of waiting out their collective timeout.
+        of waiting out their collective timeout. ``keep``: role -> key of the
+        groups the next plan carries (``GroupKeeper.leave``). ``hold``: after a
+        failed step, leave the groups as they are for the controller to settle.
         """
         had_stage = self.trainer is not None
         with self._snap_cv:
@@ -227,7 +236,10 @@ class TrainWorker:
         self.rank = None
         if had_stage:
             gc.collect()  # the stage's reference cycles hold the groups
-        self.groups.leave()
+        if hold:
+            self.groups.hold()
+        else:
+            self.groups.leave(keep)
 
     @ray.method(concurrency_group="train")
     def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None,
@@ -242,6 +254,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         job = None
         bind(self.gpu)
+        self._busy += 1
         try:
             if self.faults.injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
@@ -258,6 +271,7 @@ class TrainWorker:
             self._abandon(e, f"step {step}")
             raise
         finally:
+            self._busy -= 1
             with self._snap_cv:
                 self._ended = max(self._ended, step)
                 self._snap_cv.notify_all()
@@ -283,9 +297,13 @@ class TrainWorker:
         ``last_step`` says how far it got."""
         out = []
         self._done_step = first - 1   # a step rolled back since may have been done before
-        for step in range(first, first + count):
-            snap = snapshot_last and step == first + count - 1
-            out.append(self.train_step(step, snap, put_blocks if snap else None, timeout_s, shares))
+        self._busy += 1   # between its steps too: the lease goes on to issue more
+        try:
+            for step in range(first, first + count):
+                snap = snapshot_last and step == first + count - 1
+                out.append(self.train_step(step, snap, put_blocks if snap else None, timeout_s, shares))
+        finally:
+            self._busy -= 1
         return out
 
     @ray.method(concurrency_group="control")
@@ -298,6 +316,7 @@ class TrainWorker:
         leaves the groups like a failed step does."""
         t0 = time.perf_counter()
         bind(self.gpu)
+        self._busy += 1
         try:
             if self.faults.injected("raise_eval", step):
                 raise InjectedFault(f"injected fault in the evaluation after step {step} on worker {self.worker_id}")
@@ -306,6 +325,8 @@ class TrainWorker:
         except BaseException as e:
             self._abandon(e, f"the evaluation after step {step}")
             raise
+        finally:
+            self._busy -= 1
         return {"rank": self.rank, "loss": loss, "seconds": time.perf_counter() - t0}
 
     def _abandon(self, e: BaseException, what: str) -> None:
@@ -314,7 +335,20 @@ class TrainWorker:
         log.warning("[%s] worker %d: %s failed on rank %s: %s: %s", self.run_name, self.worker_id, what,
                     self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         traceback.clear_frames(e.__traceback__)
-        self.reset()
+        # gloo: the groups stay until the controller says which the next plan keeps (settle_groups).
+        self.reset(hold=self._hold_on_failure and self.groups.backend == "gloo")
+
+    @ray.method(concurrency_group="control")
+    def group_state(self) -> dict:
+        """Each intact group's key and operation count, and whether a step runs here (what the
+        controller settles a failure on, ``GroupKeeper.state``)."""
+        return self.groups.state(busy=self._busy > 0)
+
+    @ray.method(concurrency_group="control")
+    def settle_groups(self, keep: list[str]) -> int:
+        """After a failure: keep the groups of roles ``keep``, cut the others' sockets (which ends
+        what waits in them); the sockets cut."""
+        return self.groups.settle(keep)
 
     def _begin_snapshot(self, step: int, put_blocks: list[int] | None):
         # A rank that writes its whole state lends it: the object-store part is its only copy.

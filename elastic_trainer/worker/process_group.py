@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +17,7 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..parallel.topology import Topology
+from .group_carry import Detached, attach
 from .group_failure import leave_groups, watchdog_env
 
 
@@ -41,7 +43,8 @@ def free_port(host: str = "") -> int:
 def init_groups(
     backend: str, master_addr: str, master_port: int, topo: Topology, rank: int, timeout_s: float,
     rendezvous_timeout_s: float | None = None, aborted: Callable[[], bool] | None = None,
-    device: torch.device | None = None,
+    device: torch.device | None = None, carried: dict[str, Detached] | None = None,
+    sockets: dict | None = None,
 ) -> Groups:
     """Join the world group and build every DP and PP subgroup.
 
@@ -55,6 +58,10 @@ def init_groups(
     with :class:`SetupAborted` instead of holding this rank until the timeout.
     ``device``: this rank's CUDA device, bound to the groups (``device_id``) so NCCL
     creates its communicators at once and splits the subgroups off the world's.
+    ``carried``: role (``dp``, ``pp``) -> a group of the last plan with the same members in
+    the same order (``group_carry``), put into the new world instead of built. ``sockets``:
+    role (``world``, ``dp``, ``pp``) -> a ``GroupSockets`` that takes the sockets opened while
+    that group is built.
     """
     destroy_groups()
     if backend == "nccl":
@@ -63,25 +70,52 @@ def init_groups(
     # collective gets the (possibly tightened) collective timeout.
     join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
     global _STORE
-    store = _meet(master_addr, master_port, topo.world_size, rank, join, aborted or (lambda: False))
-    _STORE = store
-    bound = device if backend == "nccl" and device is not None and device.type == "cuda" else None
-    dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join,
-                            device_id=bound)
-    return subgroups(topo, rank, join, timedelta(seconds=timeout_s))
+    with _taking(sockets, "world"):
+        store = _meet(master_addr, master_port, topo.world_size, rank, join, aborted or (lambda: False))
+        _STORE = store
+        bound = device if backend == "nccl" and device is not None and device.type == "cuda" else None
+        dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join,
+                                device_id=bound)
+    return subgroups(topo, rank, join, timedelta(seconds=timeout_s), carried, sockets)
 
 
-def subgroups(topo: Topology, rank: int, join: timedelta, collective: timedelta) -> Groups:
-    """Build this rank's DP and PP subgroups of the default group, then give every group the
-    collective timeout (``join`` bounds the building)."""
+def subgroups(topo: Topology, rank: int, join: timedelta, collective: timedelta,
+              carried: dict[str, Detached] | None = None, sockets: dict | None = None) -> Groups:
+    """Build this rank's DP and PP subgroups of the default group (or put back those
+    ``carried``), then give every group the collective timeout (``join`` bounds the building)."""
     replica, stage = topo.coords(rank)
-    # Only a group's members meet to build it; the others do not wait on it.
-    dp = dist.new_group(topo.dp_group_ranks(stage), timeout=join, use_local_synchronization=True)
-    pp = dist.new_group(topo.pp_group_ranks(replica), timeout=join, use_local_synchronization=True)
+    members = {"dp": topo.dp_group_ranks(stage), "pp": topo.pp_group_ranks(replica)}
+    carried = carried or {}
+    made = {}
+    # Every rank builds in one order, and checks carried groups only after: a group's members
+    # all reach its building without waiting on another group first.
+    for role in ("dp", "pp"):
+        if role not in carried:
+            # Only a group's members meet to build it; the others do not wait on it.
+            with _taking(sockets, role):
+                made[role] = dist.new_group(members[role], timeout=join, use_local_synchronization=True)
+    for role, d in carried.items():
+        made[role] = attach(d, members[role])
+        _check_carried(made[role], role, rank, join)
     world = _c10d._get_default_group()
-    for group in (None, dp, pp):
+    for group in (None, made["dp"], made["pp"]):
         _set_pg_timeout(collective, group)
-    return Groups(dp=dp, pp=pp, world=world)
+    return Groups(dp=made["dp"], pp=made["pp"], world=world)
+
+
+def _taking(sockets: dict | None, role: str):
+    return sockets[role].opened_during() if sockets else nullcontext()
+
+
+def _check_carried(group, role: str, rank: int, join: timedelta) -> None:
+    """One small all-reduce on a carried group, bounded by ``join``: every member must have
+    carried it too (else this times out or counts short) before a step relies on it."""
+    _set_pg_timeout(join, group)
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=group)
+    if int(ones.item()) != group.size():
+        raise RuntimeError(f"rank {rank}: the {role} group carried from the last plan answered for "
+                           f"{int(ones.item())} of its {group.size()} members")
 
 
 def _meet(addr: str, port: int, world: int, rank: int, join: timedelta, aborted: Callable[[], bool]):

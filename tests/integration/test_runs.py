@@ -310,6 +310,8 @@ def test_a_slow_stage_of_a_pipeline_is_recut_and_cut_back_with_the_curve_unchang
     reasons = [r["reason"] for r in result.recoveries]
     assert reasons[:2] == ["recut", "recut"], reasons
     assert all(r["steps_redone"] == 0 and r["plan_after"]["dp"] == 1 for r in result.recoveries)
+    # Each rank stays on its worker: its three groups (two one-rank DP groups, the pipeline) are carried.
+    assert all((r["groups_carried"], r["groups_built"]) == (3, 0) for r in result.recoveries[:2]), result.recoveries
     assert [p["stages"][1]["blocks"] for p in result.plans[:3]] == [first[1]["blocks"], cut[1], first[1]["blocks"]]
     assert len({tuple(sorted(p["workers"].values())) for p in result.plans}) == 1
     # The cut moves where blocks run, not what they compute: the curve is the balanced run's.
