@@ -282,7 +282,7 @@ class Controller(ControllerViews):
             raise WorkerError(f"plan {topo} needs {topo.world_size} workers, {len(wids)} are alive")
         carry = reuse_world is None and self.cfg.failure.keep_groups and self.cfg.scaling.resolved_backend() == "gloo"
         if ranks is None and carry and self.plan is not None:
-            ranks = sticky_ranks(topo, self.plan.topology, self.ranks, wids)
+            ranks = sticky_ranks(topo, self.plan.topology, self.ranks, wids, {w: pool[w].node for w in wids})
         if ranks is None:
             slot_of_rank = assign_ranks(topo, [pool[w].node for w in wids], self.cfg.scaling.replica_placement)
             ranks = {r: wids[s] for r, s in enumerate(slot_of_rank)}

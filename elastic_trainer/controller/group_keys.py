@@ -56,15 +56,24 @@ def count_groups(keys: dict[int, dict[str, list[int]]], keep: dict[int, list[str
 
 
 def sticky_ranks(topo: Topology, old_topo: Topology | None, old_ranks: dict[int, int],
-                 usable: list[int]) -> dict[int, int] | None:
-    """Where the layout is the last plan's, each surviving worker keeps its rank (its groups
-    and its blocks stay where they were) and the ranks left are given to the other usable
-    workers in order; None where the layout changed or no worker survived."""
-    if old_topo is None or (old_topo.dp, old_topo.pp) != (topo.dp, topo.pp):
+                 usable: list[int], node_of: dict[int, str] | None = None) -> dict[int, int] | None:
+    """Ranks for the survivors that keep what they can of the last plan: where the layout is the
+    same, each surviving worker keeps its rank (its groups and blocks stay where they were);
+    where only the number of replicas changed, each replica whose every stage survived stays a
+    replica, its stages in order (its pipeline group is carried). The ranks left go to the
+    other usable workers, grouped by node (``node_of``). None where the stages changed, or
+    nothing of the last plan survives whole."""
+    if old_topo is None or old_topo.pp != topo.pp or len(usable) < topo.world_size:
         return None
     alive = set(usable)
-    kept = {r: w for r, w in old_ranks.items() if w in alive and r < topo.world_size}
-    if not kept or len(usable) < topo.world_size:
+    if old_topo.dp == topo.dp:
+        kept = {r: w for r, w in old_ranks.items() if w in alive}
+    else:
+        whole = [[old_ranks[old_topo.rank(rep, s)] for s in range(topo.pp)] for rep in range(old_topo.dp)]
+        whole = [ws for ws in whole if all(w in alive for w in ws)][:topo.dp]
+        kept = {topo.rank(rep, s): w for rep, ws in enumerate(whole) for s, w in enumerate(ws)}
+    if not kept:
         return None
-    spare = iter(w for w in usable if w not in kept.values())
-    return {r: kept.get(r) if r in kept else next(spare) for r in range(topo.world_size)}
+    rest = sorted((w for w in usable if w not in kept.values()), key=lambda w: ((node_of or {}).get(w, ""), w))
+    spare = iter(rest)
+    return {r: kept[r] if r in kept else next(spare) for r in range(topo.world_size)}

@@ -141,5 +141,9 @@ def test_survivors_keep_their_ranks_where_the_layout_stays():
     from elastic_trainer.controller.group_keys import sticky_ranks
 
     assert sticky_ranks(TOPO, TOPO, PLAN_A, [10, 11, 12, 14, 15]) == {0: 10, 1: 11, 2: 12, 3: 14}
-    assert sticky_ranks(Topology(4, 1), TOPO, PLAN_A, [10, 11, 12, 14]) is None   # the layout changed
+    assert sticky_ranks(Topology(4, 1), TOPO, PLAN_A, [10, 11, 12, 14]) is None   # the stages changed
     assert sticky_ranks(TOPO, TOPO, PLAN_A, [10, 11, 12]) is None                 # too few workers
+    # Fewer replicas: the replica that survived whole (workers 12, 13) stays one, stages in order.
+    three = {0: 10, 1: 11, 2: 12, 3: 13, 4: 14, 5: 15}
+    assert sticky_ranks(TOPO, Topology(3, 2), three, [11, 12, 13, 15]) == {0: 12, 1: 13, 2: 11, 3: 15}
+    assert sticky_ranks(Topology(1, 2), Topology(3, 2), three, [10, 13, 15]) is None   # none whole
