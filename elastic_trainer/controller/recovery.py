@@ -80,7 +80,7 @@ class Recovery(RestorePoints):
         if ctl.ps:
             ctl.ps.abandon_step()
         self._end_collectives(lost_ranks, silent=bool(diag.silent))
-        self.whole = self._settle_groups(silent=bool(diag.silent))
+        self.whole = self._settle_groups(out, silent=bool(diag.silent))
         self._quiesce(out)
         self._check_limits(diag)
         self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
@@ -164,22 +164,34 @@ class Recovery(RestorePoints):
             lost_ranks, ctl.plan.stage_bounds if ctl.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s,
             silent=silent)
 
-    def _settle_groups(self, silent: bool) -> set:
+    def _settle_groups(self, out: StepOutcome, silent: bool) -> set:
         """gloo: which groups of the failed plan are whole (``group_keys``), to carry into the
         next. Every survivor is told to keep those and cut the rest, which ends what any rank
         still waits in. A silent loss cut every group already."""
         ctl, pool = self.ctl, self.ctl.pool
         if not (self.cfg.failure.keep_groups and self.cfg.scaling.resolved_backend() == "gloo") or ctl.plan is None:
             return set()
-        # No wait for steps still running: by now (the lost confirmed) a rank whose step failed
-        # on its own has ended it, and one still inside waits in a group; all its groups are cut.
-        survivors = [w for w in ctl.ranks.values() if w in pool]
-        whole = set() if silent else whole_groups(pool.ask("group_state", survivors, self.cfg.failure.ping_timeout_s))
         keys = plan_keys(ctl.plan.topology, dict(ctl.ranks))
-        refs = {w: pool[w].actor.settle_groups.remote(
-                    [role for role, m in keys[r].items() if (role, tuple(m)) in whole])
-                for r, w in ctl.ranks.items() if w in pool}
-        ask_all(refs, self.cfg.failure.ping_timeout_s)
+        survivors = {r: w for r, w in ctl.ranks.items() if w in pool}
+
+        def settle(keep) -> None:
+            ask_all({w: pool[w].actor.settle_groups.remote(keep(r)) for r, w in survivors.items()},
+                    self.cfg.failure.ping_timeout_s)
+
+        if silent:
+            settle(lambda r: [])
+            return set()
+        # First the groups with a lost member, never whole: cutting them ends the collectives
+        # that survivors wait in on each other (a ring's far side waits on ranks that failed
+        # and kept the group), so those ranks end their steps too instead of reading busy.
+        settle(lambda r: [role for role, m in keys[r].items() if all(w in pool for w in m)])
+        pending = [ref for ref, w in out.inflight.items() if w in pool]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=0.25)
+        # Then of the rest, those every member holds alike with no step running; a rank still
+        # inside its step waits in a group, and all its groups are cut.
+        whole = whole_groups(pool.ask("group_state", list(survivors.values()), self.cfg.failure.ping_timeout_s))
+        settle(lambda r: [role for role, m in keys[r].items() if (role, tuple(m)) in whole])
         return whole
 
     def _quiesce(self, out: StepOutcome) -> None:
