@@ -44,7 +44,7 @@ from .balance import Balance
 from .benching import Bench
 from .views import ControllerViews
 from .evaluation import Evaluator
-from .group_keys import count_groups, keep_for, plan_keys, sticky_ranks, whole_groups
+from .group_keys import carries_groups, count_groups, keep_for, plan_keys, sticky_ranks, whole_groups
 from .leases import lease_length
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
@@ -280,7 +280,7 @@ class Controller(ControllerViews):
         wids = self.bench.usable()   # a benched straggler holds no rank
         if len(wids) < topo.world_size:
             raise WorkerError(f"plan {topo} needs {topo.world_size} workers, {len(wids)} are alive")
-        carry = reuse_world is None and self.cfg.failure.keep_groups and self.cfg.scaling.resolved_backend() == "gloo"
+        carry = reuse_world is None and carries_groups(self.cfg)
         if ranks is None and carry and self.plan is not None:
             ranks = sticky_ranks(topo, self.plan.topology, self.ranks, wids, {w: pool[w].node for w in wids})
         if ranks is None:

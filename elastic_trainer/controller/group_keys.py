@@ -15,6 +15,11 @@ from ..parallel.topology import Topology
 Key = tuple[str, tuple[int, ...]]
 
 
+def carries_groups(cfg) -> bool:
+    """Whether this run carries groups across re-plans: gloo with ``failure.keep_groups``."""
+    return cfg.failure.keep_groups and cfg.scaling.resolved_backend() == "gloo"
+
+
 def plan_keys(topo: Topology, ranks: dict[int, int]) -> dict[int, dict[str, list[int]]]:
     """rank -> role -> the worker ids of that rank's group, in group order."""
     out = {}

@@ -21,7 +21,7 @@ from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan
 from .failures import Diagnosis, diagnose
-from .group_keys import plan_keys, whole_groups
+from .group_keys import carries_groups, plan_keys, whole_groups
 from .restore_points import RestorePoints
 from .run_state import RunState
 from .stepping import StepOutcome
@@ -167,9 +167,9 @@ class Recovery(RestorePoints):
     def _settle_groups(self, out: StepOutcome, silent: bool) -> set:
         """gloo: which groups of the failed plan are whole (``group_keys``), to carry into the
         next. Every survivor is told to keep those and cut the rest, which ends what any rank
-        still waits in. A silent loss cut every group already."""
+        still waits in. A silent loss cut every group already (``end_collectives``): none is whole."""
         ctl, pool = self.ctl, self.ctl.pool
-        if not (self.cfg.failure.keep_groups and self.cfg.scaling.resolved_backend() == "gloo") or ctl.plan is None:
+        if silent or not carries_groups(self.cfg) or ctl.plan is None:
             return set()
         keys = plan_keys(ctl.plan.topology, dict(ctl.ranks))
         survivors = {r: w for r, w in ctl.ranks.items() if w in pool}
@@ -178,9 +178,6 @@ class Recovery(RestorePoints):
             ask_all({w: pool[w].actor.settle_groups.remote(keep(r)) for r, w in survivors.items()},
                     self.cfg.failure.ping_timeout_s)
 
-        if silent:
-            settle(lambda r: [])
-            return set()
         # First the groups with a lost member, never whole: cutting them ends the collectives
         # that survivors wait in on each other (a ring's far side waits on ranks that failed
         # and kept the group), so those ranks end their steps too instead of reading busy.
