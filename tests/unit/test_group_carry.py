@@ -67,8 +67,11 @@ def _worker(wid: int, ports: tuple[int, int], states, out) -> None:
     except BaseException as e:  # noqa: BLE001 - the test reports it
         out.put(("error", wid, repr(e), None))
     finally:
-        out.close()
-        out.join_thread()
+        # os._exit skips the queues' feeder threads: flush both first, or what worker 13 put
+        # before leaving can be lost.
+        for q in (states, out):
+            q.close()
+            q.join_thread()
         os._exit(0)
 
 
