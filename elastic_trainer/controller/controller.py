@@ -44,12 +44,13 @@ from .balance import Balance
 from .benching import Bench
 from .views import ControllerViews
 from .evaluation import Evaluator
-from .group_keys import carries_groups, count_groups, keep_for, plan_keys, sticky_ranks, whole_groups
+from .group_keys import carries_groups, keep_for, plan_keys, sticky_ranks, whole_groups
 from .leases import lease_length
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
 from .recovery import Recovery
 from .run_state import RunState, RunStateMachine
+from .setup_report import setup_report
 from .saving import RunSaver, SaveError
 from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
@@ -322,19 +323,7 @@ class Controller(ControllerViews):
             with self._lock:
                 self.setting_up = None
         self._setup_refs = []
-        self.setup_timings = {k: max(o["timings"][k] for o in outs.values())
-                              for k in ("reset", "groups", "fetch", "build", "load")}
-        moved = sum(o["moved"]["bytes"] for o in outs.values())
-        fetch_s = max(o["moved"]["seconds"] for o in outs.values())
-        # Ranks fetch at once, so the rate is the bytes over the longest fetch: what the restore saw.
-        self.restore_moved = {"restore_bytes": moved, "restore_fetch_s": fetch_s,
-                              "restore_rate_bytes_s": moved / fetch_s if moved and fetch_s > 0 else None,
-                              "blocks_built": sum(len(o["build"]["built"]) for o in outs.values()),
-                              "blocks_reused": sum(len(o["build"]["reused"]) for o in outs.values()),
-                              # How the ranks joined: in the survivors' shrunk world, or by rendezvous.
-                              "groups": "shrunk" if all(o.get("world") == "shrunk" for o in outs.values())
-                              else "rendezvous",
-                              **count_groups(keys, {r: o.get("carried", []) for r, o in outs.items()})}
+        self.setup_timings, self.restore_moved = setup_report(outs, keys)
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:
             raise WorkerError(f"ranks restored different steps {sorted(steps)}")

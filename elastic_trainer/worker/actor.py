@@ -20,11 +20,9 @@ import traceback
 import ray
 import torch
 
-from ..checkpoint.state import select_blocks
 from ..config import TrainerConfig
 from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
-from .copies import HeldCopies
 from .device import bind, current_visible, worker_device
 from .probe import probe_compute
 from .faults import FaultHooks
@@ -32,6 +30,7 @@ from .group_keeper import GroupKeeper
 from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
+from .snapshot_serving import SnapshotServing
 from .stage import StageTrainer
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ class InjectedFault(RuntimeError):
     """Raised by a step that a test asked to fail."""
 
 
-class TrainWorker:
+class TrainWorker(SnapshotServing):
     def __init__(self, run_name: str, worker_id: int, torch_threads: int | None, allow_faults: bool = False):
         configure_actor_logging()
         self.run_name = run_name
@@ -59,25 +58,16 @@ class TrainWorker:
         self.gpu = worker_device(ray.get_gpu_ids(), current_visible(), torch.cuda.is_available())
         bind(self.gpu)
         self.trainer: StageTrainer | None = None
-        self.copies = HeldCopies()
+        self._init_snapshots()
         # failure.allow_fault_injection gates every hook
         self.faults = FaultHooks(allow_faults, f"run {run_name!r} (worker {worker_id})")
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
         # left waiting at a rendezvous with a dead member holds this until its timeout.
         self._setup_lock = threading.Lock()
         self._aborted_upto = 0  # set-ups of this generation and older are abandoned
-        # Snapshots in flight, for snapshot_part: step -> job, with the steps ended so far
-        # (those that failed too) under one condition. A set-up clears them (``_setups``
-        # counts them, so a call left from before it cannot take a part of the steps after).
-        self._snap_cv = threading.Condition()
-        self._jobs: dict[int, object] = {}
-        self._ended = 0
         self._done_step = 0   # the last step completed (train_lease's progress, for a failure)
         self._busy = 0        # steps, leases and evaluations running now
         self._hold_on_failure = True   # failure.keep_groups of the current plan
-        self._setups = 0
-        self._overlap = True
-        self._snapshot_wait_s = 60.0
         self._build_key = None
         self._kept = None   # (build key, blocks, device) of the last stage, until the next set-up
         self.groups = GroupKeeper(f"[{run_name}] worker {worker_id}")
@@ -168,9 +158,7 @@ class TrainWorker:
         delay = self.faults.setup_delay()
         if delay:
             time.sleep(delay)
-        self.copies.keep = cfg.checkpoint.snapshots_kept
-        self._overlap = cfg.checkpoint.overlap
-        self._snapshot_wait_s = cfg.failure.startup_timeout_s + cfg.comm.timeout_s
+        self._configure_snapshots(cfg)
         topo = Topology(dp, pp)
         device = self.gpu if cfg.scaling.uses_gpu else torch.device("cpu")
         t.append(time.perf_counter())
@@ -201,7 +189,7 @@ class TrainWorker:
                  self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
         return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
-                "world": joined, "carried": carried,
+                "world": joined, "carried": carried, "group_parts": dict(self.groups.join_timings),
                 "timings": dict(zip(("reset", "groups", "fetch", "build", "load"), (b - a for a, b in zip(t, t[1:])))),
                 "moved": moved, "build": trainer.build_info}
 
@@ -223,11 +211,7 @@ class TrainWorker:
         failed step, leave the groups as they are for the controller to settle.
         """
         had_stage = self.trainer is not None
-        with self._snap_cv:
-            self._jobs.clear()  # a part nobody took ends its lease here
-            self._ended = 0
-            self._setups += 1
-            self._snap_cv.notify_all()
+        self._forget_snapshots()
         if had_stage:
             self.trainer.close()
             # The blocks outlive the stage: a restore into the next plan reuses those it keeps.
@@ -272,9 +256,7 @@ class TrainWorker:
             raise
         finally:
             self._busy -= 1
-            with self._snap_cv:
-                self._ended = max(self._ended, step)
-                self._snap_cv.notify_all()
+            self._step_ended(step)
         self._done_step = step
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
@@ -349,92 +331,6 @@ class TrainWorker:
         """After a failure: keep the groups of roles ``keep``, cut the others' sockets (which ends
         what waits in them); the sockets cut."""
         return self.groups.settle(keep)
-
-    def _begin_snapshot(self, step: int, put_blocks: list[int] | None):
-        # A rank that writes its whole state lends it: the object-store part is its only copy.
-        lend = (bool(put_blocks) and set(put_blocks) >= set(self.trainer.blocks)
-                and self.trainer.snapshots.can_lend)
-        if not lend:
-            self.copies.make_room()  # the copy's buffer is then one that was let go
-        job = self.trainer.begin_snapshot(step, lend=lend)
-        if not job.lent:
-            def keep(fut, step=step):
-                if fut.exception() is None:
-                    self.copies.add_local(step, fut.result())
-            job.future.add_done_callback(keep)
-        with self._snap_cv:
-            for old in [s for s in self._jobs if s < step]:
-                del self._jobs[old]
-            self._jobs[step] = job
-            self._snap_cv.notify_all()
-        return job
-
-    @ray.method(concurrency_group="snapshot")
-    def snapshot_part(self, step: int, blocks: list[int], wait_s: float | None = None) -> dict:
-        """The object-store part of ``step``'s snapshot that holds ``blocks``: returned, not put, so
-        the caller (the controller) owns the object and it outlives this worker. Ray writes it
-        into the object store on this call's thread while the next step runs. ``wait_s``: how
-        long ``step`` may take to begin (a lease's last step), beyond the snapshot's own wait."""
-        deadline = time.monotonic() + self._snapshot_wait_s + (wait_s or 0.0)
-        with self._snap_cv:
-            setups = self._setups
-            while step not in self._jobs and self._ended < step and self._setups == setups:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"worker {self.worker_id}: step {step} did not end within "
-                                       f"{self._snapshot_wait_s:g} s, so its snapshot part is not there")
-                self._snap_cv.wait(left)
-            if self._setups != setups:
-                raise RuntimeError(f"worker {self.worker_id}: set up again before step {step} ended; "
-                                   "its snapshot part is abandoned")
-            job = self._jobs.get(step)
-            if job is None:
-                raise RuntimeError(f"worker {self.worker_id}: step {step} ended without a snapshot")
-            if job.lent:
-                return job.take_part()
-        return select_blocks(job.copied(self._snapshot_wait_s), blocks)
-
-    # -- snapshots and restore sources --------------------------------------------
-    @ray.method(concurrency_group="control")
-    def local_steps(self) -> dict[int, list[int]]:
-        """Steps this worker holds a local copy of, with the blocks each covers."""
-        return self.copies.local_blocks()
-
-    def export_snapshot(self, step: int) -> dict:
-        """A local copy of the current state as ``step`` (for a final snapshot off the schedule)."""
-        bind(self.gpu)
-        shard = self.trainer.export(step)
-        self.copies.add_local(step, shard)
-        return shard
-
-    def export_blocks(self, step: int, blocks: list[int]) -> dict:
-        """The part of the local copy at ``step`` that holds ``blocks``."""
-        return select_blocks(self.copies.local_copy(step), blocks)
-
-    def pin(self, key: tuple, refs: list, keep_from: int) -> int:
-        """Hold a copy of another rank's shard on this node so it outlives that node.
-
-        ``keep_from``: the oldest step the controller still keeps; copies of older
-        steps are let go here, which spares it an unpin call per shard per step."""
-        delay = self.faults.pin_delay(key[0])
-        if delay:
-            time.sleep(delay)
-        return self.copies.pin(key, ray.get(refs[0]), keep_from)
-
-    @ray.method(concurrency_group="snapshot")
-    def relay_part(self, refs: list) -> dict:
-        """This worker's own snapshot part (``refs[0]``, in its node's object store) returned as a
-        new object from here. The part's own object also has copies on its holders' nodes; when
-        one of those just died, a reader's pull can try that node first and wait until Ray
-        declares it dead (10-30 s), while the new object lies on this live node alone."""
-        return ray.get(refs[0])
-
-    @ray.method(concurrency_group="snapshot")
-    def pinned_part(self, key: tuple) -> dict:
-        """The copy this worker pinned of another rank's part (``key`` = (step, rank)), returned as a
-        new object from this node: a restore whose part's own node died reads it from here, instead
-        of waiting for Ray to give up on the dead node's copy (tens of seconds)."""
-        return self.copies.pinned(tuple(key))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()

@@ -1,0 +1,28 @@
+"""What a plan's set-up reports: the slowest rank's time in each part, the state moved to
+restore it, the blocks built or reused, and how the ranks' groups were formed."""
+
+from __future__ import annotations
+
+from .group_keys import count_groups
+
+PARTS = ("reset", "groups", "fetch", "build", "load")
+
+
+def setup_report(outs: dict[int, dict], keys: dict[int, dict[str, list[int]]]) -> tuple[dict, dict]:
+    """From every rank's ``setup`` answer (rank -> answer) and the plan's group keys
+    (``group_keys.plan_keys``): (part -> seconds of the slowest rank, the restore's figures)."""
+    timings = {k: max(o["timings"][k] for o in outs.values()) for k in PARTS}
+    moved = sum(o["moved"]["bytes"] for o in outs.values())
+    fetch_s = max(o["moved"]["seconds"] for o in outs.values())
+    report = {"restore_bytes": moved, "restore_fetch_s": fetch_s,
+              # Ranks fetch at once, so the rate is the bytes over the longest fetch: what the restore saw.
+              "restore_rate_bytes_s": moved / fetch_s if moved and fetch_s > 0 else None,
+              "blocks_built": sum(len(o["build"]["built"]) for o in outs.values()),
+              "blocks_reused": sum(len(o["build"]["reused"]) for o in outs.values()),
+              # How the ranks joined: in the survivors' shrunk world, or by rendezvous.
+              "groups": "shrunk" if all(o.get("world") == "shrunk" for o in outs.values()) else "rendezvous",
+              **count_groups(keys, {r: o.get("carried", []) for r, o in outs.items()}),
+              # The groups' parts (store and arrival, world, dp, pp, the carried ones' check), slowest rank.
+              "group_parts": {k: max(o.get("group_parts", {}).get(k, 0.0) for o in outs.values())
+                              for k in sorted({k for o in outs.values() for k in o.get("group_parts", {})})}}
+    return timings, report
