@@ -82,6 +82,7 @@ class Balance:
         self._balanced: Bounds | None = None     # the cut the policy chose for this layout
         self._awaiting: Bounds | None = None     # a re-cut asked for, not yet taken
         self._cut_for: set[int] = set()          # the stragglers the cut was made for
+        self._cut_paces: dict[int, float] = {}   # and their paces then
         self._cut_at = 0                         # the step the cut was asked for
         self._costs_fn: Callable[[], list[float]] | None = None
         self._costs: list[float] | None = None   # each block's modelled work
@@ -226,11 +227,12 @@ class Balance:
             return []   # a re-plan is on its way
         if self._bounds != self._balanced:
             expired = step - self._cut_at >= self.cfg.payback_steps
-            recovered = not (self._cut_for & slow.keys())
+            gone = bool(self._cut_for & slow.keys()) and self._premise_gone()
+            recovered = not (self._cut_for & slow.keys()) or gone
             # Another clearly slow rank takes a cut over from those that recovered (the next
             # decision re-cuts from here); one a little slow, as a busy host makes a rank for a
             # while, does not hold it.
-            others = set(self._clearly_slow(slow)) if recovered else set()
+            others = set(self._clearly_slow(slow)) - self._cut_for if recovered else set()
             if (recovered and not others) or expired:
                 # Back when its ranks recovered; and after payback_steps in any case, to be
                 # measured again at the balanced cut (a pace read on a re-cut may drift).
@@ -238,9 +240,11 @@ class Balance:
                 return [{"kind": "rebalance", "step": step, "action": "balanced cut",
                          "stages": [list(b) for b in self._balanced], "stages_before": [list(b) for b in self._bounds],
                          "reason": "balance.payback_steps on the re-cut: measured again at the balanced cut"
-                         if expired else "the ranks it was for recovered"}]
+                         if expired else "the ranks it was for came more than half-way back: measured again "
+                         "at the balanced cut" if gone else "the ranks it was for recovered"}]
             if recovered:
                 self._cut_for = others
+                self._cut_paces = {r: self.tracker.pace_of(r) for r in others}
         if not slow or not (named or step - self._decided_at >= self.cfg.window):
             return []
         if len(self._worker_s) < self.cfg.window:
@@ -264,6 +268,17 @@ class Balance:
                          "shares_before": before, "ranks": sorted(slow),
                          "replica_pace": [round(p, 3) for p in paces], **prop.figures()}]
         return self._propose_recut(step, row, measured, slow) or self._propose_spare(step, row, paces, measured, slow)
+
+    def _premise_gone(self) -> bool:
+        """Whether every rank the standing cut was made for has come more than half-way back
+        from the pace it was cut for (a 3.7x rank now 1.3x): the cut is priced for paces that no
+        longer hold, and a pace read on a re-cut is the least sure (a stage of one block is timed
+        in milliseconds), so the balanced cut comes back and they are measured again there."""
+        for r in self._cut_for:
+            now, then = self.tracker.pace_of(r), self._cut_paces.get(r)
+            if now is None or then is None or now - 1 > (then - 1) / 2:
+                return False
+        return bool(self._cut_for)
 
     def _clearly_slow(self, slow: dict[int, int]) -> list[int]:
         """The stragglers at a pace past ``1 + 2 * threshold``. On a host whose cores the workers
@@ -313,6 +328,7 @@ class Balance:
         # For the lasting stragglers: a rank a little slow besides neither shows in the event
         # nor keeps the cut once they recover.
         self._cut_for, self._cut_at = set(lasting), step
+        self._cut_paces = {r: self.tracker.pace_of(r) for r in lasting}
         fastest = min(per_stage)
         return [{"kind": "rebalance", "step": step, "action": "recut", "ranks": lasting,
                  "stages_before": [list(b) for b in self._bounds],

@@ -206,3 +206,26 @@ def test_a_rank_a_little_slow_besides_neither_joins_nor_holds_the_cut():
     assert 0 in b.tracker.stragglers   # still a little slow, and the cut goes back all the same
     assert back[-1]["action"] == "balanced cut" and b.cut_request == balanced
     assert back[-1]["reason"] == "the ranks it was for recovered"
+
+
+def test_a_straggler_that_came_most_of_the_way_back_is_measured_again_at_the_balanced_cut():
+    # Cut for a 3x rank; it then reads 1.4x on the re-cut: still clearly slow, but the cut was
+    # priced for 3x. The balanced cut comes back (not a re-cut from the re-cut), to be measured there.
+    b, balanced, costs = _pp2_balance()
+    work = stage_work(costs, balanced)
+
+    def actual(step, cut, factor_1):
+        w = stage_work(costs, cut)
+        return {r: 0.01 / work[0] * w[r] * (factor_1 if r == 1 and step >= 6 else 1.0) for r in (0, 1)}
+
+    events = _run(b, range(1, 60), lambda s: actual(s, balanced, 3.0))
+    [recut] = [e for e in events if e["kind"] == "rebalance"]
+    assert recut["action"] == "recut" and recut["ranks"] == [1]
+    new = b.cut_request
+    b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
+    step0 = recut["step"] + 1
+    back = _run(b, range(step0, step0 + 60), lambda s: actual(s, new, 3.0 if s < step0 + 10 else 1.4))
+    assert 1 in b.tracker.stragglers and b.tracker.pace_of(1) > 1 + 2 * 0.15
+    moves = [e for e in back if e["kind"] == "rebalance"]
+    assert [m["action"] for m in moves] == ["balanced cut"] and b.cut_request == balanced
+    assert "half-way" in moves[0]["reason"]
