@@ -139,6 +139,7 @@ def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int
                                                    "groups_carried", "groups_built")}
         # The rendezvous and the groups' building: the slowest rank's (restore's ``groups`` part).
         out["recovery"]["rendezvous_s"] = (rec.get("restore_parts") or {}).get("groups")
+        out["recovery"]["group_parts"] = rec.get("group_parts")
         out["recovery"]["plan_after"] = rec.get("plan_after")
     return out
 
@@ -228,6 +229,11 @@ def main() -> None:
     print("|---|---|---|---|")
     for key, f in fits.items():
         print(f"| {key} | {f['form']}: a={f['a']:.4g}, b={f['b']:.4g} | {f['at_1000']:.4g} | {f['at_10000']:.4g} |")
+    parts = [(r["workers"], (r.get("recovery") or {}).get("group_parts")) for r in rows]
+    if any(p for _, p in parts):
+        print("\nthe recovery's groups by part, slowest rank, s (meet: store and arrival; check: carried groups)")
+        for n, p in parts:
+            print(f"  N={n}: " + ", ".join(f"{k} {v:.3f}" for k, v in (p or {}).items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "fits": fits}, indent=1) + "\n")
     print(f"\nwrote {args.out}")

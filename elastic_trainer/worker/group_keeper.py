@@ -52,6 +52,7 @@ class GroupKeeper:
         self._keys: dict[str, tuple] = {}    # role -> key of the group held, while it is intact
         self._carried: dict[str, tuple[tuple, Detached, GroupSockets]] = {}  # out of the registry, for the next plan
         self._pgs: dict[str, object] = {}    # role -> this plan's group (outlives a failed step's reset)
+        self.join_timings: dict[str, float] = {}   # the last join's parts (``init_groups``), seconds
         self._lock = threading.RLock()
 
     def join(self, backend: str, addr: str, port: int, topo: Topology, rank: int, timeout_s: float,
@@ -62,6 +63,7 @@ class GroupKeeper:
         match. Returns the groups, which way (``shrunk`` or ``rendezvous``), and the roles
         carried."""
         self.timeout_s = timeout_s
+        self.join_timings = {}
         keys = {role: tuple(k) for role, k in (keys or {}).items()}
         with self._lock:
             kept = self._shrunk
@@ -71,7 +73,8 @@ class GroupKeeper:
                 self._drop_carried([r for r in self._carried if r not in carried])
             if kept is not None and reuse_world == kept[0] and kept[1:] == (rank, topo.world_size):
                 join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
-                groups, how = subgroups(topo, rank, join, timedelta(seconds=timeout_s)), "shrunk"
+                groups = subgroups(topo, rank, join, timedelta(seconds=timeout_s), timings=self.join_timings)
+                how = "shrunk"
             else:
                 if reuse_world is not None:
                     log.warning("%s: the plan keeps shrunk world %s as rank %d of %d, this worker holds %s: "
@@ -79,7 +82,8 @@ class GroupKeeper:
                 fresh = {"world": GroupSockets(), **{r: GroupSockets() for r in ROLES if r not in carried}}
                 try:
                     groups = init_groups(backend, addr, port, topo, rank, timeout_s, rendezvous_timeout_s,
-                                         aborted=aborted, device=device, carried=carried, sockets=fresh)
+                                         aborted=aborted, device=device, carried=carried, sockets=fresh,
+                                         timings=self.join_timings)
                 finally:
                     # Even a failed join's sockets are its groups' (to cut), and a carried group
                     # that was not put back is let go with the rest.

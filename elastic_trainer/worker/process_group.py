@@ -44,7 +44,7 @@ def init_groups(
     backend: str, master_addr: str, master_port: int, topo: Topology, rank: int, timeout_s: float,
     rendezvous_timeout_s: float | None = None, aborted: Callable[[], bool] | None = None,
     device: torch.device | None = None, carried: dict[str, Detached] | None = None,
-    sockets: dict | None = None,
+    sockets: dict | None = None, timings: dict | None = None,
 ) -> Groups:
     """Join the world group and build every DP and PP subgroup.
 
@@ -61,7 +61,9 @@ def init_groups(
     ``carried``: role (``dp``, ``pp``) -> a group of the last plan with the same members in
     the same order (``group_carry``), put into the new world instead of built. ``sockets``:
     role (``world``, ``dp``, ``pp``) -> a ``GroupSockets`` that takes the sockets opened while
-    that group is built.
+    that group is built. ``timings``: filled with the seconds each part took (``meet``: the
+    store and every rank's arrival; ``world``; ``dp``, ``pp``: building; ``check``: the
+    carried groups' check).
     """
     destroy_groups()
     if backend == "nccl":
@@ -70,33 +72,43 @@ def init_groups(
     # collective gets the (possibly tightened) collective timeout.
     join = timedelta(seconds=rendezvous_timeout_s or timeout_s)
     global _STORE
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
     with _taking(sockets, "world"):
         store = _meet(master_addr, master_port, topo.world_size, rank, join, aborted or (lambda: False))
         _STORE = store
+        t1 = time.perf_counter()
         bound = device if backend == "nccl" and device is not None and device.type == "cuda" else None
         dist.init_process_group(backend, store=store, world_size=topo.world_size, rank=rank, timeout=join,
                                 device_id=bound)
-    return subgroups(topo, rank, join, timedelta(seconds=timeout_s), carried, sockets)
+    timings.update(meet=t1 - t0, world=time.perf_counter() - t1)
+    return subgroups(topo, rank, join, timedelta(seconds=timeout_s), carried, sockets, timings)
 
 
 def subgroups(topo: Topology, rank: int, join: timedelta, collective: timedelta,
-              carried: dict[str, Detached] | None = None, sockets: dict | None = None) -> Groups:
+              carried: dict[str, Detached] | None = None, sockets: dict | None = None,
+              timings: dict | None = None) -> Groups:
     """Build this rank's DP and PP subgroups of the default group (or put back those
     ``carried``), then give every group the collective timeout (``join`` bounds the building)."""
     replica, stage = topo.coords(rank)
     members = {"dp": topo.dp_group_ranks(stage), "pp": topo.pp_group_ranks(replica)}
     carried = carried or {}
+    timings = {} if timings is None else timings
     made = {}
     # Every rank builds in one order, and checks carried groups only after: a group's members
     # all reach its building without waiting on another group first.
     for role in ("dp", "pp"):
         if role not in carried:
+            t = time.perf_counter()
             # Only a group's members meet to build it; the others do not wait on it.
             with _taking(sockets, role):
                 made[role] = dist.new_group(members[role], timeout=join, use_local_synchronization=True)
+            timings[role] = time.perf_counter() - t
+    t = time.perf_counter()
     for role, d in carried.items():
         made[role] = attach(d, members[role])
         _check_carried(made[role], role, rank, join)
+    timings["check"] = time.perf_counter() - t
     world = _c10d._get_default_group()
     for group in (None, made["dp"], made["pp"]):
         _set_pg_timeout(collective, group)
