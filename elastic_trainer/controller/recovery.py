@@ -184,7 +184,8 @@ class Recovery(RestorePoints):
         settle(lambda r: [role for role, m in keys[r].items() if all(w in pool for w in m)])
         pending = [ref for ref, w in out.inflight.items() if w in pool]
         if pending:
-            ray.wait(pending, num_returns=len(pending), timeout=0.25)
+            # A busy host can take most of a second to end them (0.25 s left one busy in CI).
+            ray.wait(pending, num_returns=len(pending), timeout=self.cfg.failure.ping_timeout_s)
         # Then of the rest, those every member holds alike with no step running; a rank still
         # inside its step waits in a group, and all its groups are cut.
         whole = whole_groups(pool.ask("group_state", list(survivors.values()), self.cfg.failure.ping_timeout_s))
