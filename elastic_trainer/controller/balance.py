@@ -81,8 +81,7 @@ class Balance:
         self._bounds: Bounds | None = None       # the plan's stage cut
         self._balanced: Bounds | None = None     # the cut the policy chose for this layout
         self._awaiting: Bounds | None = None     # a re-cut asked for, not yet taken
-        self._cut_for: set[int] = set()          # the stragglers the cut was made for
-        self._cut_paces: dict[int, float] = {}   # and their paces then
+        self._cut_for: dict[int, float] = {}     # the stragglers the cut was made for -> their paces then
         self._cut_at = 0                         # the step the cut was asked for
         self._costs_fn: Callable[[], list[float]] | None = None
         self._costs: list[float] | None = None   # each block's modelled work
@@ -132,7 +131,7 @@ class Balance:
                 self._calib = ({r: self.tracker.compute_median(r) for r in range(topo.world_size)}, {})
         else:
             self.tracker.reset({r: topo.coords(r)[1] for r in range(topo.world_size)})
-            self._balanced, self._cut_for, self._scale = bounds, set(), {}
+            self._balanced, self._cut_for, self._scale = bounds, {}, {}
             self._costs_fn, self._costs = costs_fn, None
             self._healthy.clear()
             self._unproven.clear()
@@ -227,12 +226,13 @@ class Balance:
             return []   # a re-plan is on its way
         if self._bounds != self._balanced:
             expired = step - self._cut_at >= self.cfg.payback_steps
-            gone = bool(self._cut_for & slow.keys()) and self._premise_gone()
-            recovered = not (self._cut_for & slow.keys()) or gone
+            still = self._cut_for.keys() & slow.keys()
+            gone = bool(still) and self._premise_gone()
+            recovered = not still or gone
             # Another clearly slow rank takes a cut over from those that recovered (the next
             # decision re-cuts from here); one a little slow, as a busy host makes a rank for a
             # while, does not hold it.
-            others = set(self._clearly_slow(slow)) - self._cut_for if recovered else set()
+            others = set(self._clearly_slow(slow)) - self._cut_for.keys() if recovered else set()
             if (recovered and not others) or expired:
                 # Back when its ranks recovered; and after payback_steps in any case, to be
                 # measured again at the balanced cut (a pace read on a re-cut may drift).
@@ -243,8 +243,7 @@ class Balance:
                          if expired else "the ranks it was for came more than half-way back: measured again "
                          "at the balanced cut" if gone else "the ranks it was for recovered"}]
             if recovered:
-                self._cut_for = others
-                self._cut_paces = {r: self.tracker.pace_of(r) for r in others}
+                self._cut_for = self._paces_now(others)
         if not slow or not (named or step - self._decided_at >= self.cfg.window):
             return []
         if len(self._worker_s) < self.cfg.window:
@@ -274,11 +273,14 @@ class Balance:
         from the pace it was cut for (a 3.7x rank now 1.3x): the cut is priced for paces that no
         longer hold, and a pace read on a re-cut is the least sure (a stage of one block is timed
         in milliseconds), so the balanced cut comes back and they are measured again there."""
-        for r in self._cut_for:
-            now, then = self.tracker.pace_of(r), self._cut_paces.get(r)
+        for r, then in self._cut_for.items():
+            now = self.tracker.pace_of(r)
             if now is None or then is None or now - 1 > (then - 1) / 2:
                 return False
         return bool(self._cut_for)
+
+    def _paces_now(self, ranks) -> dict[int, float | None]:
+        return {r: self.tracker.pace_of(r) for r in ranks}
 
     def _clearly_slow(self, slow: dict[int, int]) -> list[int]:
         """The stragglers at a pace past ``1 + 2 * threshold``. On a host whose cores the workers
@@ -327,8 +329,7 @@ class Balance:
         self.cut_request = self._awaiting = tuple(tuple(b) for b in prop.bounds)
         # For the lasting stragglers: a rank a little slow besides neither shows in the event
         # nor keeps the cut once they recover.
-        self._cut_for, self._cut_at = set(lasting), step
-        self._cut_paces = {r: self.tracker.pace_of(r) for r in lasting}
+        self._cut_for, self._cut_at = self._paces_now(lasting), step
         fastest = min(per_stage)
         return [{"kind": "rebalance", "step": step, "action": "recut", "ranks": lasting,
                  "stages_before": [list(b) for b in self._bounds],
