@@ -42,6 +42,10 @@ def _build_key(cfg: TrainerConfig, device) -> tuple:
     return (cfg.model.model_dump_json(), t.precision, t.activation_checkpointing, str(device))
 
 
+# The parts of a set-up, timed in order (its answer's ``timings``).
+SETUP_PARTS = ("reset", "groups", "fetch", "build", "load")
+
+
 class InjectedFault(RuntimeError):
     """Raised by a step that a test asked to fail."""
 
@@ -190,7 +194,7 @@ class TrainWorker(SnapshotServing):
         return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
                 "world": joined, "carried": carried, "group_parts": dict(self.groups.join_timings),
-                "timings": dict(zip(("reset", "groups", "fetch", "build", "load"), (b - a for a, b in zip(t, t[1:])))),
+                "timings": dict(zip(SETUP_PARTS, (b - a for a, b in zip(t, t[1:])))),
                 "moved": moved, "build": trainer.build_info}
 
     def _held_blocks(self, cfg: TrainerConfig):
