@@ -79,8 +79,11 @@ class Recovery(RestorePoints):
         ctl.pool.drop(diag.lost)
         if ctl.ps:
             ctl.ps.abandon_step()
-        self._end_collectives(lost_ranks, silent=bool(diag.silent))
-        self.whole = self._settle_groups(out, silent=bool(diag.silent))
+        # Where groups are carried, the settle round cuts just the groups a lost member was in,
+        # which ends whatever waits on a silent peer too; else a silent loss cuts every group.
+        carry = carries_groups(self.cfg) and ctl.plan is not None
+        self._end_collectives(lost_ranks, silent=bool(diag.silent) and not carry)
+        self.whole = self._settle_groups(out) if carry else set()
         self._quiesce(out)
         self._check_limits(diag)
         self.replan_and_restore(out, detected, plan_before, reason=diag.kind)
@@ -164,13 +167,12 @@ class Recovery(RestorePoints):
             lost_ranks, ctl.plan.stage_bounds if ctl.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s,
             silent=silent)
 
-    def _settle_groups(self, out: StepOutcome, silent: bool) -> set:
+    def _settle_groups(self, out: StepOutcome) -> set:
         """gloo: which groups of the failed plan are whole (``group_keys``), to carry into the
         next. Every survivor is told to keep those and cut the rest, which ends what any rank
-        still waits in. A silent loss cut every group already (``end_collectives``): none is whole."""
+        still waits in, on a peer that died or on one that went silent (a frozen node's
+        sockets stay open, so only the cut ends a wait on it)."""
         ctl, pool = self.ctl, self.ctl.pool
-        if silent or not carries_groups(self.cfg) or ctl.plan is None:
-            return set()
         keys = plan_keys(ctl.plan.topology, dict(ctl.ranks))
         survivors = {r: w for r, w in ctl.ranks.items() if w in pool}
 
