@@ -255,7 +255,9 @@ def test_a_straggler_no_share_can_help_is_left_out_as_a_spare_and_let_back_in(cl
         train={"steps": 110, "micro_batch_size": 4},
         balance={"window": 6, "payback_steps": 5000}, scaling={"grow_check_s": 0.5},
         failure={"allow_fault_injection": True}))
-    slow = _slow("bench", 1, 1, 0, 5.0)
+    # 20x: the tiny model's compute is a small part of its step, so at 5x the step grew a few
+    # percent and leaving the rank out repaid by a hair or not at all (seen: 63.8 against 63.4 ms).
+    slow = _slow("bench", 1, 1, 0, 20.0)
     well = _slow("bench", 1, 1, 0, 1.0)
     state = {"benched_at": None}
 
@@ -272,7 +274,7 @@ def test_a_straggler_no_share_can_help_is_left_out_as_a_spare_and_let_back_in(cl
     assert spare and spare[0]["rank"] == 1 and spare[0]["plan_after"] == {"dp": 1, "pp": 1}
     assert spare[0]["predicted_step_s"] < spare[0]["step_s_before"]
     assert back and back[0]["step"] > spare[0]["step"] and back[0]["reason"] == "its probe is faster"
-    assert back[0]["probe_s"] * 3 < back[0]["probe_s_benched"]   # it was 5x slower when benched
+    assert back[0]["probe_s"] * 3 < back[0]["probe_s_benched"]   # it was 20x slower when benched
     # Left out by a re-plan, grown onto again; no re-plan redoes a step. (On this shared host a
     # rank may later read slow for long enough to be benched once more.)
     reasons = [r["reason"] for r in result.recoveries]
