@@ -246,6 +246,7 @@ class TrainWorker(SnapshotServing):
         try:
             if self.faults.injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
+            self.trainer.clock.slow_factor = self.faults.compute_factor(step)
             with self.groups.guarded(f"step {step}", timeout_s):
                 r = self.trainer.train_step(step, shares)
             if snapshot:
@@ -345,7 +346,8 @@ class TrainWorker(SnapshotServing):
         ``raise_eval`` inside the evaluation after it; hold the next ``setup``
         for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
         snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it); make this
-        worker's compute ``seconds`` times slower (``slow_compute``, a straggler; 1 ends it).
+        worker's compute ``seconds`` times slower (``slow_compute``, a straggler; 1 ends it;
+        with a step, that step alone).
         ``slow_pin`` without a step holds every pin. Only where the run's config sets
         ``failure.allow_fault_injection``."""
         self.faults.inject(kind, step, seconds)

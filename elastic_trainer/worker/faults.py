@@ -29,6 +29,7 @@ class FaultHooks:
         self.allowed, self.who = allowed, who
         self._faults: dict = {}
         self.slow = 1.0            # compute slowdown factor (slow_compute)
+        self._slow_steps: dict[int, float] = {}   # step -> its own factor (a one-step slow_compute)
         self._slow_rank = None     # (rank, factor) from the environment, until the first set-up
         if not allowed:
             return
@@ -56,7 +57,12 @@ class FaultHooks:
             self._faults[("pin", step)] = seconds
         elif kind == "slow_compute":
             # ``seconds`` is the factor here: 3 makes this worker's compute take three times as long.
-            self.slow = max(1.0, seconds)
+            # With a step, that step alone: a blip lands on the step meant, however late the
+            # caller sees the run's steps.
+            if step is None:
+                self.slow = max(1.0, seconds)
+            else:
+                self._slow_steps[step] = max(1.0, seconds)
         else:
             raise ValueError(f"unknown fault kind {kind!r}; use {', '.join(KINDS)}")
 
@@ -73,6 +79,11 @@ class FaultHooks:
 
     def pin_delay(self, step: int) -> float:
         return self._faults.get(("pin", step), self._faults.get(("pin", None))) or 0.0
+
+    def compute_factor(self, step: int) -> float:
+        """The compute slowdown of ``step``: its own where one was injected for it (used up),
+        else the standing one."""
+        return self._slow_steps.pop(step, self.slow)
 
     def slow_factor(self, rank: int) -> float:
         """The compute slowdown of this worker, set up as ``rank``: the environment's slow rank is
