@@ -113,3 +113,19 @@ def test_the_compute_clock_times_each_kind_and_the_hook_slows_it():
     assert took > 0.05 and clock.totals()["forward"] == pytest.approx(took, rel=0.2)
     with pytest.raises(ValueError, match="unknown compute kind 'loss'"):
         clock.timed("loss", lambda: None)
+
+
+def test_a_ranks_reference_is_its_peers_median_read_off_one_sorted_list():
+    import random
+    import statistics
+
+    from elastic_trainer.controller.pace import _median_without
+
+    rng = random.Random(3)
+    for n in (2, 3, 4, 5, 10, 11):
+        for _ in range(50):
+            values = sorted(rng.choice([0.5, 1.0, 1.0, 2.0, rng.random()]) for _ in range(n))
+            for v in values:
+                rest = list(values)
+                rest.remove(v)
+                assert _median_without(values, v) == statistics.median(rest)
