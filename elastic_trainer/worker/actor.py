@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -31,7 +32,11 @@ from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .snapshot_serving import SnapshotServing
-from .stage import StageTrainer
+
+if TYPE_CHECKING:
+    # Imported by the worker itself (``_stage_trainer``): torch.distributed.pipelining takes about
+    # 1 s to import, and the controller, which imports this module for the actor class, need not.
+    from .stage import StageTrainer
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ class TrainWorker(SnapshotServing):
         self.gpu = worker_device(ray.get_gpu_ids(), current_visible(), torch.cuda.is_available())
         bind(self.gpu)
         self.trainer: StageTrainer | None = None
+        _stage_trainer()   # imported now, while the worker waits for its plan, not in its set-up
         self._init_snapshots()
         # failure.allow_fault_injection gates every hook
         self.faults = FaultHooks(allow_faults, f"run {run_name!r} (worker {worker_id})")
@@ -176,7 +182,7 @@ class TrainWorker(SnapshotServing):
         t.append(time.perf_counter())
         shards, moved = fetch_sources(sources, self.copies, aborted, self.worker_id) if sources else ([], {"bytes": 0, "seconds": 0.0})
         t.append(time.perf_counter())
-        trainer = StageTrainer(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
+        trainer = _stage_trainer()(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
                                held=held)
         del held
         t.append(time.perf_counter())
@@ -353,3 +359,8 @@ class TrainWorker(SnapshotServing):
         self.faults.inject(kind, step, seconds)
         if kind == "slow_compute" and self.trainer is not None:
             self.trainer.clock.slow_factor = self.faults.slow
+
+
+def _stage_trainer():
+    from .stage import StageTrainer
+    return StageTrainer
