@@ -150,11 +150,15 @@ class Balance:
         return {r: was[self._topo.coords(r)[1]] / now[self._topo.coords(r)[1]]
                 for r in range(self._topo.world_size) if now[self._topo.coords(r)[1]] > 0}
 
-    def observe(self, step: int, results: dict, record: dict, where: dict[int, tuple]) -> list[dict]:
+    def observe(self, step: int, results: dict, record: dict, where: dict[int, tuple],
+                shares: list[int] | None | str = "current") -> list[dict]:
         """Add the pace of ``step`` to ``record`` (``results``: worker id -> its step result;
-        ``where``: rank -> (worker id, node)); returns the straggler events to record."""
+        ``where``: rank -> (worker id, node)); returns the straggler events to record.
+        ``shares``: those the step ran with, where they may differ from ``self.shares`` (a lease
+        issued before the steps that moved them were seen)."""
         if not self.on:
             return []
+        ran = self.shares if shares == "current" else shares
         own = {o["rank"]: o.get("forward_s", 0.0) + o.get("backward_s", 0.0) + o.get("optimizer_s", 0.0)
                for o in results.values()}
         record["rank_compute_s"] = {str(r): round(c, 6) for r, c in sorted(own.items())}
@@ -164,12 +168,12 @@ class Balance:
                    for o in results.values()}
         record["rank_wait_s"] = {str(o["rank"]): round(o.get("wait_s", 0.0), 6)
                                  for o in sorted(results.values(), key=lambda o: o["rank"])}
-        if self.shares is not None:
-            record["shares"] = list(self.shares)
+        if ran is not None:
+            record["shares"] = list(ran)
         # A replica already on fewer micro-batches is worked around: its other ranks, read at
         # the equal share from fewer calls, are not named on top.
-        held = ({r for i, n in enumerate(self.shares) if n < self._equal for r in self._replica_ranks(i)}
-                if self.shares is not None else set())
+        held = ({r for i, n in enumerate(ran) if n < self._equal for r in self._replica_ranks(i)}
+                if ran is not None else set())
         if self._calib is not None:
             paces, events = self._calibrate(compute), []
         else:

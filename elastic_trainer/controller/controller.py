@@ -232,27 +232,57 @@ class Controller(ControllerViews):
         return self.saver.unsaved
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if self.evaluator.due():
-                self.evaluator.run()
-                continue
-            if self.step >= self.cfg.train.steps:
-                break
-            self.recovery.maybe_grow()
-            step = self.step + 1
-            if self._error_at is not None and self._error_at in (step, 0):
-                raise RuntimeError(f"injected controller error at step {step}")
-            count = lease_length(self.cfg, step, self.schedule, self._one_step_at_a_time())
-            snap = self.schedule.due(step + count - 1)
-            writers = self.snapshots.writers()
-            out = self.driver.run(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,
-                                  {w: writers[r] for r, w in self.ranks.items()} if snap else None,
-                                  self.balance.shares, count=count)
-            if out.ok:
-                for one in self.driver.split(out):
-                    self._commit_step(one)
+        ahead = None   # the next lease, issued before the last one's steps were committed
+        while ahead is not None or not self._stop.is_set():
+            if ahead is None:
+                if self.evaluator.due():
+                    self.evaluator.run()
+                    continue
+                if self.step >= self.cfg.train.steps:
+                    break
+                self.recovery.maybe_grow()
+                step = self.step + 1
+                if self._error_at is not None and self._error_at in (step, 0):
+                    raise RuntimeError(f"injected controller error at step {step}")
+                count = lease_length(self.cfg, step, self.schedule, self._one_step_at_a_time())
+                out = self._issue(step, count)
             else:
+                out, ahead = ahead, None
+            out = self.driver.finish(out)
+            if not out.ok:
                 self.recovery.recover(out)
+                continue
+            steps = self.driver.split(out)
+            ahead = self._issue_ahead(out)
+            for one in steps:
+                self._commit_step(one)
+
+    def _issue(self, step: int, count: int, snapshots_pending: int = 0) -> StepOutcome:
+        """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``)."""
+        snap = self.schedule.due(step + count - 1)
+        writers = self.snapshots.writers(snapshots_pending)
+        return self.driver.start(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,
+                                 {w: writers[r] for r, w in self.ranks.items()} if snap else None,
+                                 self.balance.shares, count=count)
+
+    def _issue_ahead(self, done: StepOutcome) -> StepOutcome | None:
+        """After a lease that completed: the next one, issued before its steps are committed, so
+        the workers run while the controller records them (their pace, metrics, snapshot and
+        history: O(ranks) a step, which would otherwise sit between leases). Only where nothing
+        must come between: no evaluation, stop, re-plan or look for joined workers due, and not
+        step by step (a lease of one keeps today's driving). What its steps decide (shares, a
+        re-plan) takes effect a lease later."""
+        first = done.step + done.count
+        ev = self.cfg.eval
+        last = first - 1
+        if (done.count <= 1 or first > self.cfg.train.steps or self._stop.is_set()
+                or (ev.enabled and (last % ev.every == 0 or last == self.cfg.train.steps))
+                or self._one_step_at_a_time() or not self.recovery.quiet() or self.schedule.requested):
+            return None
+        count = lease_length(self.cfg, first, self.schedule, False)
+        if count <= 1:
+            return None
+        return self._issue(first, count, snapshots_pending=1 if done.snapshot else 0)
 
     def _one_step_at_a_time(self) -> bool:
         """Whether the next steps must run without a lease: during warm-up (its step times set
@@ -382,7 +412,7 @@ class Controller(ControllerViews):
         record = self.driver.record(out, self.plan.topology, len(self.plans) - 1)
         where = {r: (w, self.pool[w].node if w in self.pool else None) for r, w in self.ranks.items()}
         named = False
-        for ev in self.balance.observe(step, out.results, record, where):
+        for ev in self.balance.observe(step, out.results, record, where, out.shares):
             named = named or ev["kind"] == "straggler"
             self.event(ev.pop("kind"), **ev)
         try:

@@ -344,6 +344,12 @@ class Recovery(RestorePoints):
         """Whether a re-plan asked for (``request_replan``) is still to be taken."""
         return self._replan_reason is not None
 
+    def quiet(self) -> bool:
+        """Whether ``maybe_grow`` has nothing to do now: no re-plan asked for or wanted, and no
+        look for joined workers due (a lease may then be issued before the last is committed)."""
+        return (self._replan_reason is None and not self._grow_wanted
+                and time.monotonic() - self._last_grow_check < self.cfg.scaling.grow_check_s)
+
     def maybe_grow(self) -> None:
         """Re-plan onto workers that joined if the policy prefers a larger plan, or as
         ``request_replan`` asked: right after a snapshot step (nothing is redone), asking the

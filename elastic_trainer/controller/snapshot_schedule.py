@@ -77,6 +77,11 @@ class SnapshotSchedule:
     def _meets(self, step: int) -> bool:
         return step % self.unit == 0
 
+    @property
+    def requested(self) -> bool:
+        """A snapshot was asked for (``request``) and not yet taken."""
+        return self._requested
+
     def request(self) -> None:
         """Take a snapshot at the next step where one can be taken (a re-plan to grow waits for it)."""
         self._requested = True

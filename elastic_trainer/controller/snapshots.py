@@ -93,9 +93,10 @@ class SnapshotStore:
         self._plan = plan
         self._phases = put_phases(plan.topology, plan.blocks_of)
 
-    def writers(self) -> dict[int, list[int]]:
-        """Rank -> blocks it writes into the object store at the next scheduled snapshot."""
-        return self._phases[self._taken % len(self._phases)]
+    def writers(self, after: int = 0) -> dict[int, list[int]]:
+        """Rank -> blocks it writes into the object store at the next scheduled snapshot
+        (``after``: that many scheduled snapshots not yet handed to ``take_step`` come first)."""
+        return self._phases[(self._taken + after) % len(self._phases)]
 
     def take_step(self, step: int, ranks: dict, shard_refs: dict, full: bool = False, nbytes: int = 0) -> None:
         """Start replicating the parts of ``step`` that the current plan's ranks returned.

@@ -47,6 +47,8 @@ class StepOutcome:
     count: int = 1                                            # steps in it (a lease: more than one)
     elapsed_s: float | None = None                            # a lease's step: its share of the lease's time
     controller_s: float | None = None                         # and of what driving the lease cost
+    shares: list[int] | None = None                           # the micro-batches per replica it ran with
+    calls: tuple | None = None                                # started, not yet collected: (refs, actors, deadline)
 
     @property
     def ok(self) -> bool:
@@ -96,8 +98,15 @@ class StepDriver:
         ``shares``: micro-batches per replica (balancing), None for equal ones. ``count`` > 1:
         a lease of that many steps from ``step``, each rank on its own, the snapshot (if any) at
         the last; its results come back at once (``split`` makes them one outcome a step)."""
+        return self.finish(self.start(step, actors, snapshot, put_blocks, shares, count))
+
+    def start(self, step: int, actors: dict[int, object], snapshot: bool,
+              put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None,
+              count: int = 1) -> StepOutcome:
+        """Issue ``run``'s calls and return at once; ``finish`` waits for them. Between the two
+        the controller may commit the steps before (a lease issued ahead: ``Controller._loop``)."""
         started = time.perf_counter()
-        out = StepOutcome(step, started, snapshot=snapshot, count=count)
+        out = StepOutcome(step, started, snapshot=snapshot, count=count, shares=shares)
         timeout = self.step_timeout()
         last = step + count - 1
         refs = {}
@@ -112,7 +121,14 @@ class StepDriver:
             out.shard_refs[w] = (actor.snapshot_part.remote(last, blocks, timeout * (count - 1)) if blocks
                                  else None)
         self.calls += len(actors) + sum(1 for r in out.shard_refs.values() if r is not None)
-        out = self._collect(out, refs, actors, started + timeout * count)
+        out.calls = (refs, actors, started + timeout * count)
+        return out
+
+    def finish(self, out: StepOutcome) -> StepOutcome:
+        """Wait for what ``start`` issued, as ``run`` does."""
+        (refs, actors, deadline), out.calls = out.calls, None
+        step, count = out.step, out.count
+        out = self._collect(out, refs, actors, deadline)
         if count > 1 and not out.ok:
             out.step = self._failed_step(out, actors)
             # Recovery times detection from the failed step's start: by the steps before it
@@ -151,6 +167,7 @@ class StepDriver:
             last = k == out.count - 1
             steps.append(StepOutcome(out.step + k, out.started, results={w: r[k] for w, r in out.results.items()},
                                      shard_refs=out.shard_refs if last else {}, snapshot=out.snapshot and last,
+                                     shares=out.shares,
                                      elapsed_s=wall / out.count, controller_s=max(0.0, wall - own) / out.count))
         return steps
 
@@ -175,7 +192,11 @@ class StepDriver:
             wait = min(deadline, beat.next_at if out.first_signal is None else deadline) - now
             if wait <= 0 and now >= deadline:
                 break
-            ready, _ = ray.wait(list(pending) + list(pings) + list(beat.refs), num_returns=1, timeout=max(0.0, wait))
+            waiting = list(pending) + list(pings) + list(beat.refs)
+            # Everything already in first: one answer a pass made this O(N^2) a step in N ranks.
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+            if not ready:
+                ready, _ = ray.wait(waiting, num_returns=1, timeout=max(0.0, wait))
             for ref in ready:
                 if ref in beat.refs:
                     beat.answer(ref)
