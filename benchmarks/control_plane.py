@@ -12,6 +12,10 @@ steps:
   (``--lease-steps``) the lease's wall time minus the most any rank spent in
   its step calls, spread over the lease's steps; mean, median and 90th
   percentile;
+- the controller process's CPU seconds per step (``controller_cpu_s`` in the
+  step record, all its threads, Ray's sending and taking of its calls
+  included): what driving costs apart from waiting for a core, which on
+  this 2-core host with N worker processes is most of its wall time;
 - beside it, the step's time beyond the slowest worker's compute and exposed
   communication (``step_time_s - worker_s``, the first measure): it also
   holds each rank's own Python between its passes;
@@ -132,6 +136,9 @@ def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int
            "controller_s_mean": statistics.fmean(over), "beyond_compute_s_mean": statistics.fmean(beyond),
            "step_s_median": statistics.median(r["step_time_s"] for r in h),
            "calls_per_step": calls_per_step(h),
+           # The controller process's CPU (all its threads) per step: what driving costs, apart
+           # from waiting for one of this host's two cores.
+           "controller_cpu_s_per_step": (h[-1]["controller_cpu_s"] - h[0]["controller_cpu_s"]) / max(1, len(h) - 1),
            "snapshot_steps": sum(1 for r in h if r.get("snapshot"))}
     if kill and result.recoveries:
         rec = result.recoveries[0]
@@ -207,7 +214,7 @@ def main() -> None:
         sub = [r for r in rows if r["lease_steps"] == lease]
         xs = [r["workers"] for r in sub]
         tag = "" if len(leases) == 1 else f"lease{lease}_"
-        for key in ("controller_s_mean", "beyond_compute_s_mean", "calls_per_step"):
+        for key in ("controller_s_mean", "controller_cpu_s_per_step", "beyond_compute_s_mean", "calls_per_step"):
             ys = [r[key] for r in sub]
             if all(y is not None for y in ys) and len(xs) >= 2:
                 fits[tag + key] = fit(xs, ys)
@@ -215,15 +222,15 @@ def main() -> None:
             for phase in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s"):
                 fits[f"{tag}recovery_{phase}"] = fit(xs, [r["recovery"][phase] for r in sub])
     print(f"\nsnapshots: checkpoint.memory_every {memory_every}")
-    print("\n| N | lease | controller ms/step (mean; median, p90) | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, of it rendezvous, total) | groups carried / built |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | lease | controller ms/step (mean; median, p90) | controller CPU ms/step | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, of it rendezvous, total) | groups carried / built |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rec = r.get("recovery") or {}
         rs = ", ".join(f"{rec[k]:.2f}" for k in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s")) if rec else "-"
         rs += f" | {rec.get('groups_carried')} / {rec.get('groups_built')}" if rec else " | -"
         print(f"| {r['workers']} | {r['lease_steps']} | {r['controller_s_mean'] * 1e3:.2f}; "
               f"{r['controller_s_median'] * 1e3:.2f}, {r['controller_s_p90'] * 1e3:.2f} | "
-              f"{r['beyond_compute_s_mean'] * 1e3:.2f} | "
+              f"{r['controller_cpu_s_per_step'] * 1e3:.2f} | {r['beyond_compute_s_mean'] * 1e3:.2f} | "
               f"{r['step_s_median'] * 1e3:.1f} | {r['calls_per_step']:.2f} | {r['snapshot_steps']} | {rs} |")
     print("\n| figure | fit | at 1,000 | at 10,000 |")
     print("|---|---|---|---|")

@@ -81,6 +81,7 @@ class Controller(ControllerViews):
         self.counts: list[int] = []           # parameters per block
         self.pool = WorkerPool(self.cfg, run_name)
         self.driver = StepDriver(self.cfg)
+        self.driver.where = self._where
         ck = self.cfg.checkpoint
         self.snapshots = SnapshotStore(ck.replicas, ck.snapshots_kept, self.cfg.failure.pin_timeout_s)
         self.schedule = SnapshotSchedule(self.cfg)
@@ -284,6 +285,11 @@ class Controller(ControllerViews):
             return None
         return self._issue(first, count, snapshots_pending=1 if done.snapshot else 0)
 
+    def _where(self, wid: int) -> tuple | None:
+        """(node, pid, process mark) of a worker, for the heartbeat; None if it is not in the pool."""
+        h = self.pool.workers.get(wid)
+        return (h.node, h.pid, h.mark) if h is not None else None
+
     def _one_step_at_a_time(self) -> bool:
         """Whether the next steps must run without a lease: during warm-up (its step times set
         the timeouts), with a parameter server (it keeps per-step state of its own), with a
@@ -435,6 +441,9 @@ class Controller(ControllerViews):
         # What driving the run has cost so far, in actor calls (this step's snapshot pins, issued
         # below, count in the next record).
         record["actor_calls"] = self.driver.calls + self.snapshots.calls
+        # The controller process's CPU seconds so far (Ray's threads sending and taking its calls
+        # included): what driving costs where its wall time also waits for a core.
+        record["controller_cpu_s"] = time.process_time()
         record["heartbeats"] = self.driver.heartbeats
         with self._lock:
             self.history.append(record)

@@ -345,26 +345,30 @@ class Recovery(RestorePoints):
         return self._replan_reason is not None
 
     def quiet(self) -> bool:
-        """Whether ``maybe_grow`` has nothing to do now: no re-plan asked for or wanted, and no
-        look for joined workers due (a lease may then be issued before the last is committed)."""
-        return (self._replan_reason is None and not self._grow_wanted
-                and time.monotonic() - self._last_grow_check < self.cfg.scaling.grow_check_s)
+        """Whether ``maybe_grow`` would do nothing now: no re-plan asked for, and none wanted
+        after looking for joined workers where a look is due (a lease may then be issued
+        before the last one is committed)."""
+        return self._replan_reason is None and not self._grow_wanted and not self._look_for_growth()
+
+    def _look_for_growth(self) -> bool:
+        """Every ``scaling.grow_check_s``: start workers on free nodes, take in those that
+        joined, and want a re-plan if the policy then prefers a larger plan; whether one is wanted."""
+        now = time.monotonic()
+        if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
+            return False
+        self._last_grow_check = now
+        self.ctl.pool.spawn_on_free_nodes()
+        self.ctl.pool.await_joining(0, required=False)
+        self._grow_wanted = self._larger_plan()
+        return self._grow_wanted
 
     def maybe_grow(self) -> None:
         """Re-plan onto workers that joined if the policy prefers a larger plan, or as
         ``request_replan`` asked: right after a snapshot step (nothing is redone), asking the
         schedule for one if none was just taken."""
-        ctl, pool = self.ctl, self.ctl.pool
-        if self._replan_reason is None and not self._grow_wanted:
-            now = time.monotonic()
-            if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
-                return
-            self._last_grow_check = now
-            pool.spawn_on_free_nodes()
-            pool.await_joining(0, required=False)
-            if not self._larger_plan():
-                return
-            self._grow_wanted = True
+        ctl = self.ctl
+        if self._replan_reason is None and not self._grow_wanted and not self._look_for_growth():
+            return
         if ctl.schedule.last_taken != ctl.step:
             ctl.schedule.request()  # the next step takes a snapshot; re-plan from it
             return

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -64,6 +65,8 @@ class StepDriver:
         self.steps_since_setup = 0
         self.calls = 0   # actor calls issued so far (what driving the steps costs, benchmarks/control_plane.py)
         self.heartbeats = 0   # and pings to ranks inside a long step or lease (off its critical path)
+        # worker id -> (node, pid, process mark) or None: lets one worker a node answer the heartbeat
+        self.where: Callable[[int], tuple | None] | None = None
 
     def _tight(self) -> float:
         f = self.cfg.failure
@@ -185,7 +188,7 @@ class StepDriver:
         pending = dict(refs)
         pings: dict = {}
         unreachable: set[int] = set()
-        beat = _Heartbeat(self.heartbeat_timeout(), out.started, actors)
+        beat = _Heartbeat(self.heartbeat_timeout(), out.started, actors, self.where)
         while pending:
             now = time.perf_counter()
             # Heartbeats only until something else has said how the step goes.
@@ -313,25 +316,54 @@ def _actor_gone(e: BaseException) -> bool:
 
 class _Heartbeat:
     """The heartbeats of one step's wait (see the module docstring): a rank is silent once a
-    heartbeat sent to it has gone unanswered for the whole timeout."""
+    heartbeat that asked after it has gone unanswered for the whole timeout.
 
-    def __init__(self, timeout_s: float | None, started: float, actors: dict[int, object]):
+    One question a node, not a rank (``TrainWorker.ping_node``): a worker there answers, and
+    says of its node-mates whether their processes run (``worker.liveness``), so the calls
+    grow with the nodes (a long lease at N = 32 sent about 54 pings a step, most of the
+    controller's CPU). A question a round unanswered asks again through another worker of the
+    node (the one asked may be the frozen one). A rank no node-mate can vouch for (no /proc,
+    its process unknown there) is asked on its own."""
+
+    def __init__(self, timeout_s: float | None, started: float, actors: dict[int, object],
+                 where: Callable[[int], tuple | None] | None = None):
         self.timeout_s, self.actors = timeout_s, actors
+        self.where = where or (lambda w: None)     # worker id -> (node, pid, mark), or None
         self.next_at = started + timeout_s / 4 if timeout_s else float("inf")
-        self.refs: dict = {}                  # heartbeat in flight -> (worker id, sent at)
+        self.refs: dict = {}                       # question in flight -> (asked, sent at, ranks it covers)
+        self.waiting: dict[int, float] = {}        # worker id -> when it was first asked after since it was heard
+        self.direct: set[int] = set()              # asked on their own: no node-mate could vouch for them
         self.sent_last = 0
 
     def answer(self, ref) -> None:
-        """A heartbeat came back (a dead worker's fails; its step ref says how it died)."""
-        self.refs.pop(ref, None)
+        """A question came back (a dead worker's fails; its step ref says how it died)."""
+        asked = self.refs.pop(ref, None)
+        if asked is None:
+            return
+        who, _, covers = asked
+        try:
+            states = ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - the asked worker is gone; its step's own ref tells
+            return
+        for w in covers:
+            state = True if w == who else states.get(w)
+            if state:
+                self.waiting.pop(w, None)
+            elif state is None:
+                self.direct.add(w)   # stopped reads False and stays unheard; unknown is asked itself
 
     def heard_again(self, wids: list[int]) -> None:
-        """These answered otherwise: their heartbeats in flight no longer count."""
-        self.refs = {r: (w, t) for r, (w, t) in self.refs.items() if w not in wids}
+        """These answered otherwise: they are not waited on."""
+        for w in wids:
+            self.waiting.pop(w, None)
+
+    def _group(self, w: int):
+        loc = self.where(w)
+        return ("rank", w) if loc is None or loc[2] is None or w in self.direct else loc[0]
 
     def tick(self, pending: list[int]) -> list[int]:
-        """The ``pending`` workers whose heartbeat has gone unanswered for the whole timeout; if
-        none, send the next heartbeats to those without one in flight."""
+        """The ``pending`` workers unheard of for the whole timeout since a question asked after
+        them; if none, send the next questions."""
         if self.refs:
             # Every answer that has come, not only those the wait handed over one by one: a
             # controller held up meanwhile must not read queued answers as silence.
@@ -339,14 +371,30 @@ class _Heartbeat:
             for ref in ready:
                 self.answer(ref)
         now = time.perf_counter()
-        out = {w: sent for w, sent in self.refs.values()}
-        silent = [w for w in pending if w in out and now - out[w] >= self.timeout_s]
+        silent = [w for w in pending if w in self.waiting and now - self.waiting[w] >= self.timeout_s]
         if silent:
             self.sent_last = 0
             return silent
-        fresh = [w for w in pending if w not in out]
-        self.refs.update({self.actors[w].ping.remote(): (w, now) for w in fresh})
-        self.sent_last = len(fresh)
-        oldest = min([sent for w, sent in out.items() if w in pending] + [now])
+        groups: dict = collections.defaultdict(list)
+        for w in pending:
+            groups[self._group(w)].append(w)
+        asked: dict = collections.defaultdict(list)
+        for who, sent, _ in self.refs.values():
+            asked[self._group(who)].append((who, sent))
+        self.sent_last = 0
+        for key, members in groups.items():
+            out = asked.get(key, [])
+            if any(now - sent < self.timeout_s / 4 for _, sent in out):
+                continue   # asked this round
+            free = [w for w in members if w not in {who for who, _ in out}]
+            if not free:
+                continue
+            who = free[0]
+            mates = {} if isinstance(key, tuple) else {w: self.where(w)[1:] for w in members if w != who}
+            self.refs[self.actors[who].ping_node.remote(mates)] = (who, now, members)
+            for w in members:
+                self.waiting.setdefault(w, now)
+            self.sent_last += 1
+        oldest = min([self.waiting[w] for w in pending if w in self.waiting] + [now])
         self.next_at = min(now + self.timeout_s / 4, oldest + self.timeout_s)
         return []

@@ -39,6 +39,7 @@ class WorkerHandle:
     pid: int
     ip: str
     rank: int | None = None
+    mark: str | None = None   # its process's start time (worker.liveness): a node-mate can vouch for it
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -192,7 +193,8 @@ class WorkerPool:
                             str(e).splitlines()[0][:200])
                 lost.append((wid, node, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
                 continue
-            self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"])
+            self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"],
+                                             mark=info.get("mark"))
             log.info("[%s] worker %d joined on node %s (pid %d)", self.run_name, wid, info["node_id"][:12],
                      info["pid"])
         if required:

@@ -28,6 +28,7 @@ from .device import bind, current_visible, worker_device
 from .probe import probe_compute
 from .faults import FaultHooks
 from .group_keeper import GroupKeeper
+from .liveness import process_mark, running
 from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
@@ -93,6 +94,7 @@ class TrainWorker(SnapshotServing):
         return {
             "worker_id": self.worker_id,
             "pid": os.getpid(),
+            "mark": process_mark(),
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
@@ -106,6 +108,12 @@ class TrainWorker(SnapshotServing):
     @ray.method(concurrency_group="control")
     def ping(self) -> bool:
         return True
+
+    @ray.method(concurrency_group="control")
+    def ping_node(self, mates: dict[int, tuple[int, str]]) -> dict[int, bool | None]:
+        """A heartbeat for this node: this worker answers, and says of each node-mate
+        (worker id -> (pid, mark)) whether its process runs (``liveness.running``)."""
+        return {w: running(pid, mark) for w, (pid, mark) in mates.items()}
 
     @ray.method(concurrency_group="control")
     def abort_comms(self, excluded: list[int], shrink_id: int | None = None, timeout_s: float = 30.0) -> dict:
