@@ -45,7 +45,6 @@ from .benching import Bench
 from .views import ControllerViews
 from .evaluation import Evaluator
 from .group_keys import carries_groups, keep_for, plan_keys, sticky_ranks, whole_groups
-from .leases import lease_length
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
 from .recovery import Recovery
@@ -54,7 +53,8 @@ from .setup_report import setup_report
 from .saving import RunSaver, SaveError
 from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
-from .stepping import StepDriver, StepOutcome
+from .step_loop import StepLoop
+from .stepping import StepDriver
 from .workers import WorkerPool, get_all
 
 __all__ = ["Controller", "RunError", "RunState"]
@@ -174,7 +174,7 @@ class Controller(ControllerViews):
                 self.writer = DurableWriter(self.durable, self.cfg, self.cfg_json, self.snapshots, len(self.counts),
                                             self.event, self.run_name, self.data)
             self._start(resume)
-            self._loop()
+            StepLoop(self).run()
             state = self.saver.gather_state()
             saved = self.saver.final(state)
             self.transition(RunState.FINISHED, model_path=saved["model_path"])
@@ -232,70 +232,10 @@ class Controller(ControllerViews):
         """The weights of a run whose final save failed, for the driver to keep."""
         return self.saver.unsaved
 
-    def _loop(self) -> None:
-        ahead = None   # the next lease, issued before the last one's steps were committed
-        while ahead is not None or not self._stop.is_set():
-            if ahead is None:
-                if self.evaluator.due():
-                    self.evaluator.run()
-                    continue
-                if self.step >= self.cfg.train.steps:
-                    break
-                self.recovery.maybe_grow()
-                step = self.step + 1
-                if self._error_at is not None and self._error_at in (step, 0):
-                    raise RuntimeError(f"injected controller error at step {step}")
-                count = lease_length(self.cfg, step, self.schedule, self._one_step_at_a_time())
-                out = self._issue(step, count)
-            else:
-                out, ahead = ahead, None
-            out = self.driver.finish(out)
-            if not out.ok:
-                self.recovery.recover(out)
-                continue
-            steps = self.driver.split(out)
-            ahead = self._issue_ahead(out)
-            for one in steps:
-                self._commit_step(one)
-
-    def _issue(self, step: int, count: int, snapshots_pending: int = 0) -> StepOutcome:
-        """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``)."""
-        snap = self.schedule.due(step + count - 1)
-        writers = self.snapshots.writers(snapshots_pending)
-        return self.driver.start(step, {w: self.pool[w].actor for w in self.ranks.values()}, snap,
-                                 {w: writers[r] for r, w in self.ranks.items()} if snap else None,
-                                 self.balance.shares, count=count)
-
-    def _issue_ahead(self, done: StepOutcome) -> StepOutcome | None:
-        """After a lease that completed: the next one, issued before its steps are committed, so
-        the workers run while the controller records them (their pace, metrics, snapshot and
-        history: O(ranks) a step, which would otherwise sit between leases). Only where nothing
-        must come between: no evaluation, stop, re-plan or look for joined workers due, and not
-        step by step (a lease of one keeps today's driving). What its steps decide (shares, a
-        re-plan) takes effect a lease later."""
-        first = done.step + done.count
-        ev = self.cfg.eval
-        last = first - 1
-        if (done.count <= 1 or first > self.cfg.train.steps or self._stop.is_set()
-                or (ev.enabled and (last % ev.every == 0 or last == self.cfg.train.steps))
-                or self._one_step_at_a_time() or not self.recovery.quiet() or self.schedule.requested):
-            return None
-        count = lease_length(self.cfg, first, self.schedule, False)
-        if count <= 1:
-            return None
-        return self._issue(first, count, snapshots_pending=1 if done.snapshot else 0)
-
     def _where(self, wid: int) -> tuple | None:
         """(node, pid, process mark) of a worker, for the heartbeat; None if it is not in the pool."""
         h = self.pool.workers.get(wid)
         return (h.node, h.pid, h.mark) if h is not None else None
-
-    def _one_step_at_a_time(self) -> bool:
-        """Whether the next steps must run without a lease: during warm-up (its step times set
-        the timeouts), with a parameter server (it keeps per-step state of its own), with a
-        controller fault armed, and while a re-plan waits for its snapshot step."""
-        return (self.ps is not None or self._error_at is not None or self.recovery.replan_pending()
-                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps)
 
     # -- plans -----------------------------------------------------------------------------
     def _cfg_for(self, plan: Plan) -> dict:
@@ -413,66 +353,6 @@ class Controller(ControllerViews):
         self._setup_refs = []
 
     # -- one step --------------------------------------------------------------------------
-    def _commit_step(self, out: StepOutcome) -> None:
-        cfg, step = self.cfg, out.step
-        record = self.driver.record(out, self.plan.topology, len(self.plans) - 1)
-        where = {r: (w, self.pool[w].node if w in self.pool else None) for r, w in self.ranks.items()}
-        named = False
-        for ev in self.balance.observe(step, out.results, record, where, out.shares):
-            named = named or ev["kind"] == "straggler"
-            self.event(ev.pop("kind"), **ev)
-        try:
-            for ev in self.balance.act(step, named) + self.bench.poll(step):
-                self.event(ev.pop("kind"), **ev)
-            if self.balance.bench_request:
-                rank, pace = self.balance.bench_request
-                self.balance.bench_request = None
-                self.bench.bench(rank, pace, step)
-            if self.balance.cut_request:
-                # A re-plan already asked for (a straggler benched) goes first; it changes the
-                # workers, and with them the balancing starts again.
-                if not self.recovery.replan_pending():
-                    self.recovery.request_replan("recut", cut=self.balance.cut_request)
-                self.balance.cut_request = None
-        except Exception as e:  # noqa: BLE001 - working around a straggler must never end the run
-            log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", self.run_name, step, e,
-                        exc_info=True)
-            self.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
-        # What driving the run has cost so far, in actor calls (this step's snapshot pins, issued
-        # below, count in the next record).
-        record["actor_calls"] = self.driver.calls + self.snapshots.calls
-        # The controller process's CPU seconds so far (Ray's threads sending and taking its calls
-        # included): what driving costs where its wall time also waits for a core.
-        record["controller_cpu_s"] = time.process_time()
-        record["heartbeats"] = self.driver.heartbeats
-        with self._lock:
-            self.history.append(record)
-            self.step = step
-        self.recovery.step_committed()
-        self.metrics.record_step(record)
-        choice = self.schedule.observe(step, record["step_time_s"])
-        if choice:
-            self.event("snapshot_interval", **choice)
-        if out.snapshot:
-            self.schedule.taken(step)
-            ranks = {r: self.pool[w] for r, w in self.ranks.items()}
-            self.snapshots.take_step(step, ranks, out.shard_refs,
-                                     nbytes=sum(o.get("snapshot_bytes", 0) for o in out.results.values()))
-            if self.ps:
-                self.ps.snapshot(step)
-        for snap in self.snapshots.poll():
-            # Not a result event (one per step would drown the others): a metric only.
-            self.metrics.record_event({"kind": "snapshot", "step": snap.step, "bytes": snap.nbytes,
-                                       "seconds": snap.committed_at - snap.started})
-        for snap in self.snapshots.take_dropped():
-            self.event("snapshot_dropped", step=snap.step, reason=snap.dropped)
-        self.snapshots.prune()
-        if self.ps:
-            self.ps.retain(self.snapshots.steps())
-        if self.writer and cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 \
-                and step < cfg.train.steps:
-            self.writer.start(step, list(self.history), self.plan.describe())
-
     # -- durable checkpoints -------------------------------------------------------------
     def emergency_durable(self) -> str | None:
         """On the way out after failures: save the newest committed snapshot, if any."""

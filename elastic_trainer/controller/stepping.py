@@ -107,7 +107,7 @@ class StepDriver:
               put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None,
               count: int = 1) -> StepOutcome:
         """Issue ``run``'s calls and return at once; ``finish`` waits for them. Between the two
-        the controller may commit the steps before (a lease issued ahead: ``Controller._loop``)."""
+        the controller may commit the steps before (a lease issued ahead: ``step_loop.StepLoop``)."""
         started = time.perf_counter()
         out = StepOutcome(step, started, snapshot=snapshot, count=count, shares=shares)
         timeout = self.step_timeout()
