@@ -3,9 +3,9 @@
 from types import SimpleNamespace
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.controller import Controller
 from elastic_trainer.controller.leases import lease_length
 from elastic_trainer.controller.snapshot_schedule import SnapshotSchedule
+from elastic_trainer.controller.step_loop import StepLoop
 
 from ..conftest import tiny_config
 
@@ -20,7 +20,7 @@ def _ctl(steps=40, lease=16, memory_every=8, warm=10, **sections):
 
 def lease(ctl, first):
     # What the controller's loop asks, from its state.
-    return lease_length(ctl.cfg, first, ctl.schedule, Controller._one_step_at_a_time(ctl))
+    return lease_length(ctl.cfg, first, ctl.schedule, StepLoop(ctl).one_step_at_a_time())
 
 
 def test_a_lease_runs_up_to_the_next_snapshot_step_and_the_last_step():
