@@ -299,6 +299,9 @@ class Controller(ControllerViews):
             with self._lock:
                 self.setting_up = None
         self._setup_refs = []
+        # Whose end of a connection each address is: a survivor's "connection closed by peer"
+        # then names the lost worker at once (StepDriver._collect).
+        self.driver.set_peers({ranks[r]: o.get("addresses", []) for r, o in outs.items()})
         self.setup_timings, self.restore_moved = setup_report(outs, keys)
         steps = {o["step"] for o in outs.values()}
         if len(steps) != 1:

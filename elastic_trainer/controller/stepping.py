@@ -4,17 +4,17 @@ A step either completes on every rank (``StepOutcome.ok``) and is recorded,
 or it becomes the input of a recovery: the outcome says who answered, who
 raised, who stayed silent and when the first sign of trouble came.
 
-A rank whose step runs long is sent heartbeats (pings, which a rank answers
-even while blocked in a collective): every quarter of
-``failure.heartbeat_timeout_s`` once the step has run that long. One that
-answers none for the whole timeout is lost (``StepOutcome.silent``): a frozen
-node keeps its sockets open, so nothing else would tell before the step
-timeout. A step that ends sooner sends none.
+A rank whose step runs long is watched by the heartbeat (``heartbeat``); one
+unheard of for the whole timeout is lost (``StepOutcome.silent``). A step
+that ends sooner sends none. After the first error the ranks still out are
+pinged; one that a survivor's error names as the end of a closed connection
+(``_named``) gets a short grace rather than the ping timeout.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -25,11 +25,17 @@ import ray
 from ..config import TrainerConfig
 from ..errors import WorkerError
 from ..parallel.topology import Topology
+from .heartbeat import Heartbeat
 from .workers import ask_all
 
 # After the first error of a step the others get this long to report theirs:
 # ranks blocked behind a vanished peer fail within milliseconds on loopback.
 _ERROR_GRACE_S = 0.3
+# A peer named by a survivor's error as the end of a connection that closed gets this long to
+# show it lives (answer its ping, or return its own error) before it counts as dead.
+_NAMED_GRACE_S = 0.4
+# "[host]:port" in gloo's connection errors ("Connection closed by peer [127.0.0.1]:10166").
+_PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
 
 
 @dataclass
@@ -67,6 +73,8 @@ class StepDriver:
         self.heartbeats = 0   # and pings to ranks inside a long step or lease (off its critical path)
         # worker id -> (node, pid, process mark) or None: lets one worker a node answer the heartbeat
         self.where: Callable[[int], tuple | None] | None = None
+        # (host, port) -> the worker whose end of a group connection it is (after each set-up)
+        self.peers: dict[tuple, int] = {}
 
     def _tight(self) -> float:
         f = self.cfg.failure
@@ -188,7 +196,7 @@ class StepDriver:
         pending = dict(refs)
         pings: dict = {}
         unreachable: set[int] = set()
-        beat = _Heartbeat(self.heartbeat_timeout(), out.started, actors, self.where)
+        beat = Heartbeat(self.heartbeat_timeout(), out.started, actors, self.where)
         while pending:
             now = time.perf_counter()
             # Heartbeats only until something else has said how the step goes.
@@ -224,6 +232,12 @@ class StepDriver:
                         deadline = min(deadline, out.first_signal + max(_ERROR_GRACE_S, self.cfg.failure.ping_timeout_s))
                         pings = {actors[w].ping.remote(): w for w in pending.values()}
                         self.calls += len(pings)
+                    if set(self._named(e)) & set(pending.values()):
+                        # Its connection to a rank still out closed: that process is gone (a live
+                        # one closing its groups, on its own error, answers within the grace).
+                        # A ping to a dead actor waits for Ray to learn of the death, a second
+                        # or more: the grace is all the wait it gets.
+                        deadline = min(deadline, time.perf_counter() + _NAMED_GRACE_S)
             if out.first_signal is not None and not pings:
                 if not any(w in out.answered for w in pending.values()):
                     break   # every rank still silent is out of reach: nothing more will come
@@ -254,6 +268,23 @@ class StepDriver:
             out.first_signal = time.perf_counter()
         out.inflight = pending
         return out
+
+    def set_peers(self, addresses: dict[int, list]) -> None:
+        """After a set-up: worker id -> the (host, port) of its end of each group connection."""
+        self.peers = {(_host(h), int(p)): w for w, addrs in addresses.items() for h, p in addrs}
+
+    def _named(self, e: BaseException) -> list[int]:
+        """The workers whose end of a connection ``e`` says closed ("Connection closed by peer
+        [host]:port", gloo). gloo 2.13 prints the port with its two bytes swapped (37379 shows
+        as 914): both readings are looked up."""
+        named = []
+        for host, port in _PEER.findall(str(e)):
+            port = int(port)
+            for p in (port, ((port & 0xFF) << 8) | (port >> 8)):
+                w = self.peers.get((_host(host), p))
+                if w is not None and w not in named:
+                    named.append(w)
+        return named
 
     def record(self, out: StepOutcome, topo: Topology, plan_index: int) -> dict:
         """The history record of a step that completed on every rank (and count its time)."""
@@ -305,6 +336,11 @@ class StepDriver:
         }
 
 
+def _host(host: str) -> str:
+    """An IPv4 address however a socket gave it (``::ffff:127.0.0.1`` is ``127.0.0.1``)."""
+    return host[7:] if host.startswith("::ffff:") else host
+
+
 def _own_s(o: dict) -> float:
     """A rank's own time in a step: its compute and the communication it waited for."""
     return o["compute_s"] + o["exposed_comm_s"]
@@ -312,89 +348,3 @@ def _own_s(o: dict) -> float:
 
 def _actor_gone(e: BaseException) -> bool:
     return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
-
-
-class _Heartbeat:
-    """The heartbeats of one step's wait (see the module docstring): a rank is silent once a
-    heartbeat that asked after it has gone unanswered for the whole timeout.
-
-    One question a node, not a rank (``TrainWorker.ping_node``): a worker there answers, and
-    says of its node-mates whether their processes run (``worker.liveness``), so the calls
-    grow with the nodes (a long lease at N = 32 sent about 54 pings a step, most of the
-    controller's CPU). A question a round unanswered asks again through another worker of the
-    node (the one asked may be the frozen one). A rank no node-mate can vouch for (no /proc,
-    its process unknown there) is asked on its own."""
-
-    def __init__(self, timeout_s: float | None, started: float, actors: dict[int, object],
-                 where: Callable[[int], tuple | None] | None = None):
-        self.timeout_s, self.actors = timeout_s, actors
-        self.where = where or (lambda w: None)     # worker id -> (node, pid, mark), or None
-        self.next_at = started + timeout_s / 4 if timeout_s else float("inf")
-        self.refs: dict = {}                       # question in flight -> (asked, sent at, ranks it covers)
-        self.waiting: dict[int, float] = {}        # worker id -> when it was first asked after since it was heard
-        self.direct: set[int] = set()              # asked on their own: no node-mate could vouch for them
-        self.sent_last = 0
-
-    def answer(self, ref) -> None:
-        """A question came back (a dead worker's fails; its step ref says how it died)."""
-        asked = self.refs.pop(ref, None)
-        if asked is None:
-            return
-        who, _, covers = asked
-        try:
-            states = ray.get(ref, timeout=0)
-        except Exception:  # noqa: BLE001 - the asked worker is gone; its step's own ref tells
-            return
-        for w in covers:
-            state = True if w == who else states.get(w)
-            if state:
-                self.waiting.pop(w, None)
-            elif state is None:
-                self.direct.add(w)   # stopped reads False and stays unheard; unknown is asked itself
-
-    def heard_again(self, wids: list[int]) -> None:
-        """These answered otherwise: they are not waited on."""
-        for w in wids:
-            self.waiting.pop(w, None)
-
-    def _group(self, w: int):
-        loc = self.where(w)
-        return ("rank", w) if loc is None or loc[2] is None or w in self.direct else loc[0]
-
-    def tick(self, pending: list[int]) -> list[int]:
-        """The ``pending`` workers unheard of for the whole timeout since a question asked after
-        them; if none, send the next questions."""
-        if self.refs:
-            # Every answer that has come, not only those the wait handed over one by one: a
-            # controller held up meanwhile must not read queued answers as silence.
-            ready, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
-            for ref in ready:
-                self.answer(ref)
-        now = time.perf_counter()
-        silent = [w for w in pending if w in self.waiting and now - self.waiting[w] >= self.timeout_s]
-        if silent:
-            self.sent_last = 0
-            return silent
-        groups: dict = collections.defaultdict(list)
-        for w in pending:
-            groups[self._group(w)].append(w)
-        asked: dict = collections.defaultdict(list)
-        for who, sent, _ in self.refs.values():
-            asked[self._group(who)].append((who, sent))
-        self.sent_last = 0
-        for key, members in groups.items():
-            out = asked.get(key, [])
-            if any(now - sent < self.timeout_s / 4 for _, sent in out):
-                continue   # asked this round
-            free = [w for w in members if w not in {who for who, _ in out}]
-            if not free:
-                continue
-            who = free[0]
-            mates = {} if isinstance(key, tuple) else {w: self.where(w)[1:] for w in members if w != who}
-            self.refs[self.actors[who].ping_node.remote(mates)] = (who, now, members)
-            for w in members:
-                self.waiting.setdefault(w, now)
-            self.sent_last += 1
-        oldest = min([self.waiting[w] for w in pending if w in self.waiting] + [now])
-        self.next_at = min(now + self.timeout_s / 4, oldest + self.timeout_s)
-        return []

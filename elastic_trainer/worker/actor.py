@@ -209,7 +209,7 @@ class TrainWorker(SnapshotServing):
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
                 "world": joined, "carried": carried, "group_parts": dict(self.groups.join_timings),
                 "timings": dict(zip(SETUP_PARTS, (b - a for a, b in zip(t, t[1:])))),
-                "moved": moved, "build": trainer.build_info}
+                "moved": moved, "build": trainer.build_info, "addresses": self.groups.addresses()}
 
     def _held_blocks(self, cfg: TrainerConfig):
         """The blocks of the last stage (kept by ``reset``), to reuse in the next if built alike."""

@@ -135,6 +135,12 @@ class GroupKeeper:
             sockets.cut()   # gloo closes them only once the last reference goes
             log.info("%s: let the %s group %s go", self.name, role, list(key))
 
+    def addresses(self) -> list[list]:
+        """[host, port] of this process's end of every connection its groups hold
+        (``GroupSockets.addresses``): how a peer's "connection closed" error names it."""
+        with self._lock:
+            return sorted({a for s in self._sockets.values() for a in s.addresses()})
+
     def state(self, busy: bool) -> dict:
         """What the controller settles a failure on: each intact group's key and the operations
         issued on it, and whether a step is still running here (``busy``)."""

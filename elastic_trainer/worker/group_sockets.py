@@ -67,11 +67,9 @@ class GroupSockets:
         """The groups are gone (destroyed): their fds may be reused by anything."""
         self._held = {}
 
-    def cut(self) -> int:
-        """Shut down the groups' connected TCP sockets, so that every receive on them ends now;
-        returns how many. The fds stay open (the groups still own them) until the groups are
-        destroyed."""
-        cut = 0
+    def _connected(self):
+        """Each held fd that is still the groups' and a connected TCP socket, as a duplicate
+        socket object (closed once the caller moves on): acting on it acts on the connection."""
         for fd, link in self._held.items():
             try:
                 dup = os.dup(fd)
@@ -86,16 +84,37 @@ class GroupSockets:
                 os.close(dup)
                 continue
             try:
-                if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
-                    continue
-                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    continue
-                # On the duplicate: shutdown acts on the connection, which both fds share.
+                if (s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
+                        and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                    yield s
+            except OSError:
+                pass
+            finally:
+                s.close()
+
+    def cut(self) -> int:
+        """Shut down the groups' connected TCP sockets, so that every receive on them ends now;
+        returns how many. The fds stay open (the groups still own them) until the groups are
+        destroyed."""
+        cut = 0
+        for s in self._connected():
+            try:
                 s.shutdown(socket.SHUT_RDWR)
                 cut += 1
             except OSError:
                 pass   # not connected (any more)
-            finally:
-                s.close()
         self._held = {}
         return cut
+
+    def addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of this process's end of each connection the groups hold: a peer whose
+        connection closes names it ("Connection closed by peer [host]:port"), which tells the
+        controller this process is gone before anything else does."""
+        out = []
+        for s in self._connected():
+            try:
+                host, port = s.getsockname()[:2]
+            except OSError:
+                continue
+            out.append((host, port))
+        return out

@@ -81,3 +81,53 @@ def test_a_collective_waiting_on_a_frozen_peer_ends_once_its_sockets_are_cut():
 def test_without_the_cut_it_waits_on():
     got = _run(cut=False)
     assert got["ended"] is None, got   # still waiting 3 s on (its timeout is 30 s)
+
+
+def _killed_peer(rank: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sockets = GroupSockets()
+    with sockets.opened_during():
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    t = torch.ones(64)
+    dist.all_reduce(t)
+    if rank == 1:
+        out.put({"rank": 1, "addresses": sockets.addresses()})
+        out.close()
+        out.join_thread()
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)   # its sockets close with it
+    try:
+        dist.all_reduce(t)
+        message = "returned"
+    except RuntimeError as e:
+        message = str(e)
+    out.put({"rank": 0, "error": message})
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_the_survivors_error_names_an_address_the_killed_peer_reported():
+    from elastic_trainer.controller.stepping import StepDriver
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_killed_peer, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {m["rank"]: m for m in (out.get(timeout=60), out.get(timeout=60))}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+    # The controller maps each reported address to its worker (here worker 7) and reads the
+    # survivor's error for them (StepDriver._named).
+    driver = StepDriver.__new__(StepDriver)
+    driver.set_peers({7: got[1]["addresses"]})
+    assert got[1]["addresses"] and driver._named(RuntimeError(got[0]["error"])) == [7], (got[1], got[0]["error"][:400])
