@@ -47,22 +47,6 @@ def whole_groups(states: dict[int, object]) -> set[Key]:
             if key not in broken and set(by) == set(key[1]) and len(set(by.values())) == 1}
 
 
-def stuck(states: dict[int, object]) -> set[int]:
-    """The workers still in their step (``busy``) that have issued more operations on a group
-    than a member that has left its step: they wait in it on that member, and only a cut ends
-    the wait (``group_state`` answers, as ``whole_groups`` takes them)."""
-    seqs: dict[Key, dict[int, int]] = {}
-    for wid, state in states.items():
-        if isinstance(state, dict):
-            for role, (members, seq) in state["held"].items():
-                seqs.setdefault((role, tuple(members)), {})[wid] = seq
-    out = set()
-    for by in seqs.values():
-        idle = [seq for w, seq in by.items() if not states[w]["busy"]]
-        out |= {w for w, seq in by.items() if states[w]["busy"] and idle and seq > min(idle)}
-    return out
-
-
 def keep_for(keys: dict[int, dict[str, list[int]]], whole: set[Key]) -> dict[int, list[str]]:
     """rank -> the roles whose group the rank carries into the plan of ``keys``."""
     return {r: [role for role, members in by_role.items() if (role, tuple(members)) in whole]

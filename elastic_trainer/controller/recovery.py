@@ -21,7 +21,7 @@ from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan
 from .failures import Diagnosis, diagnose
-from .group_keys import carries_groups, plan_keys, stuck, whole_groups
+from .group_keys import carries_groups, plan_keys, whole_groups
 from .restore_points import RestorePoints
 from .run_state import RunState
 from .stepping import StepOutcome
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from .controller import Controller
 
 log = logging.getLogger(__name__)
-
-# How often, while survivors' steps end after a failure's first cut, to look whether those left
-# can end by themselves (Recovery._await_steps_ending).
-_STEP_END_POLL_S = 0.05
 
 
 class Recovery(RestorePoints):
@@ -187,30 +183,19 @@ class Recovery(RestorePoints):
         # that survivors wait in on each other (a ring's far side waits on ranks that failed
         # and kept the group), so those ranks end their steps too instead of reading busy.
         settle(lambda r: [role for role, m in keys[r].items() if all(w in pool for w in m)])
-        self._await_steps_ending(out, survivors)
+        pending = [ref for ref, w in out.inflight.items() if w in pool]
+        if pending:
+            # A busy host can take most of a second to end them (0.25 s left one busy in CI).
+            # Waiting only while one could still end by itself (none ahead, on a whole group,
+            # of a member that left its step) cut a recovery of the demo by a second, but in a
+            # full run read as stuck a rank that would have ended, and its pipeline group was
+            # not carried: the whole wait stays until a rank can say which group it waits in.
+            ray.wait(pending, num_returns=len(pending), timeout=self.cfg.failure.ping_timeout_s)
         # Then of the rest, those every member holds alike with no step running; a rank still
         # inside its step waits in a group, and all its groups are cut.
         whole = whole_groups(pool.ask("group_state", list(survivors.values()), self.cfg.failure.ping_timeout_s))
         settle(lambda r: [role for role, m in keys[r].items() if (role, tuple(m)) in whole])
         return whole
-
-    def _await_steps_ending(self, out: StepOutcome, survivors: dict[int, int]) -> None:
-        """Up to ``failure.ping_timeout_s`` for the survivors' steps to end after the first cut (a
-        busy host can take most of a second: 0.25 s left one busy in CI), but no longer than
-        while one of them could still end by itself: a rank waiting in a whole group on a
-        member that has left its step (``group_keys.stuck``) waits until it is cut."""
-        pool = self.ctl.pool
-        pending = {ref: w for ref, w in out.inflight.items() if w in pool}
-        end = time.perf_counter() + self.cfg.failure.ping_timeout_s
-        while pending and time.perf_counter() < end:
-            ready, _ = ray.wait(list(pending), num_returns=len(pending),
-                                timeout=min(_STEP_END_POLL_S, max(0.0, end - time.perf_counter())))
-            for ref in ready:
-                pending.pop(ref)
-            if pending:
-                states = pool.ask("group_state", list(survivors.values()), self.cfg.failure.ping_timeout_s)
-                if set(pending.values()) <= stuck(states):
-                    return
 
     def _quiesce(self, out: StepOutcome) -> None:
         """Let survivors abandon the failed step: with the lost workers killed, their

@@ -150,16 +150,3 @@ def test_survivors_keep_their_ranks_where_the_layout_stays():
     three = {0: 10, 1: 11, 2: 12, 3: 13, 4: 14, 5: 15}
     assert sticky_ranks(TOPO, Topology(3, 2), three, [11, 12, 13, 15]) == {0: 12, 1: 13, 2: 11, 3: 15}
     assert sticky_ranks(Topology(1, 2), Topology(3, 2), three, [10, 13, 15]) is None   # none whole
-
-
-def test_a_rank_ahead_of_a_member_that_left_its_step_is_stuck_until_cut():
-    from elastic_trainer.controller.group_keys import stuck
-
-    # Workers 0 and 2 share the dp group; 2 left its step after 5 operations on it, 0 issued
-    # a 6th and waits on 2. Worker 1 is still busy but behind its idle peer 3: it may end alone.
-    states = {0: {"busy": True, "held": {"dp": [[0, 2], 6], "pp": [[0, 1], 4]}},
-              2: {"busy": False, "held": {"dp": [[0, 2], 5]}},
-              1: {"busy": True, "held": {"pp": [[0, 1], 4], "dp": [[1, 3], 2]}},
-              3: {"busy": False, "held": {"dp": [[1, 3], 3]}},
-              4: TimeoutError()}
-    assert stuck(states) == {0}
