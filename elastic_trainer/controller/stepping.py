@@ -32,8 +32,8 @@ from .workers import ask_all
 # ranks blocked behind a vanished peer fail within milliseconds on loopback.
 _ERROR_GRACE_S = 0.3
 # A peer named by a survivor's error as the end of a connection that closed gets this long to
-# show it lives (answer its ping, or return its own error) before it counts as dead: 0.4 s
-# made a SIGKILL's recovery 1.29 s (median of 3), 0.2 s 1.07 s (of 5).
+# show it lives (answer its ping, or return its own error) before it counts as dead: a
+# SIGKILLed node is then detected 0.55-0.65 s after the kill (1.2 s waiting out a ping).
 _NAMED_GRACE_S = 0.2
 # "[host]:port" in gloo's connection errors ("Connection closed by peer [127.0.0.1]:10166").
 _PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
