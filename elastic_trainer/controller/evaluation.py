@@ -25,7 +25,12 @@ class Evaluator:
 
     def due(self) -> bool:
         """Whether the evaluation after the last committed step is still to run."""
-        step, ev = self.ctl.step, self.ev
+        return self.due_after(self.ctl.step)
+
+    def due_after(self, step: int) -> bool:
+        """Whether an evaluation is to run after ``step`` once it is committed (a lease issued
+        ahead must not run past it)."""
+        ev = self.ev
         if not ev.enabled or step == 0 or step in self.done:
             return False
         return step % ev.every == 0 or step == self.ctl.cfg.train.steps

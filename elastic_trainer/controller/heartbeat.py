@@ -88,7 +88,8 @@ class Heartbeat:
             out = asked.get(key, [])
             if any(now - sent < self.timeout_s / 4 for _, sent in out):
                 continue   # asked this round
-            free = [w for w in members if w not in {who for who, _ in out}]
+            busy = {who for who, _ in out}
+            free = [w for w in members if w not in busy]
             if not free:
                 continue
             who = free[0]

@@ -74,10 +74,8 @@ class StepLoop:
         re-plan) takes effect a lease later."""
         ctl = self.ctl
         first = done.step + done.count
-        ev = ctl.cfg.eval
-        last = first - 1
         if (done.count <= 1 or first > ctl.cfg.train.steps or ctl._stop.is_set()
-                or (ev.enabled and (last % ev.every == 0 or last == ctl.cfg.train.steps))
+                or ctl.evaluator.due_after(first - 1)
                 or self.one_step_at_a_time() or not ctl.recovery.quiet() or ctl.schedule.requested):
             return None
         count = lease_length(ctl.cfg, first, ctl.schedule, False)

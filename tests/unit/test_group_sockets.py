@@ -20,7 +20,8 @@ from elastic_trainer.worker.process_group import free_port
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd (Linux)")
 
 
-def _rank(rank: int, port: int, cut_after_s: float | None, out) -> None:
+def _joined(rank: int, port: int):
+    """Join a 2-rank gloo world on loopback and run one all-reduce: its sockets, and the tensor."""
     import torch
     import torch.distributed as dist
 
@@ -30,6 +31,13 @@ def _rank(rank: int, port: int, cut_after_s: float | None, out) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
     t = torch.ones(64)
     dist.all_reduce(t)
+    return sockets, t
+
+
+def _rank(rank: int, port: int, cut_after_s: float | None, out) -> None:
+    import torch.distributed as dist
+
+    sockets, t = _joined(rank, port)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)   # frozen: alive, its sockets open, answering nothing
         return
@@ -84,15 +92,9 @@ def test_without_the_cut_it_waits_on():
 
 
 def _killed_peer(rank: int, port: int, out) -> None:
-    import torch
     import torch.distributed as dist
 
-    sockets = GroupSockets()
-    with sockets.opened_during():
-        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
-    t = torch.ones(64)
-    dist.all_reduce(t)
+    sockets, t = _joined(rank, port)
     if rank == 1:
         out.put({"rank": 1, "addresses": sockets.addresses()})
         out.close()
