@@ -127,6 +127,7 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int, how: str = "kill")
         "sources": rec["sources"], "plan_before": rec["plan_before"], "plan_after": rec["plan_after"],
         "steady_step_s": steady(before), "steady_step_s_after": steady(after, skip=2),
         "reason": rec["reason"],
+        "settle_wait_s": rec.get("settle_wait_s"), "settle_wait_end": rec.get("settle_wait_end"),
     }
 
 
@@ -181,7 +182,8 @@ def losses_main(args) -> None:
         for r in runs:
             print(f"         {r['kill_to_first_step_s']:.2f} s: first error {r['kill_to_first_error_s']:.2f}, "
                   f"detect {r['kill_to_detect_s']:.2f}, re-plan {r['replan_s']:.2f}, restore {r['restore_s']:.2f}, "
-                  f"first step {r['first_step_s']:.2f}; redone {r['steps_redone']}")
+                  f"first step {r['first_step_s']:.2f}; redone {r['steps_redone']}; settle wait "
+                  f"{r['settle_wait_s']} s ({r['settle_wait_end']})")
     res = ROOT / "benchmarks" / "results"
     res.mkdir(parents=True, exist_ok=True)
     (res / "recovery_losses.json").write_text(json.dumps(out, indent=1, default=str))

@@ -21,12 +21,13 @@ from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan
 from .failures import Diagnosis, diagnose
-from .group_keys import carries_groups, plan_keys, whole_groups
+from .group_keys import carries_groups
+from .group_settle import settle_groups
 from .restore_points import RestorePoints
 from .run_state import RunState
 from .stepping import StepOutcome
 from .survivors import ShrunkWorld, end_collectives, shrunk_ranks
-from .workers import ask_all, failed
+from .workers import failed
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -53,6 +54,7 @@ class Recovery(RestorePoints):
         self.relayed_reads = 0  # and those it read through their live writer
         self._shrinks = 0
         self.whole: set | None = None   # the groups a failure left whole, for the next plan to carry
+        self.settle_wait: dict = {}     # how the settle round's wait for survivors' steps ended
 
     # -- detect ----------------------------------------------------------------------------
     def recover(self, out: StepOutcome) -> None:
@@ -167,34 +169,10 @@ class Recovery(RestorePoints):
             silent=silent)
 
     def _settle_groups(self, out: StepOutcome) -> set:
-        """gloo: which groups of the failed plan are whole (``group_keys``), to carry into the
-        next. Every survivor is told to keep those and cut the rest, which ends what any rank
-        still waits in, on a peer that died or on one that went silent (a frozen node's
-        sockets stay open, so only the cut ends a wait on it)."""
-        ctl, pool = self.ctl, self.ctl.pool
-        keys = plan_keys(ctl.plan.topology, dict(ctl.ranks))
-        survivors = {r: w for r, w in ctl.ranks.items() if w in pool}
-
-        def settle(keep) -> None:
-            ask_all({w: pool[w].actor.settle_groups.remote(keep(r)) for r, w in survivors.items()},
-                    self.cfg.failure.ping_timeout_s)
-
-        # First the groups with a lost member, never whole: cutting them ends the collectives
-        # that survivors wait in on each other (a ring's far side waits on ranks that failed
-        # and kept the group), so those ranks end their steps too instead of reading busy.
-        settle(lambda r: [role for role, m in keys[r].items() if all(w in pool for w in m)])
-        pending = [ref for ref, w in out.inflight.items() if w in pool]
-        if pending:
-            # A busy host can take most of a second to end them (0.25 s left one busy in CI).
-            # Waiting only while one could still end by itself (none ahead, on a whole group,
-            # of a member that left its step) cut a recovery of the demo by a second, but in a
-            # full run read as stuck a rank that would have ended, and its pipeline group was
-            # not carried: the whole wait stays until a rank can say which group it waits in.
-            ray.wait(pending, num_returns=len(pending), timeout=self.cfg.failure.ping_timeout_s)
-        # Then of the rest, those every member holds alike with no step running; a rank still
-        # inside its step waits in a group, and all its groups are cut.
-        whole = whole_groups(pool.ask("group_state", list(survivors.values()), self.cfg.failure.ping_timeout_s))
-        settle(lambda r: [role for role, m in keys[r].items() if (role, tuple(m)) in whole])
+        """gloo: the groups of the failed plan that are whole, which the survivors keep for the
+        next plan to carry (``group_settle``); the rest are cut."""
+        whole, self.settle_wait = settle_groups(self.ctl.pool, self.ctl.plan.topology, dict(self.ctl.ranks), out,
+                                                self.cfg.failure.ping_timeout_s)
         return whole
 
     def _quiesce(self, out: StepOutcome) -> None:
@@ -274,9 +252,10 @@ class Recovery(RestorePoints):
                 _resumed=t2,
                 restore_parts=dict(ctl.setup_timings), parts_from_holders=self.holder_reads,
                 parts_relayed=self.relayed_reads,
-                **ctl.restore_moved,
+                **ctl.restore_moved, **self.settle_wait,
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
+            self.settle_wait = {}
             self._replan_reason = self._cut = None   # this plan already leaves every benched worker out
             ctl.bench.after_replan(ctl.step)
             log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",

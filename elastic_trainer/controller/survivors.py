@@ -5,7 +5,7 @@ gone, so nothing is sent; where a peer went silent instead (no heartbeat: its
 node froze, its sockets stay open), every survivor is told to cut its groups'
 sockets (``worker.group_sockets``), which ends its collective at once; where
 the run carries groups across re-plans, the recovery's settle round cuts just
-the groups a lost member was in instead (``Recovery._settle_groups``). On NCCL it would wait on the GPU for good, so every
+the groups a lost member was in instead (``group_settle``). On NCCL it would wait on the GPU for good, so every
 survivor is told to end it (``TrainWorker.abort_comms``). Where the backend
 can shrink a communicator, the survivors drop the lost ranks in place: the
 replicas that lost a rank leave whole (their live ranks abort and become

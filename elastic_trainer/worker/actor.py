@@ -33,6 +33,7 @@ from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .snapshot_serving import SnapshotServing
+from .wait_site import waiting_in
 
 if TYPE_CHECKING:
     # Imported by the worker itself (``_stage_trainer``): torch.distributed.pipelining takes about
@@ -78,6 +79,7 @@ class TrainWorker(SnapshotServing):
         self._aborted_upto = 0  # set-ups of this generation and older are abandoned
         self._done_step = 0   # the last step completed (train_lease's progress, for a failure)
         self._busy = 0        # steps, leases and evaluations running now
+        self._step_thread: int | None = None   # the thread steps run on (what ``group_state`` reads)
         self._hold_on_failure = True   # failure.keep_groups of the current plan
         self._build_key = None
         self._kept = None   # (build key, blocks, device) of the last stage, until the next set-up
@@ -257,6 +259,7 @@ class TrainWorker(SnapshotServing):
         job = None
         bind(self.gpu)
         self._busy += 1
+        self._step_thread = threading.get_ident()
         try:
             if self.faults.injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
@@ -341,9 +344,11 @@ class TrainWorker(SnapshotServing):
 
     @ray.method(concurrency_group="control")
     def group_state(self) -> dict:
-        """Each intact group's key and operation count, and whether a step runs here (what the
-        controller settles a failure on, ``GroupKeeper.state``)."""
-        return self.groups.state(busy=self._busy > 0)
+        """Each intact group's key and operation count, whether a step runs here, and the role of
+        the group it is blocked in, if at a wait ``wait_site`` knows (what the controller settles
+        a failure on, ``GroupKeeper.state``)."""
+        busy = self._busy > 0
+        return self.groups.state(busy=busy, waiting=waiting_in(self._step_thread) if busy else None)
 
     @ray.method(concurrency_group="control")
     def settle_groups(self, keep: list[str]) -> int:

@@ -141,9 +141,10 @@ class GroupKeeper:
         with self._lock:
             return sorted({a for s in self._sockets.values() for a in s.addresses()})
 
-    def state(self, busy: bool) -> dict:
+    def state(self, busy: bool, waiting: str | None = None) -> dict:
         """What the controller settles a failure on: each intact group's key and the operations
-        issued on it, and whether a step is still running here (``busy``)."""
+        issued on it, whether a step is still running here (``busy``), and the role of the group
+        that step is blocked in (``waiting``, ``wait_site``), if known."""
         with self._lock:
             held = {}
             if self.backend == "gloo" and dist.is_initialized():
@@ -151,7 +152,7 @@ class GroupKeeper:
                     pg = self._group(role)
                     if pg is not None:
                         held[role] = [list(key), sequence(pg)]
-            return {"busy": busy, "held": held}
+            return {"busy": busy, "held": held, "waiting": waiting}
 
     def settle(self, keep: list[str]) -> int:
         """After a failure: keep the groups of roles ``keep`` as they are, cut every other

@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import signal
 
-from elastic_trainer.controller.group_keys import count_groups, keep_for, plan_keys, whole_groups
+from elastic_trainer.controller.group_keys import count_groups, keep_for, plan_keys, stuck, whole_groups
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.worker.process_group import free_port
 
@@ -138,6 +138,33 @@ def test_a_busy_member_or_one_lost_leaves_its_groups_to_be_built_again():
     # Worker 13 is lost (no answer): its two groups go.
     lost = {**every, 13: TimeoutError("no answer")}
     assert whole_groups(lost) == {("dp", (10, 12)), ("pp", (10, 11))}
+
+
+def test_stuck_is_a_rank_blocked_in_a_whole_group_on_an_operation_its_idle_peers_never_issued():
+    keys = plan_keys(TOPO, PLAN_A)
+
+    def state(r, busy=False, waiting=None, dp_seq=3, pp_seq=5, roles=("dp", "pp")):
+        seqs = {"dp": dp_seq, "pp": pp_seq}
+        return {"busy": busy, "waiting": waiting, "held": {k: [keys[r][k], seqs[k]] for k in roles}}
+
+    # Worker 13 was lost; the first cut let 11 go of dp (11, 13) and 12 of pp (12, 13); both left
+    # their steps. Worker 10 waits in pp (10, 11) for an operation 11 never issued.
+    left = {10: state(0, busy=True, waiting="pp", pp_seq=6), 11: state(1, roles=("pp",)),
+            12: state(2, roles=("dp",))}
+    assert stuck(left) == {10}
+    # Not while 11 is still in its step (it may yet issue it), nor where 11 issued as many.
+    assert stuck({**left, 11: state(1, busy=True, roles=("pp",))}) == set()
+    assert stuck({**left, 10: state(0, busy=True, waiting="pp", pp_seq=5)}) == set()
+    # Nor while 10 computes (no known wait), or waits in a group it no longer holds (cut: it ends).
+    assert stuck({**left, 10: state(0, busy=True, pp_seq=6)}) == set()
+    assert stuck({**left, 10: state(0, busy=True, waiting="pp", pp_seq=6, roles=("dp",))}) == set()
+    # Blocked in the gradients' all-reduce on dp (10, 12), one collective ahead of idle 12.
+    assert stuck({**left, 10: state(0, busy=True, waiting="dp", dp_seq=4)}) == {10}
+    # A pipeline group of more than two stages: counts differ by stage, so never read stuck.
+    members = [20, 21, 22, 23]
+    four = {w: {"busy": w == 20, "waiting": "pp" if w == 20 else None, "held": {"pp": [members, 9 if w == 20 else 4]}}
+            for w in members}
+    assert stuck(four) == set()
 
 
 def test_survivors_keep_their_ranks_where_the_layout_stays():

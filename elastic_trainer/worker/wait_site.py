@@ -1,0 +1,43 @@
+"""Which group a rank's step is blocked in, read off its training thread's Python frames.
+
+After a failure the controller cuts the groups that lost a member and waits for
+the survivors' steps to end; what it cannot tell from outside is whether a
+survivor still in its step can end by itself. A step blocked in a group whose
+other members have all left their steps, on an operation none of them issued,
+cannot: only a cut ends it (``controller.group_keys.stuck``). This module names
+the two waits that happen there: a pipeline stage's point-to-point wait
+(torch's ``_wait_batch_p2p``), and the wait for the gradients' all-reduce
+(``GradSync.finish`` joining its comm thread). Anywhere else it says nothing,
+and the controller waits for the step as before.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+_THREADING = threading.__file__
+_PIPELINE_WAIT = ("_wait_batch_p2p", "torch/distributed/pipelining/schedules.py")
+
+
+def waiting_in(thread_id: int | None) -> str | None:
+    """``"pp"`` or ``"dp"``: the role of the group the thread ``thread_id`` now waits in, where it
+    is blocked at one of the two waits this module knows; else None (running, or waiting
+    elsewhere)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    joined = False   # the innermost frames are threading's: a join or an event's wait
+    while frame is not None and frame.f_code.co_filename == _THREADING:
+        frame, joined = frame.f_back, True
+    if frame is None:
+        return None
+    code = frame.f_code
+    if code.co_name == _PIPELINE_WAIT[0] and code.co_filename.replace("\\", "/").endswith(_PIPELINE_WAIT[1]):
+        return "pp"
+    if joined and code is _grad_sync_finish():
+        return "dp"
+    return None
+
+
+def _grad_sync_finish():
+    from ..comm.grad_sync import GradSync
+    return GradSync.finish.__code__

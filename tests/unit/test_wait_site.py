@@ -1,0 +1,108 @@
+"""A rank blocked in a pipeline receive or in its gradients' all-reduce is read as waiting in that
+group, with one more operation issued on it than its idle peer; once the peer answers, it is not.
+
+Two real gloo processes on loopback, the real GradSync and torch's pipeline wait; no Ray.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from elastic_trainer.controller.group_keys import stuck
+from elastic_trainer.worker.process_group import free_port
+
+
+def _read_until(thread: threading.Thread, want: str | None, timeout_s: float = 10.0) -> str | None:
+    from elastic_trainer.worker.wait_site import waiting_in
+
+    deadline = time.monotonic() + timeout_s
+    got = waiting_in(thread.ident)
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+        got = waiting_in(thread.ident)
+    return got
+
+
+def _rank(rank: int, port: int, kind: str, go, out) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+    from elastic_trainer.comm.grad_sync import GradSync
+    from elastic_trainer.comm.stats import CommStats
+    from elastic_trainer.config import CommSection
+    from elastic_trainer.worker.group_carry import sequence
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    group = dist.group.WORLD
+    layer = torch.nn.Linear(4, 4)
+    sync = GradSync(list(layer.named_parameters()), group, 2, CommSection(), accumulations=1)
+    t = torch.zeros(8)
+
+    def blocked() -> None:
+        if kind == "pp":
+            _wait_batch_p2p(dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 1 - rank, group)]))
+        else:
+            sync.begin_step(1)
+            layer(torch.ones(2, 4)).sum().backward()   # the hooks hand the bucket to the comm thread
+            sync.finish(CommStats())
+
+    if rank == 0:
+        go.wait(30)   # idle until rank 1 has been read, then the matching operation
+        if kind == "pp":
+            dist.send(torch.ones(8), 1, group)
+        else:
+            blocked()
+        out.put({"rank": 0, "seq": sequence(group)})
+    else:
+        th = threading.Thread(target=blocked, daemon=True)
+        th.start()
+        waiting = _read_until(th, kind)
+        seq = sequence(group)
+        go.set()
+        th.join(20)
+        out.put({"rank": 1, "waiting": waiting, "seq_blocked": seq, "ended": not th.is_alive(),
+                 "after": _read_until(th, None, 1.0)})
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def _run(kind: str) -> dict:
+    ctx = multiprocessing.get_context("fork")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_rank, args=(r, port, kind, go, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        return {m["rank"]: m for m in (out.get(timeout=60), out.get(timeout=60))}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+
+
+@pytest.mark.parametrize("kind", ["pp", "dp"])
+def test_a_blocked_step_names_its_group_and_is_stuck_only_while_its_peer_is_idle(kind):
+    got = _run(kind)
+    blocked = got[1]
+    assert blocked["waiting"] == kind and blocked["ended"] and blocked["after"] is None, got
+    # While rank 1 waited, idle rank 0 had issued one operation fewer on the group: the
+    # controller reads rank 1 as stuck, and not once rank 0 has issued it too.
+    key = [0, 1]
+    seq_idle = got[0]["seq"] - 1   # rank 0's count before the one matching operation
+    states = {1: {"busy": True, "waiting": kind, "held": {kind: [key, blocked["seq_blocked"]]}},
+              0: {"busy": False, "waiting": None, "held": {kind: [key, seq_idle]}}}
+    assert stuck(states) == {1}, got
+    states[0]["held"][kind][1] = got[0]["seq"]
+    assert stuck(states) == set(), got
