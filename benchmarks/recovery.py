@@ -128,6 +128,7 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int, how: str = "kill")
         "steady_step_s": steady(before), "steady_step_s_after": steady(after, skip=2),
         "reason": rec["reason"],
         "settle_wait_s": rec.get("settle_wait_s"), "settle_wait_end": rec.get("settle_wait_end"),
+        "settle_left": rec.get("settle_left"),
     }
 
 
@@ -183,7 +184,7 @@ def losses_main(args) -> None:
             print(f"         {r['kill_to_first_step_s']:.2f} s: first error {r['kill_to_first_error_s']:.2f}, "
                   f"detect {r['kill_to_detect_s']:.2f}, re-plan {r['replan_s']:.2f}, restore {r['restore_s']:.2f}, "
                   f"first step {r['first_step_s']:.2f}; redone {r['steps_redone']}; settle wait "
-                  f"{r['settle_wait_s']} s ({r['settle_wait_end']})")
+                  f"{r['settle_wait_s']} s ({r['settle_wait_end']}; left in a step: {r['settle_left']})")
     res = ROOT / "benchmarks" / "results"
     res.mkdir(parents=True, exist_ok=True)
     (res / "recovery_losses.json").write_text(json.dumps(out, indent=1, default=str))

@@ -57,7 +57,7 @@ def _await_steps_ending(pool: "WorkerPool", out: "StepOutcome", survivors: list[
     pending = {ref: w for ref, w in out.inflight.items() if w in pool}
     t0 = time.perf_counter()
     end = t0 + timeout_s
-    why = "steps ended"
+    why, states = "steps ended", {}
     while pending:
         left = end - time.perf_counter()
         if left <= 0:
@@ -66,8 +66,13 @@ def _await_steps_ending(pool: "WorkerPool", out: "StepOutcome", survivors: list[
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(_STEP_END_POLL_S, left))
         for ref in ready:
             pending.pop(ref)
-        if pending and set(pending.values()) <= stuck(pool.ask("group_state", survivors, timeout_s)):
-            why = "stuck"
-            break
+        if pending:
+            states = pool.ask("group_state", survivors, timeout_s)
+            if set(pending.values()) <= stuck(states):
+                why = "stuck"
+                break
+    # Where each step left running was, as last read: the group it waits in, or its innermost
+    # frame where that is no wait ``worker.wait_site`` names (why a wait ran out).
     return {"settle_wait_s": round(time.perf_counter() - t0, 3), "settle_wait_end": why,
-            "settle_stuck": sorted(pending.values())}
+            "settle_left": {w: (states[w].get("waiting") or states[w].get("at")) if isinstance(states.get(w), dict)
+                            else None for w in sorted(pending.values())}}

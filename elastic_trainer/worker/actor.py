@@ -33,7 +33,7 @@ from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .snapshot_serving import SnapshotServing
-from .wait_site import waiting_in
+from .wait_site import waiting_in, where
 
 if TYPE_CHECKING:
     # Imported by the worker itself (``_stage_trainer``): torch.distributed.pipelining takes about
@@ -348,7 +348,10 @@ class TrainWorker(SnapshotServing):
         the group it is blocked in, if at a wait ``wait_site`` knows (what the controller settles
         a failure on, ``GroupKeeper.state``)."""
         busy = self._busy > 0
-        return self.groups.state(busy=busy, waiting=waiting_in(self._step_thread) if busy else None)
+        state = self.groups.state(busy=busy, waiting=waiting_in(self._step_thread, self.groups.role_of) if busy else None)
+        if busy and state["waiting"] is None:
+            state["at"] = where(self._step_thread)   # for the recovery event, where a wait runs out
+        return state
 
     @ray.method(concurrency_group="control")
     def settle_groups(self, keep: list[str]) -> int:

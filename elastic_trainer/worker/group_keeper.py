@@ -154,6 +154,10 @@ class GroupKeeper:
                         held[role] = [list(key), sequence(pg)]
             return {"busy": busy, "held": held, "waiting": waiting}
 
+    def role_of(self, pg) -> str | None:
+        """The role (``dp``, ``pp``) of this plan's group ``pg``; None for any other group."""
+        return next((role for role, g in self._pgs.items() if g is pg and pg is not None), None)
+
     def settle(self, keep: list[str]) -> int:
         """After a failure: keep the groups of roles ``keep`` as they are, cut every other
         group's sockets (the world's too), so whatever waits in them ends now. Returns the
