@@ -27,10 +27,7 @@ def waiting_in(thread_id: int | None, role_of=lambda group: None) -> str | None:
     """``"pp"`` or ``"dp"``: the role of the group the thread ``thread_id`` now waits in, where it
     is blocked at a wait this module knows; else None (running, or waiting elsewhere).
     ``role_of``: the role of a process group this rank holds, None for any other."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    joined = False   # the innermost frames are threading's: a join or an event's wait
-    while frame is not None and frame.f_code.co_filename == _THREADING:
-        frame, joined = frame.f_back, True
+    frame, joined = _innermost(thread_id)
     if frame is None:
         return None
     code = frame.f_code
@@ -47,12 +44,20 @@ def waiting_in(thread_id: int | None, role_of=lambda group: None) -> str | None:
 def where(thread_id: int | None) -> str | None:
     """``file:function:line`` of the thread's innermost frame outside ``threading``: where a step
     the controller waits on is, when it is at no wait ``waiting_in`` names."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    while frame is not None and frame.f_code.co_filename == _THREADING:
-        frame = frame.f_back
+    frame, _ = _innermost(thread_id)
     if frame is None:
         return None
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}:{frame.f_lineno}"
+
+
+def _innermost(thread_id: int | None):
+    """The thread's innermost frame outside ``threading``, and whether frames of ``threading``
+    were inside it (a join or an event's wait)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    joined = False
+    while frame is not None and frame.f_code.co_filename == _THREADING:
+        frame, joined = frame.f_back, True
+    return frame, joined
 
 
 def _grad_sync_finish():
