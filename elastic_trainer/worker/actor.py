@@ -348,9 +348,11 @@ class TrainWorker(SnapshotServing):
         the group it is blocked in, if at a wait ``wait_site`` knows (what the controller settles
         a failure on, ``GroupKeeper.state``)."""
         busy = self._busy > 0
-        state = self.groups.state(busy=busy, waiting=waiting_in(self._step_thread, self.groups.role_of) if busy else None)
-        if busy and state["waiting"] is None:
-            state["at"] = where(self._step_thread)   # for the recovery event, where a wait runs out
+        state = self.groups.state(busy=busy)
+        if busy:
+            state["waiting"] = waiting_in(self._step_thread, self.groups.role_of)
+            if state["waiting"] is None:
+                state["at"] = where(self._step_thread)   # for the recovery event, where a wait runs out
         return state
 
     @ray.method(concurrency_group="control")

@@ -141,10 +141,9 @@ class GroupKeeper:
         with self._lock:
             return sorted({a for s in self._sockets.values() for a in s.addresses()})
 
-    def state(self, busy: bool, waiting: str | None = None) -> dict:
+    def state(self, busy: bool) -> dict:
         """What the controller settles a failure on: each intact group's key and the operations
-        issued on it, whether a step is still running here (``busy``), and the role of the group
-        that step is blocked in (``waiting``, ``wait_site``), if known."""
+        issued on it, and whether a step is still running here (``busy``)."""
         with self._lock:
             held = {}
             if self.backend == "gloo" and dist.is_initialized():
@@ -152,7 +151,7 @@ class GroupKeeper:
                     pg = self._group(role)
                     if pg is not None:
                         held[role] = [list(key), sequence(pg)]
-            return {"busy": busy, "held": held, "waiting": waiting}
+            return {"busy": busy, "held": held}
 
     def role_of(self, pg) -> str | None:
         """The role (``dp``, ``pp``) of this plan's group ``pg``; None for any other group."""

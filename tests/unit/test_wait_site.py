@@ -1,5 +1,6 @@
-"""A rank blocked in a pipeline receive, its gradients' all-reduce or a collective on a group it holds
-is read as waiting in that group, with one more operation issued on it than its idle peer; once the peer answers, it is not.
+"""A rank blocked in a pipeline receive, its gradients' all-reduce or a collective on a group it
+holds is read as waiting in that group, with one more operation issued on it than its idle peer;
+once the peer answers, it is not.
 
 Two real gloo processes on loopback, the real GradSync and torch's pipeline wait; no Ray.
 """
