@@ -9,13 +9,21 @@ steps:
 - the controller's time per step (``controller_s`` in the step record): the
   step's wall time minus the slowest worker's whole ``train_step`` call (what
   issuing, waiting for and gathering the step costs); with leases
-  (``--lease-steps``) the lease's wall time minus the most any rank spent in
-  its step calls, spread over the lease's steps; mean, median and 90th
+  (``--lease-steps``), on each rank's own clock, the time from the end of its
+  last call to the end of the lease, minus the most any rank spent in its
+  step calls, spread over the lease's steps; mean, median and 90th
   percentile;
+- of that, how long the ranks waited for a grant that had not come when the
+  slowest of them ended the step before (``grant_wait_s``): the part the
+  controller's own pace decides; the rest is Ray handing each rank its next
+  call (a lease renewed while the last one runs, ``control.renew_early``,
+  waits in the rank's queue, so its grant wait is 0);
 - the controller process's CPU seconds per step (``controller_cpu_s`` in the
   step record, all its threads, Ray's sending and taking of its calls
   included): what driving costs apart from waiting for a core, which on
-  this 2-core host with N worker processes is most of its wall time;
+  this 2-core host with N worker processes is most of its wall time; and
+  per second of the run (its share of a core), since the heartbeat's
+  questions come per unit of time, not per step;
 - beside it, the step's time beyond the slowest worker's compute and exposed
   communication (``step_time_s - worker_s``, the first measure): it also
   holds each rank's own Python between its passes;
@@ -39,6 +47,7 @@ Run on a quiet machine (each N starts N worker processes; 32 on this
     python benchmarks/control_plane.py                    # N = 4, 8, 16, 32
     python benchmarks/control_plane.py --workers 4,8,16,32,64
     python benchmarks/control_plane.py --lease-steps 1,16 --memory-every 16 --no-recovery   # with leases and without
+    python benchmarks/control_plane.py --lease-steps 16-end,16 --memory-every 16 --no-recovery   # renewed at the end, early
     python benchmarks/control_plane.py --pp 2             # dp=N/2 x pp=2: groups carried on a loss
 
 Writes benchmarks/results/control_plane.json.
@@ -64,10 +73,10 @@ NODES = 4
 
 
 def tiny_config(n: int, steps: int, name: str, corpus: str, lease: int = 1, memory_every="auto",
-                pp: int = 1, keep_groups: bool = True) -> dict:
+                pp: int = 1, keep_groups: bool = True, renew_early: bool = True) -> dict:
     per_node = max(1, n // NODES)
     raw = {
-        "control": {"lease_steps": lease},
+        "control": {"lease_steps": lease, "renew_early": renew_early},
         "checkpoint": {"memory_every": memory_every},
         "run": {"name": name, "log_every": 100_000, "report_dir": None, "output_dir": tempfile.mkdtemp()},
         "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "d_model": 16},
@@ -97,7 +106,16 @@ def calls_per_step(history: list[dict]) -> float:
     return (history[-1]["actor_calls"] - history[0]["actor_calls"]) / (len(history) - 1)
 
 
-def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int = 1, memory_every="auto",
+def lease_spec(spec: str) -> tuple[int, bool]:
+    """``16``: leases of 16, each renewed while the last runs (``control.renew_early``);
+    ``16-end``: granted once the last one's results are in."""
+    steps, _, when = spec.partition("-")
+    if when not in ("", "end"):
+        raise SystemExit(f"--lease-steps: {spec!r} is not N or N-end")
+    return int(steps), when != "end"
+
+
+def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: str = "1", memory_every="auto",
             pp: int = 1, keep_groups: bool = True) -> dict:
     from ray.cluster_utils import Cluster
     import ray
@@ -109,8 +127,9 @@ def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int
     c.wait_for_nodes()
     ray.init(address=c.address)
     try:
-        raw = tiny_config(n, steps, f"cp{n}l{lease}{'k' if kill else ''}", corpus, lease, memory_every, pp,
-                          keep_groups)
+        count, early = lease_spec(lease)
+        raw = tiny_config(n, steps, f"cp{n}l{count}{'' if early else 'e'}{'k' if kill else ''}", corpus, count,
+                          memory_every, pp, keep_groups, early)
         cfg = TrainerConfig.model_validate(raw)
         done = set()
 
@@ -134,11 +153,17 @@ def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: int
     out = {"workers": n, "lease_steps": lease, "steps": len(h), "wall_s": wall,
            "controller_s_median": statistics.median(over), "controller_s_p90": over[int(0.9 * (len(over) - 1))],
            "controller_s_mean": statistics.fmean(over), "beyond_compute_s_mean": statistics.fmean(beyond),
+           # Of the controller's time, the ranks' wait for a grant that had not come when their last
+           # step ended (``grant_wait_s``); what is left is Ray handing a rank its next call.
+           "grant_wait_s_mean": statistics.fmean(r["grant_wait_s"] or 0.0 for r in h),
            "step_s_median": statistics.median(r["step_time_s"] for r in h),
            "calls_per_step": calls_per_step(h),
            # The controller process's CPU (all its threads) per step: what driving costs, apart
            # from waiting for one of this host's two cores.
            "controller_cpu_s_per_step": (h[-1]["controller_cpu_s"] - h[0]["controller_cpu_s"]) / max(1, len(h) - 1),
+           # And per second of the run: its heartbeat asks each node every quarter of
+           # failure.heartbeat_timeout_s, so a longer step holds more of them.
+           "controller_cpu_share": (h[-1]["controller_cpu_s"] - h[0]["controller_cpu_s"]) / max(1e-9, h[-1]["time"] - h[0]["time"]),
            "snapshot_steps": sum(1 for r in h if r.get("snapshot"))}
     if kill and result.recoveries:
         rec = result.recoveries[0]
@@ -182,7 +207,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-recovery", action="store_true", help="leave out the run with a node killed")
     ap.add_argument("--lease-steps", default="1",
-                    help="control.lease_steps to run each N with, comma-separated (1: every step driven)")
+                    help="control.lease_steps to run each N with, comma-separated (1: every step driven); "
+                         "N-end: each lease granted once the last one's results are in (control.renew_early "
+                         "false), not while it runs")
     ap.add_argument("--memory-every", default="auto",
                     help="checkpoint.memory_every (a lease ends at each snapshot step)")
     ap.add_argument("--pp", type=int, default=1, choices=(1, 2),
@@ -196,7 +223,9 @@ def main() -> None:
     corpus = os.path.join(tempfile.mkdtemp(), "stdlib")
     prepare_stdlib_corpus(corpus, 16, max_bytes=256 << 10)
     memory_every = args.memory_every if args.memory_every == "auto" else int(args.memory_every)
-    leases = [int(x) for x in args.lease_steps.split(",")]
+    leases = args.lease_steps.split(",")
+    for spec in leases:
+        lease_spec(spec)
     rows = []
     for n in [int(x) for x in args.workers.split(",")]:
         for lease in leases:
@@ -213,8 +242,9 @@ def main() -> None:
     for lease in leases:
         sub = [r for r in rows if r["lease_steps"] == lease]
         xs = [r["workers"] for r in sub]
-        tag = "" if len(leases) == 1 else f"lease{lease}_"
-        for key in ("controller_s_mean", "controller_cpu_s_per_step", "beyond_compute_s_mean", "calls_per_step"):
+        tag = "" if len(leases) == 1 else f"lease{lease}_".replace("-", "_")
+        for key in ("controller_s_mean", "grant_wait_s_mean", "controller_cpu_s_per_step", "controller_cpu_share",
+                    "beyond_compute_s_mean", "calls_per_step"):
             ys = [r[key] for r in sub]
             if all(y is not None for y in ys) and len(xs) >= 2:
                 fits[tag + key] = fit(xs, ys)
@@ -222,15 +252,17 @@ def main() -> None:
             for phase in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s"):
                 fits[f"{tag}recovery_{phase}"] = fit(xs, [r["recovery"][phase] for r in sub])
     print(f"\nsnapshots: checkpoint.memory_every {memory_every}")
-    print("\n| N | lease | controller ms/step (mean; median, p90) | controller CPU ms/step | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, of it rendezvous, total) | groups carried / built |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | lease | controller ms/step (mean; median, p90) | of it, waiting for a grant | controller CPU ms/step (share of a core) | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, of it rendezvous, total) | groups carried / built |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rec = r.get("recovery") or {}
         rs = ", ".join(f"{rec[k]:.2f}" for k in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s")) if rec else "-"
         rs += f" | {rec.get('groups_carried')} / {rec.get('groups_built')}" if rec else " | -"
         print(f"| {r['workers']} | {r['lease_steps']} | {r['controller_s_mean'] * 1e3:.2f}; "
               f"{r['controller_s_median'] * 1e3:.2f}, {r['controller_s_p90'] * 1e3:.2f} | "
-              f"{r['controller_cpu_s_per_step'] * 1e3:.2f} | {r['beyond_compute_s_mean'] * 1e3:.2f} | "
+              f"{r['grant_wait_s_mean'] * 1e3:.2f} | "
+              f"{r['controller_cpu_s_per_step'] * 1e3:.2f} ({r['controller_cpu_share']:.1%}) | "
+              f"{r['beyond_compute_s_mean'] * 1e3:.2f} | "
               f"{r['step_s_median'] * 1e3:.1f} | {r['calls_per_step']:.2f} | {r['snapshot_steps']} | {rs} |")
     print("\n| figure | fit | at 1,000 | at 10,000 |")
     print("|---|---|---|---|")

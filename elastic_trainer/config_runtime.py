@@ -138,6 +138,10 @@ class ControlSection(_Strict):
         1, ge=1, description="Most steps a worker runs on its own per call of the controller (a lease): the "
                              "controller then gathers their results at once and acts between leases. A lease "
                              "ends at a snapshot step, an evaluation and the last step; 1 drives every step.")
+    renew_early: bool = Field(
+        True, description="Grant each rank its next lease while the current one runs, queued behind it (run "
+                          "only if that one completes there), so no rank waits for the controller between "
+                          "leases; false grants it once the last lease's results are all in.")
 
 
 class FailureSection(_Strict):

@@ -48,7 +48,7 @@ class Recovery(RestorePoints):
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
         self._replan_reason: str | None = None   # a re-plan asked for (a straggler benched), likewise
         self._cut: tuple | None = None           # the stage cut a re-plan asked for keeps (a re-cut)
-        self._abandoned: list = []  # snapshot parts of failed steps, read once they end (else Ray logs them)
+        self._abandoned: list = []  # calls of failed steps (their parts too), read once they end (else Ray logs them)
         self.shrunk: ShrunkWorld | None = None  # the survivors' shrunk world, for the next plan to keep
         self.holder_reads = 0   # snapshot parts the last restore read from a holder's pinned copy
         self.relayed_reads = 0  # and those it read through their live writer
@@ -76,6 +76,8 @@ class Recovery(RestorePoints):
         # frozen node the kill waits, and nothing waits on it).
         ctl.pool.kill_hung(diag.hung + diag.silent)
         self._abandoned += [ref for ref in out.shard_refs.values() if ref is not None]
+        # The calls still running end in errors too (a cut group, a lease refused behind this one).
+        self._abandoned += list(out.inflight)
         lost_ranks = [r for r, w in ctl.ranks.items() if w in diag.lost]
         ctl.pool.drop(diag.lost)
         if ctl.ps:
@@ -253,6 +255,8 @@ class Recovery(RestorePoints):
                 restore_parts=dict(ctl.setup_timings), parts_from_holders=self.holder_reads,
                 parts_relayed=self.relayed_reads,
                 **ctl.restore_moved, **self.settle_wait,
+                # Leases granted behind the failed one (control.renew_early), dropped before they ran.
+                leases_dropped=[list(d) for d in out.dropped] if out else [],
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
             self.settle_wait = {}

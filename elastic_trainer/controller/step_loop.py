@@ -4,13 +4,15 @@ A step that completed on every rank is recorded (``commit``): its history
 record, each rank's pace and the balancing it calls for, the metrics, its
 snapshot and the durable checkpoint due. A step that failed goes to
 ``Recovery.recover``. With leases (``control.lease_steps``) the next lease
-is issued as soon as one completes, before its steps are recorded
-(``_issue_ahead``, docs/runtime.md "Leases"), so the workers run while the
-controller records them.
+is granted while the last one still runs, queued behind it on every rank
+(``control.renew_early``; else as soon as it completes), and always before
+its steps are recorded (``_renew``, docs/runtime.md "Leases"): the workers
+run while the controller gathers and records them.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -31,9 +33,9 @@ class StepLoop:
     def run(self) -> None:
         """Until the last step, a stop or an error: issue, wait, record; a failure goes to recovery."""
         ctl = self.ctl
-        ahead = None   # the next lease, issued before the last one's steps were committed
-        while ahead is not None or not ctl._stop.is_set():
-            if ahead is None:
+        granted: collections.deque[StepOutcome] = collections.deque()   # the running lease, then one queued behind
+        while granted or not ctl._stop.is_set():
+            if not granted:
                 if ctl.evaluator.due():
                     ctl.evaluator.run()
                     continue
@@ -44,44 +46,63 @@ class StepLoop:
                 if ctl._error_at is not None and ctl._error_at in (step, 0):
                     raise RuntimeError(f"injected controller error at step {step}")
                 count = lease_length(ctl.cfg, step, ctl.schedule, self.one_step_at_a_time())
-                out = self._issue(step, count)
-            else:
-                out, ahead = ahead, None
-            out = ctl.driver.finish(out)
+                granted.append(self._issue(step, count))
+            if len(granted) == 1 and ctl.cfg.control.renew_early:
+                renewal = self._renew(granted[0], running=True)
+                if renewal is not None:
+                    granted.append(renewal)
+            out = ctl.driver.finish(granted.popleft())
             if not out.ok:
+                for queued in granted:
+                    # Refused at once where ``out`` failed; where it completed, blocked in its first
+                    # collective until recovery cuts the groups: a step still running, either way.
+                    out.inflight.update(queued.calls[0])
+                    out.dropped.append((queued.step, queued.step + queued.count - 1))
+                granted.clear()
                 ctl.recovery.recover(out)
                 continue
             steps = ctl.driver.split(out)
-            ahead = self._issue_ahead(out)
+            if granted:
+                ctl.driver.running(granted[0])
+            else:
+                renewal = self._renew(out, running=False)
+                if renewal is not None:
+                    granted.append(renewal)
             for one in steps:
                 self.commit(one)
 
-    def _issue(self, step: int, count: int, snapshots_pending: int = 0) -> StepOutcome:
+    def _issue(self, step: int, count: int, snapshots_pending: int = 0, follows: int | None = None) -> StepOutcome:
         """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``)."""
         ctl = self.ctl
         snap = ctl.schedule.due(step + count - 1)
         writers = ctl.snapshots.writers(snapshots_pending)
         return ctl.driver.start(step, {w: ctl.pool[w].actor for w in ctl.ranks.values()}, snap,
                                 {w: writers[r] for r, w in ctl.ranks.items()} if snap else None,
-                                ctl.balance.shares, count=count)
+                                ctl.balance.shares, count=count, follows=follows)
 
-    def _issue_ahead(self, done: StepOutcome) -> StepOutcome | None:
-        """After a lease that completed: the next one, issued before its steps are committed, so
-        the workers run while the controller records them (their pace, metrics, snapshot and
-        history: O(ranks) a step, which would otherwise sit between leases). Only where nothing
-        must come between: no evaluation, stop, re-plan or look for joined workers due, and not
-        step by step (a lease of one keeps today's driving). What its steps decide (shares, a
-        re-plan) takes effect a lease later."""
+    def _renew(self, lease: StepOutcome, running: bool) -> StepOutcome | None:
+        """The lease after ``lease``, granted before ``lease``'s steps are recorded: with
+        ``running``, while ``lease`` still runs, queued behind it on every rank
+        (``control.renew_early``), so no rank waits for the controller between leases; else
+        once its results are in, so the ranks run while the controller records them. Either
+        way the O(ranks) work a step costs the controller (pace, metrics, history, snapshot
+        bookkeeping) is off the step's critical path. Only where nothing must come between:
+        no evaluation, stop, re-plan or look for joined workers due, and not step by step (a
+        lease of one keeps today's driving). What the steps before it decide (shares, a re-plan)
+        takes effect a lease later."""
         ctl = self.ctl
-        first = done.step + done.count
-        if (done.count <= 1 or first > ctl.cfg.train.steps or ctl._stop.is_set()
+        first = lease.step + lease.count
+        if (lease.count <= 1 or first > ctl.cfg.train.steps or ctl._stop.is_set()
                 or ctl.evaluator.due_after(first - 1)
                 or self.one_step_at_a_time() or not ctl.recovery.quiet() or ctl.schedule.requested):
             return None
         count = lease_length(ctl.cfg, first, ctl.schedule, False)
         if count <= 1:
             return None
-        return self._issue(first, count, snapshots_pending=1 if done.snapshot else 0)
+        # The snapshot parts it asks for are those of the turn after ``lease``'s snapshot,
+        # which is not yet recorded.
+        return self._issue(first, count, snapshots_pending=1 if lease.snapshot else 0,
+                           follows=first - 1 if running else None)
 
     def one_step_at_a_time(self) -> bool:
         """Whether the next steps must run without a lease: during warm-up (its step times set

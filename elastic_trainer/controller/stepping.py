@@ -57,6 +57,10 @@ class StepOutcome:
     controller_s: float | None = None                         # and of what driving the lease cost
     shares: list[int] | None = None                           # the micro-batches per replica it ran with
     calls: tuple | None = None                                # started, not yet collected: (refs, actors, deadline)
+    parts_due: dict | None = None                             # a lease queued behind another: its writers' blocks
+    dropped: list = field(default_factory=list)               # (first, last) of leases queued behind it, not run
+    granted_at: float | None = None                           # wall clock (time.time) when its calls were issued
+    grant_wait_s: float | None = None                         # a lease's step: its share of the ranks' wait for it
 
     @property
     def ok(self) -> bool:
@@ -76,6 +80,8 @@ class StepDriver:
         self.where: Callable[[int], tuple | None] | None = None
         # (host, port) -> the worker whose end of a group connection it is (after each set-up)
         self.peers: dict[tuple, int] = {}
+        # Wall clock when the last recorded step ended on its slowest rank (None after an evaluation)
+        self._last_end: float | None = None
 
     def _tight(self) -> float:
         f = self.cfg.failure
@@ -114,27 +120,48 @@ class StepDriver:
 
     def start(self, step: int, actors: dict[int, object], snapshot: bool,
               put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None,
-              count: int = 1) -> StepOutcome:
+              count: int = 1, follows: int | None = None) -> StepOutcome:
         """Issue ``run``'s calls and return at once; ``finish`` waits for them. Between the two
-        the controller may commit the steps before (a lease issued ahead: ``step_loop.StepLoop``)."""
+        the controller may commit the steps before (``step_loop.StepLoop``). ``follows``: the
+        last step of a lease still running, which this one is granted behind (queued on each
+        rank, run only if that one completed there); it runs once ``running`` says so."""
         started = time.perf_counter()
-        out = StepOutcome(step, started, snapshot=snapshot, count=count, shares=shares)
+        out = StepOutcome(step, started, snapshot=snapshot, count=count, shares=shares, granted_at=time.time())
         timeout = self.step_timeout()
-        last = step + count - 1
         refs = {}
         for w, actor in actors.items():
             blocks = put_blocks[w] if snapshot else None
             if count == 1:
                 refs[actor.train_step.remote(step, snapshot, blocks, timeout, shares)] = w
             else:
-                refs[actor.train_lease.remote(step, count, snapshot, blocks, timeout, shares)] = w
-            # Asked for at once: the part comes back once the step has begun it, on a
-            # thread of its own, and its write into the object store overlaps the next step.
-            out.shard_refs[w] = (actor.snapshot_part.remote(last, blocks, timeout * (count - 1)) if blocks
-                                 else None)
-        self.calls += len(actors) + sum(1 for r in out.shard_refs.values() if r is not None)
+                refs[actor.train_lease.remote(step, count, snapshot, blocks, timeout, shares, follows)] = w
+        self.calls += len(actors)
         out.calls = (refs, actors, started + timeout * count)
+        if follows is None:
+            self._ask_parts(out, put_blocks, timeout)
+        else:
+            out.parts_due = put_blocks if snapshot else {}
         return out
+
+    def running(self, out: StepOutcome) -> None:
+        """A lease granted behind another (``start(follows=...)``) runs now that the one before
+        it completed: its deadline and heartbeat count from here, and its snapshot parts are
+        asked for (no earlier: each would hold one of a rank's two snapshot threads meanwhile)."""
+        refs, actors, _ = out.calls
+        out.started = time.perf_counter()
+        timeout = self.step_timeout()
+        out.calls = (refs, actors, out.started + timeout * out.count)
+        self._ask_parts(out, out.parts_due, timeout)
+        out.parts_due = None
+
+    def _ask_parts(self, out: StepOutcome, put_blocks: dict[int, list[int]] | None, timeout: float) -> None:
+        # Asked for at once: the part comes back once the step has begun it, on a thread of
+        # its own, and its write into the object store overlaps the next step.
+        last = out.step + out.count - 1
+        for w, actor in out.calls[1].items():
+            blocks = put_blocks[w] if out.snapshot else None
+            out.shard_refs[w] = actor.snapshot_part.remote(last, blocks, timeout * (out.count - 1)) if blocks else None
+        self.calls += sum(1 for r in out.shard_refs.values() if r is not None)
 
     def finish(self, out: StepOutcome) -> StepOutcome:
         """Wait for what ``start`` issued, as ``run`` does."""
@@ -170,24 +197,44 @@ class StepDriver:
         is its share of the lease's."""
         if out.count == 1:
             return [out]
-        wall = time.perf_counter() - out.started
         # What the lease cost beyond the ranks' own calls, a rank's steps being one after another
         # (for a single step: its time minus the slowest rank's call).
         own = max(sum(o.get("call_s", _own_s(o)) for o in r) for r in out.results.values())
+        gaps = [r[0].get("gap_s") for r in out.results.values()]
+        if all(g is not None for g in gaps):
+            # On each rank's own clock: from the end of its last call to the end of this lease.
+            # A lease granted before the last one ended waited in the rank's queue, so the
+            # controller's view of it (from its grant) would count that wait too.
+            wall = max(g + sum(o.get("call_s", _own_s(o)) for o in r) for g, r in zip(gaps, out.results.values()))
+        else:   # the first call since a set-up: as the controller saw it
+            wall = time.perf_counter() - out.started
+        wait = self._grant_wait(out)
         steps = []
         for k in range(out.count):
             last = k == out.count - 1
             steps.append(StepOutcome(out.step + k, out.started, results={w: r[k] for w, r in out.results.items()},
                                      shard_refs=out.shard_refs if last else {}, snapshot=out.snapshot and last,
                                      shares=out.shares,
-                                     elapsed_s=wall / out.count, controller_s=max(0.0, wall - own) / out.count))
+                                     elapsed_s=wall / out.count, controller_s=max(0.0, wall - own) / out.count,
+                                     grant_wait_s=None if wait is None else wait / out.count))
         return steps
+
+    def _grant_wait(self, out: StepOutcome) -> float | None:
+        """How long the ranks, done with the step before ``out`` (its slowest rank's end), waited
+        for ``out`` to be granted: the controller's share of the time between their calls, which
+        a lease granted before the last one ended (``control.renew_early``) brings to 0. Wall
+        clocks of the ranks' hosts and the controller's: exact on one host, within their skew on
+        several. None for the first step after a set-up or an evaluation."""
+        if self._last_end is None or out.granted_at is None or self.steps_since_setup == 0:
+            return None
+        return max(0.0, out.granted_at - self._last_end)
 
     def evaluate(self, step: int, actors: dict[int, object], batches: int) -> StepOutcome:
         """Run the evaluation after ``step`` on every rank; it fails like a step (``StepOutcome``).
         Forward only over ``batches`` global batches: given that many step timeouts."""
         started = time.perf_counter()
         out = StepOutcome(step, started)
+        self._last_end = None   # the next step's wait for its grant is the evaluation's, not the controller's
         timeout = self.step_timeout() * max(1, batches)
         refs = {actor.evaluate.remote(step, timeout): w for w, actor in actors.items()}
         self.calls += len(refs)
@@ -291,9 +338,12 @@ class StepDriver:
         """The history record of a step that completed on every rank (and count its time)."""
         cfg, step = self.cfg, out.step
         dt = out.elapsed_s if out.elapsed_s is not None else time.perf_counter() - out.started
+        wait = out.grant_wait_s if out.elapsed_s is not None else self._grant_wait(out)   # a lease's step: its share
         self.step_times.append(dt)
         self.steps_since_setup += 1
         results = list(out.results.values())
+        ends = [o["ended_at"] for o in results if o.get("ended_at") is not None]
+        self._last_end = max(ends) if ends else None
         last = [o for o in results if o["loss"] is not None]
         counts = {o.get("micro_batches") for o in last}
         # Replicas that ran unequal shares (balancing) weigh their mean loss by their micro-batches,
@@ -324,6 +374,9 @@ class StepDriver:
             # (control.lease_steps).
             "controller_s": (out.controller_s if out.controller_s is not None
                              else max(0.0, dt - max(o.get("call_s", _own_s(o)) for o in results))),
+            # Of it, how long the ranks had waited for the step's grant after the last step ended
+            # (``_grant_wait``): the part only the controller's pace decides.
+            "grant_wait_s": wait,
             "comm_bytes": sent,
             "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sent)
                                   if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),

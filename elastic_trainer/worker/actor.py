@@ -57,6 +57,10 @@ class InjectedFault(RuntimeError):
     """Raised by a step that a test asked to fail."""
 
 
+class LeaseRefused(RuntimeError):
+    """A lease granted behind another that did not complete on this rank."""
+
+
 class TrainWorker(SnapshotServing):
     def __init__(self, run_name: str, worker_id: int, torch_threads: int | None, allow_faults: bool = False):
         configure_actor_logging()
@@ -79,6 +83,9 @@ class TrainWorker(SnapshotServing):
         self._aborted_upto = 0  # set-ups of this generation and older are abandoned
         self._done_step = 0   # the last step completed (train_lease's progress, for a failure)
         self._busy = 0        # steps, leases and evaluations running now
+        # When this rank's last step or evaluation call ended; None after a set-up or a failure
+        # (a lease's ``gap_s`` is then not what waiting for the controller cost).
+        self._idle_since: float | None = None
         self._step_thread: int | None = None   # the thread steps run on (what ``group_state`` reads)
         self._hold_on_failure = True   # failure.keep_groups of the current plan
         self._build_key = None
@@ -231,6 +238,7 @@ class TrainWorker(SnapshotServing):
         failed step, leave the groups as they are for the controller to settle.
         """
         had_stage = self.trainer is not None
+        self._idle_since = None
         self._forget_snapshots()
         if had_stage:
             self.trainer.close()
@@ -280,6 +288,7 @@ class TrainWorker(SnapshotServing):
             self._busy -= 1
             self._step_ended(step)
         self._done_step = step
+        self._idle_since = time.perf_counter()
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
@@ -290,15 +299,29 @@ class TrainWorker(SnapshotServing):
                 "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes,
                 # The whole call here (what the controller's driving cannot save, the rank's own
                 # Python between its passes included).
-                "call_s": time.perf_counter() - t0}
+                "call_s": time.perf_counter() - t0,
+                "ended_at": time.time()}   # wall clock: how long the next step's grant kept it waiting
 
     @ray.method(concurrency_group="train")
     def train_lease(self, first: int, count: int, snapshot_last: bool, put_blocks: list[int] | None = None,
-                    timeout_s: float | None = None, shares: list[int] | None = None) -> list[dict]:
+                    timeout_s: float | None = None, shares: list[int] | None = None,
+                    follows: int | None = None) -> list[dict]:
         """Steps ``first`` .. ``first + count - 1`` on this rank's own (a lease the controller
         granted), each as ``train_step``; with ``snapshot_last`` the last takes the snapshot. The
         results of every step, in order. A step that fails ends the lease with its error, and
-        ``last_step`` says how far it got."""
+        ``last_step`` says how far it got.
+
+        ``follows``: the last step of the lease this one was granted behind, before that one
+        ended (``control.renew_early``): it runs only if that lease completed here, and raises
+        ``LeaseRefused`` at once otherwise (the controller is then recovering from it). The
+        first step's result carries ``gap_s``, how long this rank sat idle since its last
+        call ended (what waiting for the controller between leases cost it)."""
+        began = time.perf_counter()
+        if follows is not None and self._done_step != follows:
+            raise LeaseRefused(f"worker {self.worker_id}: the lease of steps {first}..{first + count - 1} was granted "
+                               f"behind the one ending at step {follows}, which did not complete here (last step "
+                               f"completed: {self._done_step})")
+        gap = None if self._idle_since is None else began - self._idle_since
         out = []
         self._done_step = first - 1   # a step rolled back since may have been done before
         self._busy += 1   # between its steps too: the lease goes on to issue more
@@ -308,6 +331,7 @@ class TrainWorker(SnapshotServing):
                 out.append(self.train_step(step, snap, put_blocks if snap else None, timeout_s, shares))
         finally:
             self._busy -= 1
+        out[0]["gap_s"] = gap
         return out
 
     @ray.method(concurrency_group="control")
@@ -331,6 +355,7 @@ class TrainWorker(SnapshotServing):
             raise
         finally:
             self._busy -= 1
+        self._idle_since = time.perf_counter()
         return {"rank": self.rank, "loss": loss, "seconds": time.perf_counter() - t0}
 
     def _abandon(self, e: BaseException, what: str) -> None:

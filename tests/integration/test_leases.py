@@ -40,6 +40,28 @@ def test_leases_train_exactly_as_step_by_step_with_fewer_calls(cluster, corpus_d
     assert all(r["controller_s"] >= 0 for r in leased.history)
 
 
+def test_a_failure_with_the_next_lease_queued_drops_it_and_rolls_back(cluster, corpus_dir):
+    # Leases 4..8, 9..16, 17..24 after the warm-up; each granted while the one before it runs
+    # (control.renew_early). Rank 0 raises in step 15: the lease 17..24 already waits behind 9..16
+    # on every rank, where it must not run (refused where 9..16 failed, cut where it blocked).
+    cfg = _cfg(corpus_dir, "lease-queued", 8, failure={"allow_fault_injection": True})
+
+    def fault():
+        actor = ray.get_actor("lease-queued-rank0-r0s0", namespace=NAMESPACE)
+        # Slower steps: the controller grants 17..24 well before rank 0 reaches step 15.
+        ray.get(actor.inject_fault.remote("slow_compute", seconds=3.0))
+        ray.get(actor.inject_fault.remote("raise", step=15))
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, fault)).fit()
+    assert_contiguous_data(result, cfg)
+    assert [f["failure"] for f in result.failures] == ["exception"]
+    [rec] = result.recoveries
+    assert (rec["failed_step"], rec["restored_step"], rec["steps_redone"]) == (15, 8, 7), rec
+    assert rec["leases_dropped"] == [[17, 24]], rec
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-5)
+
+
 def test_a_failure_in_a_lease_stops_every_rank_and_rolls_back_as_step_by_step(fresh_cluster, corpus_dir):
     c, nodes = fresh_cluster(4)
     cfg = TrainerConfig.from_dict(tiny_config(
@@ -72,3 +94,4 @@ def test_a_failure_in_a_lease_stops_every_rank_and_rolls_back_as_step_by_step(fr
     got = [r["loss"] for r in result.history]
     assert got[:24] == pytest.approx(ref[:24], rel=1e-4)
     assert got[24:34] == pytest.approx(ref[24:34], rel=1e-3)
+
