@@ -71,14 +71,14 @@ class StepLoop:
             for one in steps:
                 self.commit(one)
 
-    def _issue(self, step: int, count: int, snapshots_pending: int = 0, follows: int | None = None) -> StepOutcome:
+    def _issue(self, step: int, count: int, snapshots_pending: int = 0, after: int | None = None) -> StepOutcome:
         """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``)."""
         ctl = self.ctl
         snap = ctl.schedule.due(step + count - 1)
         writers = ctl.snapshots.writers(snapshots_pending)
         return ctl.driver.start(step, {w: ctl.pool[w].actor for w in ctl.ranks.values()}, snap,
                                 {w: writers[r] for r, w in ctl.ranks.items()} if snap else None,
-                                ctl.balance.shares, count=count, follows=follows)
+                                ctl.balance.shares, count=count, after=after)
 
     def _renew(self, lease: StepOutcome, running: bool) -> StepOutcome | None:
         """The lease after ``lease``, granted before ``lease``'s steps are recorded: with
@@ -102,7 +102,7 @@ class StepLoop:
         # The snapshot parts it asks for are those of the turn after ``lease``'s snapshot,
         # which is not yet recorded.
         return self._issue(first, count, snapshots_pending=1 if lease.snapshot else 0,
-                           follows=first - 1 if running else None)
+                           after=lease.grant if running else None)
 
     def one_step_at_a_time(self) -> bool:
         """Whether the next steps must run without a lease: during warm-up (its step times set

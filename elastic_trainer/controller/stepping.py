@@ -60,6 +60,7 @@ class StepOutcome:
     parts_due: dict | None = None                             # a lease queued behind another: its writers' blocks
     dropped: list = field(default_factory=list)               # (first, last) of leases queued behind it, not run
     granted_at: float | None = None                           # wall clock (time.time) when its calls were issued
+    grant: int = 0                                            # its number among the controller's grants
     grant_wait_s: float | None = None                         # a lease's step: its share of the ranks' wait for it
 
     @property
@@ -82,6 +83,7 @@ class StepDriver:
         self.peers: dict[tuple, int] = {}
         # Wall clock when the last recorded step ended on its slowest rank (None after an evaluation)
         self._last_end: float | None = None
+        self._grants = 0   # steps and leases granted so far (each lease's number)
 
     def _tight(self) -> float:
         f = self.cfg.failure
@@ -120,13 +122,16 @@ class StepDriver:
 
     def start(self, step: int, actors: dict[int, object], snapshot: bool,
               put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None,
-              count: int = 1, follows: int | None = None) -> StepOutcome:
+              count: int = 1, after: int | None = None) -> StepOutcome:
         """Issue ``run``'s calls and return at once; ``finish`` waits for them. Between the two
-        the controller may commit the steps before (``step_loop.StepLoop``). ``follows``: the
-        last step of a lease still running, which this one is granted behind (queued on each
-        rank, run only if that one completed there); it runs once ``running`` says so."""
+        the controller may commit the steps before (``step_loop.StepLoop``). ``after``: the
+        number (``StepOutcome.grant``) of a lease still running, which this one is granted
+        behind (each rank runs it after that one, and only if that one completed there); it
+        is waited for once ``running`` says so."""
         started = time.perf_counter()
-        out = StepOutcome(step, started, snapshot=snapshot, count=count, shares=shares, granted_at=time.time())
+        self._grants += 1
+        out = StepOutcome(step, started, snapshot=snapshot, count=count, shares=shares, granted_at=time.time(),
+                          grant=self._grants)
         timeout = self.step_timeout()
         refs = {}
         for w, actor in actors.items():
@@ -134,17 +139,17 @@ class StepDriver:
             if count == 1:
                 refs[actor.train_step.remote(step, snapshot, blocks, timeout, shares)] = w
             else:
-                refs[actor.train_lease.remote(step, count, snapshot, blocks, timeout, shares, follows)] = w
+                refs[actor.train_lease.remote(step, count, snapshot, blocks, timeout, shares, out.grant, after)] = w
         self.calls += len(actors)
         out.calls = (refs, actors, started + timeout * count)
-        if follows is None:
+        if after is None:
             self._ask_parts(out, put_blocks, timeout)
         else:
             out.parts_due = put_blocks if snapshot else {}
         return out
 
     def running(self, out: StepOutcome) -> None:
-        """A lease granted behind another (``start(follows=...)``) runs now that the one before
+        """A lease granted behind another (``start(after=...)``) runs now that the one before
         it completed: its deadline and heartbeat count from here, and its snapshot parts are
         asked for (no earlier: each would hold one of a rank's two snapshot threads meanwhile)."""
         refs, actors, _ = out.calls

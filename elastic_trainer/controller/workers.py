@@ -25,8 +25,10 @@ from .placement import pick_nodes
 
 log = logging.getLogger(__name__)
 
-# Steps queued on a worker at once (see worker.actor: train_step's group).
-_TRAIN_CONCURRENCY = 1
+# Threads of train_step's group (see worker.actor): the call running, and a lease granted
+# behind it (control.renew_early), which waits for it on the worker: calls to a threaded actor
+# may start in any order, so the worker orders them itself (TrainWorker.train_lease).
+_TRAIN_CONCURRENCY = 2
 
 
 @dataclass
@@ -118,7 +120,8 @@ class WorkerPool:
         self.workers: dict[int, WorkerHandle] = {}
         self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
         self._next_wid = 0
-        # Groups: "train" runs steps one at a time; "control" (ping, queries) never waits
+        # Groups: "train" runs steps one at a time (a lock), with a thread for a lease queued behind
+        # the one running; "control" (ping, queries) never waits
         # behind the default pool, where a set-up may sit in a rendezvous for a while;
         # "snapshot" hands over snapshot parts, whose object-store writes overlap the next step.
         self._actor_cls = ray.remote(

@@ -27,13 +27,14 @@ from ..parallel.topology import Topology
 from .device import bind, current_visible, worker_device
 from .probe import probe_compute
 from .faults import FaultHooks
+from .group_control import GroupControl
 from .group_keeper import GroupKeeper
+from .lease_order import LeaseOrder
 from .liveness import process_mark, running
 from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .snapshot_serving import SnapshotServing
-from .wait_site import waiting_in, where
 
 if TYPE_CHECKING:
     # Imported by the worker itself (``_stage_trainer``): torch.distributed.pipelining takes about
@@ -57,11 +58,8 @@ class InjectedFault(RuntimeError):
     """Raised by a step that a test asked to fail."""
 
 
-class LeaseRefused(RuntimeError):
-    """A lease granted behind another that did not complete on this rank."""
 
-
-class TrainWorker(SnapshotServing):
+class TrainWorker(SnapshotServing, GroupControl):
     def __init__(self, run_name: str, worker_id: int, torch_threads: int | None, allow_faults: bool = False):
         configure_actor_logging()
         self.run_name = run_name
@@ -83,6 +81,10 @@ class TrainWorker(SnapshotServing):
         self._aborted_upto = 0  # set-ups of this generation and older are abandoned
         self._done_step = 0   # the last step completed (train_lease's progress, for a failure)
         self._busy = 0        # steps, leases and evaluations running now
+        # One step or lease at a time; the train group's second thread holds a lease granted
+        # behind the running one, waiting for it (``lease_order``).
+        self._train_lock = threading.Lock()
+        self._lease_order = LeaseOrder(f"worker {worker_id}")
         # When this rank's last step or evaluation call ended; None after a set-up or a failure
         # (a lease's ``gap_s`` is then not what waiting for the controller cost).
         self._idle_since: float | None = None
@@ -123,15 +125,6 @@ class TrainWorker(SnapshotServing):
         """A heartbeat for this node: this worker answers, and says of each node-mate
         (worker id -> (pid, mark)) whether its process runs (``liveness.running``)."""
         return {w: running(pid, mark) for w, (pid, mark) in mates.items()}
-
-    @ray.method(concurrency_group="control")
-    def abort_comms(self, excluded: list[int], shrink_id: int | None = None, timeout_s: float = 30.0) -> dict:
-        """A peer failed: end what this rank's collectives wait for, at once (``GroupKeeper.fail``):
-        nothing on gloo; on NCCL, shrink the world past the ``excluded`` ranks where the backend
-        can (within ``timeout_s``), else abort. The training thread's step then fails and its
-        ``reset`` follows."""
-        bind(self.gpu)
-        return self.groups.fail(excluded, shrink_id, timeout_s)
 
     @ray.method(concurrency_group="control")
     def probe(self, products: int | None = None) -> tuple[float, int]:
@@ -256,6 +249,12 @@ class TrainWorker(SnapshotServing):
     @ray.method(concurrency_group="train")
     def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None,
                    timeout_s: float | None = None, shares: list[int] | None = None) -> dict:
+        """Run ``step`` (``_train_step``), one step or lease at a time."""
+        with self._train_lock:
+            return self._train_step(step, snapshot, put_blocks, timeout_s, shares)
+
+    def _train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None,
+                    timeout_s: float | None = None, shares: list[int] | None = None) -> dict:
         """Run ``step``. With ``snapshot``, start taking this rank's state after it; the copy
         overlaps the next step (``checkpoint.overlap``), and ``snapshot_part`` hands over the
         part holding ``put_blocks``. Other ranks keep it as a local copy; a rank that writes
@@ -305,32 +304,33 @@ class TrainWorker(SnapshotServing):
     @ray.method(concurrency_group="train")
     def train_lease(self, first: int, count: int, snapshot_last: bool, put_blocks: list[int] | None = None,
                     timeout_s: float | None = None, shares: list[int] | None = None,
-                    follows: int | None = None) -> list[dict]:
+                    grant: int | None = None, after: int | None = None) -> list[dict]:
         """Steps ``first`` .. ``first + count - 1`` on this rank's own (a lease the controller
         granted), each as ``train_step``; with ``snapshot_last`` the last takes the snapshot. The
         results of every step, in order. A step that fails ends the lease with its error, and
         ``last_step`` says how far it got.
 
-        ``follows``: the last step of the lease this one was granted behind, before that one
-        ended (``control.renew_early``): it runs only if that lease completed here, and raises
-        ``LeaseRefused`` at once otherwise (the controller is then recovering from it). The
-        first step's result carries ``gap_s``, how long this rank sat idle since its last
-        call ended (what waiting for the controller between leases cost it)."""
-        began = time.perf_counter()
-        if follows is not None and self._done_step != follows:
-            raise LeaseRefused(f"worker {self.worker_id}: the lease of steps {first}..{first + count - 1} was granted "
-                               f"behind the one ending at step {follows}, which did not complete here (last step "
-                               f"completed: {self._done_step})")
-        gap = None if self._idle_since is None else began - self._idle_since
+        ``grant``: this lease's number. ``after``: the number of the lease this one was granted
+        behind, before that one ended (``control.renew_early``): it waits for that one to end
+        here, runs only if it completed, and raises ``lease_order.LeaseRefused`` otherwise (the controller
+        is then recovering from it). The first step's result carries ``gap_s``, how long this
+        rank sat idle since its last call ended (what waiting for the controller between
+        leases cost it)."""
+        if after is not None:
+            self._lease_order.await_end(after, f"the lease of steps {first}..{first + count - 1}")
         out = []
-        self._done_step = first - 1   # a step rolled back since may have been done before
-        self._busy += 1   # between its steps too: the lease goes on to issue more
-        try:
-            for step in range(first, first + count):
-                snap = snapshot_last and step == first + count - 1
-                out.append(self.train_step(step, snap, put_blocks if snap else None, timeout_s, shares))
-        finally:
-            self._busy -= 1
+        with self._train_lock:
+            gap = None if self._idle_since is None else time.perf_counter() - self._idle_since
+            self._done_step = first - 1   # a step rolled back since may have been done before
+            self._busy += 1   # between its steps too: the lease goes on to issue more
+            try:
+                for step in range(first, first + count):
+                    snap = snapshot_last and step == first + count - 1
+                    out.append(self._train_step(step, snap, put_blocks if snap else None, timeout_s, shares))
+            finally:
+                self._busy -= 1
+                if grant is not None:
+                    self._lease_order.ended(grant, len(out) == count)
         out[0]["gap_s"] = gap
         return out
 
@@ -366,25 +366,6 @@ class TrainWorker(SnapshotServing):
         traceback.clear_frames(e.__traceback__)
         # gloo: the groups stay until the controller says which the next plan keeps (settle_groups).
         self.reset(hold=self._hold_on_failure and self.groups.backend == "gloo")
-
-    @ray.method(concurrency_group="control")
-    def group_state(self) -> dict:
-        """Each intact group's key and operation count, whether a step runs here, and the role of
-        the group it is blocked in, if at a wait ``wait_site`` knows (what the controller settles
-        a failure on, ``GroupKeeper.state``)."""
-        busy = self._busy > 0
-        state = self.groups.state(busy=busy)
-        if busy:
-            state["waiting"] = waiting_in(self._step_thread, self.groups.role_of)
-            if state["waiting"] is None:
-                state["at"] = where(self._step_thread)   # for the recovery event, where a wait runs out
-        return state
-
-    @ray.method(concurrency_group="control")
-    def settle_groups(self, keep: list[str]) -> int:
-        """After a failure: keep the groups of roles ``keep``, cut the others' sockets (which ends
-        what waits in them); the sockets cut."""
-        return self.groups.settle(keep)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()
