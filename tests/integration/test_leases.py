@@ -72,14 +72,15 @@ def test_a_failure_in_a_lease_stops_every_rank_and_rolls_back_as_step_by_step(fr
                  "allow_fault_injection": True}))
 
     def slow():
-        # Rank 0 computes 4x slower (a sleep: the numbers stay), so the lease of steps 25 .. 48
-        # takes seconds, and a node killed a second after step 24 is seen dies inside it.
+        # Rank 0 computes 10x slower (a sleep: the numbers stay), so the lease of steps 25 .. 48
+        # takes seconds, and a node killed half a second after step 24 is seen dies inside it
+        # (the lease began as step 24 ended, granted while 4 .. 24 ran: at 4x it could end first).
         actor = ray.get_actor("lease-loss-rank0-r0s0", namespace=NAMESPACE)
-        ray.get(actor.inject_fault.remote("slow_compute", seconds=4.0))
+        ray.get(actor.inject_fault.remote("slow_compute", seconds=10.0))
 
     def kill_soon():
         node = node_of_rank("lease-loss", 3, nodes)
-        threading.Timer(1.0, lambda: c.remove_node(node, allow_graceful=False)).start()
+        threading.Timer(0.5, lambda: c.remove_node(node, allow_graceful=False)).start()
 
     result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, slow).at(24, kill_soon)).fit()
     assert_contiguous_data(result, cfg)
