@@ -64,7 +64,10 @@ def test_overlapped_and_synchronous_snapshots_train_alike(cluster, corpus_dir):
     ref = reference_losses(config(corpus_dir, "ref", steps=12), 12)
     states = []
     for overlap in (True, False):
-        cfg = config(corpus_dir, f"overlap{overlap}", steps=12, checkpoint={"memory_every": 1, "overlap": overlap})
+        # Balancing off: on a loaded host it may move a micro-batch in one run and not the other,
+        # which changes the order of the gradient's sums, and the states would differ by that.
+        cfg = config(corpus_dir, f"overlap{overlap}", steps=12, checkpoint={"memory_every": 1, "overlap": overlap},
+                     balance={"mode": "off"})
         result = Trainer(cfg, verbose=False).fit(return_model_state=True)
         assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
         assert all(r["snapshot"] for r in result.history)
