@@ -219,7 +219,7 @@ def _run(world: int, deadline_s: float = 120.0) -> list[dict]:
 def _spawn(world: int, deadline_s: float, target=None) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(target or _worker, args=(world, free_port("127.0.0.1"), out_dir), nprocs=world, join=False,
-                                 start_method="fork")
+                                 start_method="spawn")
         deadline = time.monotonic() + deadline_s
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
