@@ -145,7 +145,7 @@ class StepDriver:
         if after is None:
             self._ask_parts(out, put_blocks, timeout)
         else:
-            out.parts_due = put_blocks if snapshot else {}
+            out.parts_due = put_blocks
         return out
 
     def running(self, out: StepOutcome) -> None:
@@ -204,13 +204,14 @@ class StepDriver:
             return [out]
         # What the lease cost beyond the ranks' own calls, a rank's steps being one after another
         # (for a single step: its time minus the slowest rank's call).
-        own = max(sum(o.get("call_s", _own_s(o)) for o in r) for r in out.results.values())
-        gaps = [r[0].get("gap_s") for r in out.results.values()]
-        if all(g is not None for g in gaps):
+        calls = {w: sum(o.get("call_s", _own_s(o)) for o in r) for w, r in out.results.items()}
+        own = max(calls.values())
+        gaps = {w: r[0].get("gap_s") for w, r in out.results.items()}
+        if all(g is not None for g in gaps.values()):
             # On each rank's own clock: from the end of its last call to the end of this lease.
             # A lease granted before the last one ended waited in the rank's queue, so the
             # controller's view of it (from its grant) would count that wait too.
-            wall = max(g + sum(o.get("call_s", _own_s(o)) for o in r) for g, r in zip(gaps, out.results.values()))
+            wall = max(gaps[w] + calls[w] for w in calls)
         else:   # the first call since a set-up: as the controller saw it
             wall = time.perf_counter() - out.started
         wait = self._grant_wait(out)
