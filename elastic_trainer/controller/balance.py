@@ -8,9 +8,9 @@ plan resets it (ranks and stages change), every committed step's record gets
 that turns slow or recovers is an event naming its worker and node.
 
 A rank's pace is taken from what its step would take on the equal share of
-micro-batches (its passes at their steady cost per call, scaled by ``equal /
-run``, plus its update), so a rank given fewer micro-batches keeps the pace
-it has, and one that recovers shows it. ``rank_compute_s`` in the record is
+micro-batches (``equal_share``: its passes as run plus the calls it did not
+run at their steady cost, and its update), so a rank given fewer
+micro-batches keeps the pace it has, and one that recovers shows it. ``rank_compute_s`` in the record is
 what it did take.
 
 With ``balance.mode: act``, cheapest first:
@@ -51,6 +51,7 @@ from collections.abc import Callable
 from ..config import BalanceSection
 from ..planning.balancing import predict_step_s, propose_shares
 from ..planning.recut import propose_recut, stage_work
+from .equal_share import EqualShare
 from .pace import PaceTracker
 
 Bounds = tuple[tuple[int, int], ...]
@@ -90,6 +91,7 @@ class Balance:
         self._virtual = 1
         self._calib: tuple[dict, dict] | None = None   # (compute before a re-cut, since) per rank
         self.tracker = PaceTracker(cfg.threshold, cfg.window)
+        self._priced = EqualShare()
         self.shares: list[int] | None = None   # micro-batches per replica; None: equal
         self._for: set[int] = set()            # the stragglers the shares were made for
         self._topo = None
@@ -123,6 +125,7 @@ class Balance:
         if same and bounds == before:
             pass   # a retry in place: the scales (calibrated ones too) stand
         elif same:
+            self._priced.reset()   # stages hold other blocks: their ends weigh otherwise
             self._scale = self._scales()
             if self._scale:
                 # The modelled work of a block can be off (a head's softmax, an embedding), and
@@ -131,6 +134,7 @@ class Balance:
                 self._calib = ({r: self.tracker.compute_median(r) for r in range(topo.world_size)}, {})
         else:
             self.tracker.reset({r: topo.coords(r)[1] for r in range(topo.world_size)})
+            self._priced.reset()
             self._balanced, self._cut_for, self._scale = bounds, {}, {}
             self._costs_fn, self._costs = costs_fn, None
             self._healthy.clear()
@@ -164,8 +168,9 @@ class Balance:
         record["rank_compute_s"] = {str(r): round(c, 6) for r, c in sorted(own.items())}
         for r, c in own.items():
             self._actual.setdefault(r, collections.deque(maxlen=self.cfg.window)).append(c)
-        compute = {o["rank"]: self._equal_share_compute(o) * self._scale.get(o["rank"], 1.0)
-                   for o in results.values()}
+        priced = self._priced.compute(list(results.values()), {r: self._topo.coords(r)[1] for r in own}
+                                      if self._topo is not None else {}, self._equal)
+        compute = {r: c * self._scale.get(r, 1.0) for r, c in priced.items()}
         record["rank_wait_s"] = {str(o["rank"]): round(o.get("wait_s", 0.0), 6)
                                  for o in sorted(results.values(), key=lambda o: o["rank"])}
         if ran is not None:
@@ -208,13 +213,6 @@ class Balance:
                     self._scale[r] = self._scale.get(r, 1.0) * was / now
             self._calib = None
         return {r: p for r in compute if (p := self.tracker.pace_of(r)) is not None}
-
-    def _equal_share_compute(self, o: dict) -> float:
-        """What the rank's step would have taken on the equal share: its passes at their steady
-        cost per call (``compute_clock.steady_passes``) scaled to the equal count, and its update."""
-        passes = o.get("passes_steady_s", o.get("forward_s", 0.0) + o.get("backward_s", 0.0))
-        n = o.get("micro_batches") or self._equal
-        return passes * self._equal / n + o.get("optimizer_s", 0.0)
 
     def act(self, step: int, named: bool) -> list[dict]:
         """After ``observe``: move the shares, or leave the straggler out, if that repays

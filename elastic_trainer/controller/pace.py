@@ -109,11 +109,18 @@ class PaceTracker:
             if st.slow_since is None and r not in hold and full and pace > 1 + self.threshold and _clears(st.paces, 1 + self.threshold):
                 # Onset: the first step of the window's slow run, the change the median confirmed.
                 slow = [i for i, p in enumerate(st.paces) if p > 1 + self.threshold]
-                st.slow_since = step - (self.window - 1 - slow[0]) if slow else step
-                # The window's figures, as the pace is: one step's on a shared host can be far off.
-                med = statistics.median(st.computes)
+                first = slow[0] if slow else self.window - 1
+                st.slow_since = step - (self.window - 1 - first)
+                # The figures are medians over the slow run since the onset, not over the whole
+                # window: named as soon as the median turns, the window still holds the steps
+                # before it, and its median read a 3x slowdown as 1.8x (seen in CI). A median,
+                # since one step's figure on a shared host can be far off.
+                run = self.window - first    # both deques are full here, step-aligned at the end
+                since_pace = statistics.median(list(st.paces)[-run:])
+                med = statistics.median(list(st.computes)[-run:])
                 events.append({"kind": "straggler", "rank": r, "step": step, "since_step": st.slow_since,
-                               "pace": round(pace, 3), "compute_s": med, "reference_s": med / pace,
+                               "pace": round(pace, 3), "slow_pace": round(since_pace, 3),
+                               "compute_s": med, "reference_s": med / since_pace,
                                "against": "peers" if peers else "own start"})
             elif st.slow_since is not None and pace < 1 + self.threshold / 2:
                 events.append({"kind": "straggler_recovered", "rank": r, "step": step, "pace": round(pace, 3),

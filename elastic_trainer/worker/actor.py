@@ -294,6 +294,7 @@ class TrainWorker(SnapshotServing, GroupControl):
                 "snapshot_wait_s": r.snapshot_wait_s, "lr": r.lr, "forward_s": r.forward_s,
                 "backward_s": r.backward_s, "optimizer_s": r.optimizer_s, "wait_s": r.wait_s,
                 "micro_batches": r.micro_batches, "passes_steady_s": r.passes_steady_s,
+                "passes_shape": r.passes_shape,
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
                 "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes,
                 # The whole call here (what the controller's driving cannot save, the rank's own

@@ -20,6 +20,12 @@ slower (cold caches; 20-30% for the demo on a CPU) and the last backward
 launches the gradient buckets still waiting: costs per step that a plain sum
 would spread over however many micro-batches the rank ran, so a rank given
 fewer (balancing) would look slower per micro-batch than it is.
+
+``pass_shape`` gives what pricing at another count needs: the passes' sum,
+the first and last calls' sum, the steady cost per call (from three calls
+up) and the calls. On one or two calls there is no steady cost to read; the
+controller takes it from the peers' ratio of ends to steady
+(``controller.equal_share``).
 """
 
 from __future__ import annotations
@@ -91,6 +97,20 @@ class ComputeClock:
         for source, timer in self._calls:
             by_source[source].append(timer.seconds())
         return sum(statistics.median(t[1:-1] if len(t) > 2 else t) * len(t) for t in by_source.values())
+
+    def pass_shape(self) -> dict:
+        """This step's passes: ``passes_s`` (their sum), ``ends_s`` (each timed function's first
+        and last call, one call counted once), ``mid_s`` (each one's steady cost per call, the
+        median of its calls but the first and last; None unless each has three calls) and
+        ``calls`` (the fewest calls of any)."""
+        by_source: dict[int, list[float]] = defaultdict(list)
+        for source, timer in self._calls:
+            by_source[source].append(timer.seconds())
+        calls = [len(t) for t in by_source.values()]
+        return {"passes_s": sum(sum(t) for t in by_source.values()),
+                "ends_s": sum(t[0] + t[-1] if len(t) > 1 else t[0] for t in by_source.values()),
+                "mid_s": sum(statistics.median(t[1:-1]) for t in by_source.values()) if calls and min(calls) > 2 else None,
+                "calls": min(calls, default=0)}
 
     def instrument_stage(self, stage) -> None:
         """Time a pipeline stage's chunks (its own instance's methods; the class is untouched)."""

@@ -70,6 +70,7 @@ class StepResult:
     wait_s: float = 0.0           # the rest of the step: pipeline receives, collectives, data
     micro_batches: int = 0        # this replica's share of the step's micro-batches
     passes_steady_s: float = 0.0  # forward + backward at each pass's steady cost (compute_clock)
+    passes_shape: dict | None = None  # what pricing them at another count needs (compute_clock.pass_shape)
 
 
 class StageTrainer:
@@ -354,7 +355,8 @@ class StageTrainer:
                           exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped,
                           snapshot_wait_s=waited, lr=lr, forward_s=own["forward"], backward_s=own["backward"],
                           optimizer_s=own["optimizer"], wait_s=max(0.0, wall - waited - sum(own.values())),
-                          micro_batches=n_micro, passes_steady_s=clock.steady_passes())
+                          micro_batches=n_micro, passes_steady_s=clock.steady_passes(),
+                          passes_shape=clock.pass_shape())
 
     def evaluate(self, step: int) -> float | None:
         """Mean loss of ``eval.batches`` held-out batches, forward only, in eval mode (no dropout),

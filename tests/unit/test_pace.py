@@ -129,3 +129,17 @@ def test_a_ranks_reference_is_its_peers_median_read_off_one_sorted_list():
                 rest = list(values)
                 rest.remove(v)
                 assert _median_without(values, v) == statistics.median(rest)
+
+
+def test_the_event_gives_the_slowdown_since_its_onset_not_the_window_median():
+    # Named as soon as the test clears, with a step from before the onset still in the window:
+    # the window's median reads a slowdown that ramps to 3.5x low; the figures since the onset do not.
+    t = PaceTracker(threshold=0.15, window=6)
+    t.reset(stages(Topology(2, 1)))
+    compute = {s: {0: 1.0, 1: 1.0} for s in range(1, 11)}
+    compute.update({11: {0: 1.0, 1: 2.0}, 12: {0: 1.0, 1: 2.5}, 13: {0: 1.0, 1: 3.0}})
+    compute.update({s: {0: 1.0, 1: 3.5} for s in range(14, 20)})
+    _, events = run(t, compute)
+    assert [(e["rank"], e["since_step"], e["step"]) for e in events] == [(1, 11, 15)]
+    assert events[0]["pace"] == pytest.approx(2.75) and events[0]["slow_pace"] == pytest.approx(3.0)
+    assert events[0]["compute_s"] == pytest.approx(3.0) and events[0]["reference_s"] == pytest.approx(1.0)
