@@ -153,6 +153,10 @@ def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: str
     out = {"workers": n, "lease_steps": lease, "steps": len(h), "wall_s": wall,
            "controller_s_median": statistics.median(over), "controller_s_p90": over[int(0.9 * (len(over) - 1))],
            "controller_s_mean": statistics.fmean(over), "beyond_compute_s_mean": statistics.fmean(beyond),
+           # As a share of the step: on this host every worker shares two cores, so the step
+           # itself grows with N, and so does any time a rank waits for a core between leases.
+           "controller_share_of_step": statistics.fmean(r["controller_s"] / r["step_time_s"] for r in h
+                                                        if r["step_time_s"]),
            # Of the controller's time, the ranks' wait for a grant that had not come when their last
            # step ended (``grant_wait_s``); what is left is Ray handing a rank its next call.
            "grant_wait_s_mean": statistics.fmean(r["grant_wait_s"] or 0.0 for r in h),
@@ -243,7 +247,8 @@ def main() -> None:
         sub = [r for r in rows if r["lease_steps"] == lease]
         xs = [r["workers"] for r in sub]
         tag = "" if len(leases) == 1 else f"lease{lease}_".replace("-", "_")
-        for key in ("controller_s_mean", "grant_wait_s_mean", "controller_cpu_s_per_step", "controller_cpu_share",
+        for key in ("controller_s_mean", "controller_share_of_step", "grant_wait_s_mean",
+                    "controller_cpu_s_per_step", "controller_cpu_share",
                     "beyond_compute_s_mean", "calls_per_step"):
             ys = [r[key] for r in sub]
             if all(y is not None for y in ys) and len(xs) >= 2:
@@ -252,14 +257,15 @@ def main() -> None:
             for phase in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s"):
                 fits[f"{tag}recovery_{phase}"] = fit(xs, [r["recovery"][phase] for r in sub])
     print(f"\nsnapshots: checkpoint.memory_every {memory_every}")
-    print("\n| N | lease | controller ms/step (mean; median, p90) | of it, waiting for a grant | controller CPU ms/step (share of a core) | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, of it rendezvous, total) | groups carried / built |")
+    print("\n| N | lease | controller ms/step (mean; median, p90; share of the step) | of it, waiting for a grant | controller CPU ms/step (share of a core) | beyond compute ms/step | step ms | calls/step | snapshot steps | recovery s (detect, re-plan, restore, of it rendezvous, total) | groups carried / built |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rec = r.get("recovery") or {}
         rs = ", ".join(f"{rec[k]:.2f}" for k in ("detect_s", "replan_s", "restore_s", "rendezvous_s", "total_s")) if rec else "-"
         rs += f" | {rec.get('groups_carried')} / {rec.get('groups_built')}" if rec else " | -"
         print(f"| {r['workers']} | {r['lease_steps']} | {r['controller_s_mean'] * 1e3:.2f}; "
-              f"{r['controller_s_median'] * 1e3:.2f}, {r['controller_s_p90'] * 1e3:.2f} | "
+              f"{r['controller_s_median'] * 1e3:.2f}, {r['controller_s_p90'] * 1e3:.2f}; "
+              f"{r['controller_share_of_step']:.2%} | "
               f"{r['grant_wait_s_mean'] * 1e3:.2f} | "
               f"{r['controller_cpu_s_per_step'] * 1e3:.2f} ({r['controller_cpu_share']:.1%}) | "
               f"{r['beyond_compute_s_mean'] * 1e3:.2f} | "

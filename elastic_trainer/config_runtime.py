@@ -160,6 +160,10 @@ class FailureSection(_Strict):
         1.0, ge=0, description="After warm-up, a rank whose step runs on while it answers no heartbeat for this "
                                "long counts as lost (a frozen node, whose sockets stay open); 0 leaves it to "
                                "the step timeout.")
+    heartbeat_fanout: int = Field(
+        16, ge=2, description="Past this many nodes a heartbeat round, the controller asks one worker per this "
+                              "many nodes to ask them and answer for them all, instead of asking each node "
+                              "itself: its questions a round grow as nodes / fanout.")
     keep_groups: bool = Field(
         True, description="gloo: a re-plan carries each DP and PP group whose members are the same, in the "
                           "same order, and which every member holds unbroken, instead of building it again; "

@@ -250,7 +250,8 @@ class StepDriver:
         pending = dict(refs)
         pings: dict = {}
         unreachable: set[int] = set()
-        beat = Heartbeat(self.heartbeat_timeout(), out.started, actors, self.where)
+        beat = Heartbeat(self.heartbeat_timeout(), out.started, actors, self.where,
+                         self.cfg.failure.heartbeat_fanout)
         while pending:
             now = time.perf_counter()
             # Heartbeats only until something else has said how the step goes.

@@ -29,6 +29,7 @@ from .probe import probe_compute
 from .faults import FaultHooks
 from .group_control import GroupControl
 from .group_keeper import GroupKeeper
+from .heartbeat_relay import relay_pings
 from .lease_order import LeaseOrder
 from .liveness import process_mark, running
 from .node_fate import watch_raylet
@@ -125,6 +126,11 @@ class TrainWorker(SnapshotServing, GroupControl):
         """A heartbeat for this node: this worker answers, and says of each node-mate
         (worker id -> (pid, mark)) whether its process runs (``liveness.running``)."""
         return {w: running(pid, mark) for w, (pid, mark) in mates.items()}
+
+    @ray.method(concurrency_group="control")
+    def relay_pings(self, asks: dict, wait_s: float) -> dict:
+        """The controller's heartbeat question, asked of other nodes for it (``heartbeat_relay``)."""
+        return relay_pings(asks, wait_s, self.worker_id, self.ping_node)
 
     @ray.method(concurrency_group="control")
     def probe(self, products: int | None = None) -> tuple[float, int]:

@@ -240,17 +240,20 @@ def test_hung_worker_is_detected_and_replaced_by_a_replan(fresh_cluster, corpus_
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
 
 
-def test_a_frozen_node_is_caught_by_the_heartbeat_before_the_step_timeout(fresh_cluster, corpus_dir):
+@pytest.mark.parametrize("fanout", [16, 2], ids=["asked", "relayed"])
+def test_a_frozen_node_is_caught_by_the_heartbeat_before_the_step_timeout(fresh_cluster, corpus_dir, fanout):
     # The whole node stops (its raylet and every worker on it, SIGSTOP): no process exits and no
     # connection closes, so only a missed heartbeat tells. Ray's own health check takes about
-    # 5 s here (4 missed checks 1 s apart), the step timeout 3 s at least.
+    # 5 s here (4 missed checks 1 s apart), the step timeout 3 s at least. With a fanout of 2 the
+    # four nodes are asked through two relays, each of another pair of nodes.
     c, nodes = fresh_cluster(4)
-    cfg = config(corpus_dir, "freeze", steps=24, parallel={"dp": 2, "pp": 2})
+    cfg = config(corpus_dir, f"freeze{fanout}", steps=24, parallel={"dp": 2, "pp": 2},
+                 failure={"heartbeat_fanout": fanout})
     frozen: list[int] = []
     node_box, frozen_at = [], []
 
     def freeze():
-        node = node_of_rank("freeze", 3, nodes)
+        node = node_of_rank(f"freeze{fanout}", 3, nodes)
         frozen.extend(freeze_node(node))
         node_box.append(node)
         frozen_at.append(time.time())
