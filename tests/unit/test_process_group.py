@@ -30,3 +30,24 @@ def test_a_failed_join_does_not_change_the_next_groups_name():
     finally:
         destroy_groups()
     assert dist.get_pg_count() == 0
+
+
+def test_the_store_serves_on_the_address_the_ranks_dial_in_its_family():
+    import os
+    import socket
+
+    from elastic_trainer.worker.process_group import _listener
+
+    port = free_port("127.0.0.1")
+    fd = _listener("127.0.0.1", port, 32)
+    with socket.socket(fileno=os.dup(fd)) as s:
+        # IPv4, not every interface in IPv6: a peer arrives as 127.0.0.1, not ::ffff:127.0.0.1,
+        # whose lookup no hosts file answers.
+        assert s.family == socket.AF_INET and s.getsockname() == ("127.0.0.1", port)
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    peer = dist.TCPStore("127.0.0.1", port, 2, is_master=False, wait_for_workers=False)
+    peer.set("arrived", "1")
+    assert master.get("arrived") == b"1"
+    del peer, master
+    # The store closed its socket: the port can serve the next plan.
+    os.close(_listener("127.0.0.1", port, 2))
