@@ -126,14 +126,13 @@ class Heartbeat:
             self.asked_at[key] = now
             for w in members:
                 self.waiting.setdefault(w, now)
-        self.sent_last = self._send(asks, pending, busy)
+        self.sent_last = self._send(asks, pending, busy, now)
         oldest = min([self.waiting[w] for w in pending if w in self.waiting] + [now])
         self.next_at = min(now + self.timeout_s / 4, oldest + self.timeout_s)
         return []
 
-    def _send(self, asks: list[tuple], pending: list[int], busy: set[int]) -> int:
+    def _send(self, asks: list[tuple], pending: list[int], busy: set[int], now: float) -> int:
         """Send this round's questions: each its own, or past ``fanout`` through relays."""
-        now = time.perf_counter()
         if len(asks) <= self.fanout:
             for who, mates, members in asks:
                 self.refs[self.actors[who].ping_node.remote(mates)] = (None, now, {who: members})

@@ -33,7 +33,7 @@ def share_quantum(pp: int, schedule: str, equal: int) -> tuple[int, int]:
     ``pp`` stages whose equal share is ``equal``: 1F1B needs at least as many micro-batches as
     stages, and the interleaved schedule a multiple of them. A replica keeps two at least
     (where it had two): a rank's pace is read from its calls after the first
-    (``compute_clock.steady_passes``), which one micro-batch does not have."""
+    (``compute_clock.pass_shape``), which one micro-batch does not have."""
     if pp == 1:
         return min(2, equal), 1
     return pp, pp if schedule == "interleaved" else 1

@@ -13,7 +13,7 @@ A test hook makes a straggler: with ``slow_factor`` F > 1 each timed piece is
 followed by a sleep of (F - 1) times its own duration, so the rank's compute
 takes F times as long, as a slower GPU or a throttled host would.
 
-Besides the sums, ``steady_passes`` prices the step's passes at each timed
+Besides the sums, ``pass_shape`` prices the step's passes at each timed
 function's *steady* cost per call: the median of its calls but the first and
 the last, times its calls. The first micro-batch of a step runs measurably
 slower (cold caches; 20-30% for the demo on a CPU) and the last backward
@@ -21,9 +21,9 @@ launches the gradient buckets still waiting: costs per step that a plain sum
 would spread over however many micro-batches the rank ran, so a rank given
 fewer (balancing) would look slower per micro-batch than it is.
 
-``pass_shape`` gives what pricing at another count needs: the passes' sum,
-the first and last calls' sum, the steady cost per call (from three calls
-up) and the calls. On one or two calls there is no steady cost to read; the
+It also gives what pricing at another count needs: the passes' sum, the
+first and last calls' sum, the steady cost per call (from three calls up)
+and the calls. On one or two calls there is no steady cost to read; the
 controller takes it from the peers' ratio of ends to steady
 (``controller.equal_share``).
 """
@@ -90,24 +90,18 @@ class ComputeClock:
             out[kind] += timer.seconds()
         return out
 
-    def steady_passes(self) -> float:
-        """This step's passes (forward and backward) with each timed function's calls at its
-        steady cost, the median of its calls but the first and last (see the module docstring)."""
-        by_source: dict[int, list[float]] = defaultdict(list)
-        for source, timer in self._calls:
-            by_source[source].append(timer.seconds())
-        return sum(statistics.median(t[1:-1] if len(t) > 2 else t) * len(t) for t in by_source.values())
-
     def pass_shape(self) -> dict:
-        """This step's passes: ``passes_s`` (their sum), ``ends_s`` (each timed function's first
-        and last call, one call counted once), ``mid_s`` (each one's steady cost per call, the
-        median of its calls but the first and last; None unless each has three calls) and
-        ``calls`` (the fewest calls of any)."""
+        """This step's passes, each timer read once: ``passes_s`` (their sum), ``steady_s``
+        (each timed function's calls at its steady cost, the median of its calls but the first
+        and last; see the module docstring), ``ends_s`` (each one's first and last call, one
+        call counted once), ``mid_s`` (each one's steady cost per call; None unless each has
+        three calls) and ``calls`` (the fewest calls of any)."""
         by_source: dict[int, list[float]] = defaultdict(list)
         for source, timer in self._calls:
             by_source[source].append(timer.seconds())
         calls = [len(t) for t in by_source.values()]
         return {"passes_s": sum(sum(t) for t in by_source.values()),
+                "steady_s": sum(statistics.median(t[1:-1] if len(t) > 2 else t) * len(t) for t in by_source.values()),
                 "ends_s": sum(t[0] + t[-1] if len(t) > 1 else t[0] for t in by_source.values()),
                 "mid_s": sum(statistics.median(t[1:-1]) for t in by_source.values()) if calls and min(calls) > 2 else None,
                 "calls": min(calls, default=0)}

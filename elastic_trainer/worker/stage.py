@@ -346,7 +346,7 @@ class StageTrainer:
         exposed += waited_comm.seconds()
         wall = time.perf_counter() - t0
         compute_s = wall - exposed - waited
-        own = clock.totals()
+        own, shape = clock.totals(), clock.pass_shape()
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
         if loss is not None and scale is not None:
             loss /= self._loss_mult
@@ -355,8 +355,7 @@ class StageTrainer:
                           exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped,
                           snapshot_wait_s=waited, lr=lr, forward_s=own["forward"], backward_s=own["backward"],
                           optimizer_s=own["optimizer"], wait_s=max(0.0, wall - waited - sum(own.values())),
-                          micro_batches=n_micro, passes_steady_s=clock.steady_passes(),
-                          passes_shape=clock.pass_shape())
+                          micro_batches=n_micro, passes_steady_s=shape["steady_s"], passes_shape=shape)
 
     def evaluate(self, step: int) -> float | None:
         """Mean loss of ``eval.batches`` held-out batches, forward only, in eval mode (no dropout),

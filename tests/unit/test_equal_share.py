@@ -45,6 +45,7 @@ def test_the_clock_gives_the_passes_their_ends_and_their_steady_cost():
     s = shape(4)
     assert s["passes_s"] == pytest.approx(FIRST + 2 * STEADY + LAST) and s["calls"] == 4
     assert s["ends_s"] == pytest.approx(FIRST + LAST) and s["mid_s"] == pytest.approx(STEADY)
+    assert s["steady_s"] == pytest.approx(4 * STEADY)
     two = shape(2)
     assert two["mid_s"] is None and two["ends_s"] == pytest.approx(two["passes_s"])
     assert shape(1)["ends_s"] == pytest.approx(FIRST + LAST - STEADY)
