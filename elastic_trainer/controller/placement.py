@@ -42,6 +42,11 @@ def _spread_cap(scaling: ScalingSection) -> int | None:
     return None if scaling.uses_gpu else 1
 
 
+def dead_nodes() -> set[str]:
+    """Nodes Ray has declared dead (its view lags a death, never a life: a node listed here is gone)."""
+    return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+
+
 def free_slots(scaling: ScalingSection, occupied: dict[str, int], pack: bool = False) -> dict[str, int]:
     """How many more workers each alive node can take, given ``occupied`` (node -> our workers there).
 

@@ -48,6 +48,12 @@ class ParameterServers:
         """Refs of the shards' state at ``step`` (layout-free shards covering every block)."""
         return self.snaps.get(step)
 
+    def restorable_steps(self) -> set[int]:
+        """Steps the shards can be put back at: those of their kept snapshots, and the step
+        every shard is at now (where they all agree), which needs no load."""
+        versions = set(ray.get([h.version.remote() for h in self.handles], timeout=self.timeout_s))
+        return set(self.snaps) | (versions if len(versions) == 1 else set())
+
     def restore(self, step: int, dp: int, sources: list | None = None) -> None:
         """Put every shard at ``step`` for ``dp`` replicas: drop half-pushed steps, and load
         ``sources`` (else the snapshot of ``step``) where a shard is elsewhere."""

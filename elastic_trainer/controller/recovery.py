@@ -186,9 +186,15 @@ class Recovery(RestorePoints):
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.cfg.failure.min_step_timeout_s)
             stuck = [w for ref, w in pending.items() if ref not in ready]
             if stuck:
+                # Those that still answer a ping are dropped with their nodes known alive: the
+                # snapshot parts they wrote there stay readable (a restore may need them).
+                answers = pool.ask("ping", stuck, self.cfg.failure.ping_timeout_s)
+                answered = [w for w, a in answers.items() if not failed(a)]
                 self.ctl.event("failure", failure="hang", worker=None, rank=None, node=None, step=out.step,
-                               detail=f"workers {stuck} stayed inside the failed step")
-                pool.drop(stuck)
+                               detail=f"workers {stuck} stayed inside the failed step"
+                                      + (f" ({answered} still answered a ping)" if answered else ""))
+                pool.drop(answered, answered=True)
+                pool.drop([w for w in stuck if w not in answered])
 
     def _check_limits(self, diag: Diagnosis) -> None:
         f = self.cfg.failure

@@ -29,12 +29,15 @@ def choose_restore(
     snapshots: dict[int, dict[object, list[int]]],
     durable: dict[int, dict[object, list[int]]],
     max_step: int | None = None,
+    allowed: set[int] | None = None,
 ) -> tuple[int, dict[int, Source]] | None:
     """Latest step (up to ``max_step``, the last committed one) at which every block
     has a source, and each block's source.
 
     A copy of a step that did not commit (some rank never reported it) is never
-    used, even if the survivors hold all of it.
+    used, even if the survivors hold all of it. ``allowed``: where state outside the
+    blocks (a parameter server's optimizer shards) can come back only at some steps,
+    those steps.
 
     ``live``: worker id -> {step: blocks in its local copy}; ``snapshots`` and
     ``durable``: step -> {shard key: blocks}. Returns None if no step covers
@@ -44,7 +47,7 @@ def choose_restore(
     for per_step in live.values():
         steps |= set(per_step)
     for step in sorted(steps, reverse=True):
-        if max_step is not None and step > max_step:
+        if (max_step is not None and step > max_step) or (allowed is not None and step not in allowed):
             continue
         cands: list[Source] = []
         for wid in sorted(live):
@@ -116,3 +119,20 @@ def plan_loads(chosen: dict[int, Source], ranks: dict[int, int], blocks_of_rank:
                 loads.append(Load("durable", shard=src.shard))
         out[r] = loads
     return out
+
+
+def newest_copies(n_blocks: int, copies: list[tuple[int, int, str, bool]]) -> str:
+    """Where each block's newest copies are, for the error of a restore that found no step
+    whole: ``copies`` are (block, step, where, reachable) of every copy the run knows of."""
+    lines = []
+    for b in range(n_blocks):
+        mine = sorted((c for c in copies if c[0] == b), key=lambda c: (-c[1], not c[3]))
+        if not mine:
+            lines.append(f"block {b}: no copy")
+            continue
+        newest = mine[0][1]
+        where = [f"{w} ({'reachable' if ok else 'lost'})" for _, s, w, ok in mine if s == newest]
+        ok = next((c for c in mine if c[3]), None)
+        tail = f"; newest reachable: step {ok[1]} in {ok[2]}" if ok and ok[1] != newest else ""
+        lines.append(f"block {b}: step {newest} in " + ", ".join(where) + (tail if ok else "; none reachable"))
+    return "; ".join(lines)

@@ -17,7 +17,8 @@ from ..checkpoint.compat import resume_differences
 from ..checkpoint.durable import CheckpointError
 from ..errors import RunError
 from ..retry import StorageError
-from .restore import Load, choose_restore, plan_loads
+from .restore import Load, choose_restore, newest_copies, plan_loads
+from .placement import dead_nodes
 from .workers import failed
 
 if TYPE_CHECKING:
@@ -49,22 +50,45 @@ class RestorePoints:
         for w, per_step in ctl.snapshots.written(set(live)).items():
             for step, (_, blocks) in per_step.items():
                 live[w][step] = sorted(set(live[w].get(step, [])) | set(blocks))
+        pool.forget_dead_nodes(dead_nodes())
         snaps = ctl.snapshots.available(pool.nodes(), set(pool.workers))
         n_blocks = len(ctl.counts)
-        found = choose_restore(n_blocks, live, snaps, {}, max_step=ctl.step)
+        # A parameter server's optimizer shards come back only at the steps it kept.
+        allowed = ctl.ps.restorable_steps() if ctl.ps else None
+        found = choose_restore(n_blocks, live, snaps, {}, max_step=ctl.step, allowed=allowed)
+        durable: dict = {}
         if found is None or (ctl.durable and self._durable_step_beyond(found[0])):
             durable = self.load_durable()
             if durable:
-                found = choose_restore(n_blocks, live, snaps, durable, max_step=ctl.step) or found
+                found = choose_restore(n_blocks, live, snaps, durable, max_step=ctl.step, allowed=allowed) or found
         if found is None:
             if ctl.step == 0:
                 return None
-            raise RunError(f"no source holds every block at any step: live copies {live}, "
-                           f"snapshots {sorted(snaps)}, durable {'none' if not ctl.durable else 'unusable'}; "
+            raise RunError(f"no step up to {ctl.step} has a source for every block"
+                           + (f" at a step the parameter server kept ({sorted(allowed)})" if allowed is not None else "")
+                           + f": {newest_copies(n_blocks, self._copies(live, durable))}; "
+                           f"durable {'none' if not ctl.durable else 'as listed' if durable else 'unusable'}; "
                            f"after: {self.failure_summary()}")
         step, chosen = found
         tiers = collections.Counter(src.tier for src in chosen.values())
         return step, chosen, dict(tiers)
+
+    def _copies(self, live: dict, durable: dict) -> list[tuple[int, int, str, bool]]:
+        """(block, step, where, reachable) of every copy the run knows of, for the error of a
+        restore that found no step whole: live workers' copies, every kept snapshot part
+        (reachable or not, committed or not), the durable checkpoint's shards."""
+        ctl, nodes = self.ctl, self.ctl.pool.nodes()
+        out = [(b, step, f"worker {w}'s copy", True)
+               for w, per in live.items() for step, blocks in per.items() for b in blocks]
+        for step, snap in ctl.snapshots.snaps.items():
+            for rank, e in snap.shards.items():
+                ok = snap.committed_at is not None and (e.node in nodes or any(h in ctl.pool for h in e.pinned))
+                where = (f"the snapshot part of rank {rank} on node {e.node[:12]}"
+                         + ("" if snap.committed_at is not None else ", not committed"))
+                out += [(b, step, where, ok) for b in e.blocks]
+        out += [(b, step, f"durable shard {i}", True)
+                for step, shards in durable.items() for i, blocks in shards.items() for b in blocks]
+        return out
 
     def _durable_step_beyond(self, step: int) -> bool:
         try:

@@ -119,6 +119,7 @@ class WorkerPool:
         self.run_name = run_name
         self.workers: dict[int, WorkerHandle] = {}
         self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
+        self.bare_nodes: set[str] = set()    # alive (a dropped worker answered there), no worker of ours
         self._next_wid = 0
         # Groups: "train" runs steps one at a time (a lock), with a thread for a lease queued behind
         # the one running; "control" (ping, queries) never waits
@@ -138,9 +139,11 @@ class WorkerPool:
         return wid in self.workers
 
     def nodes(self) -> set[str]:
-        """Nodes with a live worker of ours. Ray's own view of a node lags its death by
-        seconds, and reading an object from a dead node blocks, so this is what counts as alive."""
-        return {w.node for w in self.workers.values()}
+        """Nodes known alive: those with a live worker of ours, and those whose worker was
+        dropped while it still answered (``drop(..., answered=True)``). Ray's own view of a
+        node lags its death by seconds, and reading an object from a dead node blocks, so a
+        node counts only on such evidence; it stops counting once Ray declares it dead."""
+        return {w.node for w in self.workers.values()} | self.bare_nodes
 
     def spawn(self, nodes: list[str], names: list[str] | None = None) -> None:
         """Start a worker on each node given (without waiting for it)."""
@@ -229,12 +232,21 @@ class WorkerPool:
             if w is not None:
                 _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(w.node, soft=False)).remote(w.pid)
 
-    def drop(self, wids) -> None:
+    def drop(self, wids, answered: bool = False) -> None:
+        """Kill and forget workers. ``answered``: they answered a ping just now (dropped for
+        staying inside a failed step, not lost), so their nodes live on: the snapshot parts
+        those nodes hold can still be read (``nodes``)."""
         for wid in wids:
             w = self.workers.pop(wid, None)
             if w is not None:
                 log.info("[%s] dropping worker %d (rank %s, node %s)", self.run_name, wid, w.rank, w.node[:12])
                 _kill(w.actor)
+                if answered:
+                    self.bare_nodes.add(w.node)
+
+    def forget_dead_nodes(self, dead: set[str]) -> None:
+        """Nodes Ray has declared dead no longer count as alive (``nodes``)."""
+        self.bare_nodes -= dead
 
     def teardown(self) -> None:
         for w in self.workers.values():
