@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from .config_base import YAML_BOOL_WORDS
 from .errors import ConfigError
 
 
@@ -47,6 +48,10 @@ def format_validation_error(e: ValidationError, source: str, root: type[BaseMode
             msg = err["msg"].removeprefix("Value error, ")
             given = err.get("input")
             shown = "" if isinstance(given, dict) or given is None else f" (given {given!r})"
+            if isinstance(given, bool) and "YAML reads" not in msg:
+                # A text field cannot know which of the spellings was written, so it cannot take it back.
+                shown += (f": YAML reads an unquoted {'/'.join(YAML_BOOL_WORDS[given])} as a boolean; "
+                          "quote the word to give it as text")
             lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
 

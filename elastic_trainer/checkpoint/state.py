@@ -105,8 +105,32 @@ def merge_shards(shards: list[dict], names: list[str]) -> tuple[int, dict, dict]
     return steps.pop(), params, optim
 
 
+def step_placement(device: torch.device, group: dict) -> tuple[torch.dtype, torch.device]:
+    """(dtype, device) of the ``step`` torch's Adam/AdamW keeps for a parameter on ``device`` in
+    param group ``group``, as its ``_init_group`` makes it.
+
+    Capturable or fused: float32 (the default scalar dtype if only capturable) on the parameter's
+    device, where the graph or fused kernel reads it. Otherwise a CPU tensor of the default scalar
+    dtype (float32, float64 under a float64 default): the update reads it as a number for the bias
+    correction, which from a GPU tensor would wait on the device once per parameter each step.
+    """
+    fused = bool(group.get("fused"))
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 and not fused else torch.float32
+    if fused or group.get("capturable"):
+        return scalar, torch.device(device)
+    return scalar, torch.device("cpu")
+
+
+def _step_tensor(value, device: torch.device, group: dict) -> torch.Tensor:
+    # Whatever form the shard holds it in (a float32 array, a plain number), it comes back as torch holds it.
+    dtype, where = step_placement(device, group)
+    return torch.from_numpy(np.array(value, dtype=np.float64).reshape(())).to(dtype=dtype, device=where)
+
+
 def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, optim: dict) -> None:
-    """Write parameters and optimizer state into the live tensors (shapes checked)."""
+    """Write parameters and optimizer state into the live tensors (shapes checked); each
+    ``step`` is held as torch itself holds it (``step_placement``)."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     with torch.no_grad():
         for name, p in named_params:
             src = params[name]
@@ -118,7 +142,7 @@ def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, opti
                 p.copy_(as_tensor(src, p.dtype))
             if name in optim:
                 optimizer.state[p] = {
-                    k: torch.tensor(v, device=p.device) if k == "step" else
+                    k: _step_tensor(v, p.device, groups.get(id(p), {})) if k == "step" else
                     as_tensor(np.array(v), p.dtype).to(p.device)
                     for k, v in optim[name].items()
                 }

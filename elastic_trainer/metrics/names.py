@@ -40,6 +40,13 @@ STATES = ("PENDING", "PLACING", "STARTING", "RUNNING", "RECOVERING", "RESIZING",
 # Phases of one recovery, as the controller's "recovery" event times them.
 RECOVERY_PHASES = ("detect", "replan", "restore", "first_step", "total")
 
+# Every value the controller gives a counter's own tag, so the recorder can export each series at
+# 0 before its first event (increase() and `offset` miss the event that creates a series).
+# controller/recovery.py emits the failure kinds, controller/balance.py and benching.py the
+# rebalance actions; tests/unit/test_metrics.py reads those sources to keep the lists whole.
+FAILURE_KINDS = ("startup", "death", "silent", "hang", "exception", "collective", "during_recovery")
+REBALANCE_ACTIONS = ("shares", "equal shares", "balanced cut", "recut", "spare", "readmit")
+
 # Dashboard rows, in display order.
 GROUPS = ("progress", "throughput", "communication", "elasticity", "checkpoints")
 
@@ -52,6 +59,9 @@ class MetricSpec:
     named by ``field``), ``"step_per_rank"`` (a history key holding one value per rank, tagged
     ``rank``), an event kind (``"straggler"``, ``"rebalance"``, ``"failure"``, ``"recovery"``,
     ``"snapshot"``, ``"snapshot_interval"``, ``"durable_checkpoint"``), or ``"state"``.
+
+    ``tag_values``: for a counter, ``(tag, values)`` for each tag after ``run``: every value the
+    controller counts under, so each series is exported at 0 from the start.
     """
 
     name: str
@@ -63,6 +73,7 @@ class MetricSpec:
     field: str | None = None
     tag_keys: tuple[str, ...] = ("run",)
     boundaries: tuple[float, ...] = ()
+    tag_values: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self):
         if not self.name.startswith(PREFIX):
@@ -78,6 +89,18 @@ class MetricSpec:
         if self.kind == COUNTER and self.name.endswith("_total"):
             # Ray's legacy (OpenCensus) exporter would then name it ..._total_total.
             raise ValueError(f"counter {self.name!r}: leave '_total' off; the exporter adds it")
+        if self.kind == COUNTER and tuple(t for t, _ in self.tag_values) != self.tag_keys[1:]:
+            raise ValueError(f"counter {self.name!r}: tag_values must list the values of every tag after 'run' "
+                             f"({self.tag_keys[1:]}), got {tuple(t for t, _ in self.tag_values)}")
+        if self.kind != COUNTER and self.tag_values:
+            raise ValueError(f"metric {self.name!r}: tag_values are for counters only")
+
+    def zero_series(self) -> list[dict[str, str]]:
+        """A counter's tags (less ``run``) of every series it will count under, to export at 0."""
+        series: list[dict[str, str]] = [{}]
+        for tag, values in self.tag_values:
+            series = [{**s, tag: v} for s in series for v in values]
+        return series if self.kind == COUNTER else []
 
     @property
     def prometheus_name(self) -> str:
@@ -118,7 +141,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "throughput", "straggler"),
     MetricSpec(PREFIX + "rebalances", COUNTER,
                "Balancing moves (balance.mode act), by action: shares, equal shares, spare, readmit.", "moves",
-               "throughput", "rebalance", tag_keys=("run", "action")),
+               "throughput", "rebalance", tag_keys=("run", "action"), tag_values=(("action", REBALANCE_ACTIONS),)),
     # communication
     _step("comm_bytes", "Gradient bytes all ranks sent in the last step.", "bytes", "communication"),
     _step("comm_time_s", "Time the slowest rank spent in collectives in the last step.", "s", "communication",
@@ -132,7 +155,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _step("dp", "Data-parallel replicas in the current plan.", "workers", "elasticity"),
     _step("pp", "Pipeline stages in the current plan.", "workers", "elasticity"),
     MetricSpec(PREFIX + "failures", COUNTER, "Worker failures seen by the controller, by kind.", "failures",
-               "elasticity", "failure", tag_keys=("run", "kind")),
+               "elasticity", "failure", tag_keys=("run", "kind"), tag_values=(("kind", FAILURE_KINDS),)),
     MetricSpec(PREFIX + "recovery_seconds", HISTOGRAM,
                "Time from failure (or resize) to the first step committed after it.", "s", "elasticity",
                "recovery", tag_keys=("run", "reason"),

@@ -48,11 +48,25 @@ def ray_metric(spec: MetricSpec):
     if spec.kind == GAUGE:
         return ray_metrics.Gauge(spec.name, description=spec.description, tag_keys=spec.tag_keys)
     if spec.kind == COUNTER:
-        return ray_metrics.Counter(spec.name, description=spec.description, tag_keys=spec.tag_keys)
+        return _Counter(ray_metrics.Counter(spec.name, description=spec.description, tag_keys=spec.tag_keys))
     if spec.kind == HISTOGRAM:
         return ray_metrics.Histogram(spec.name, description=spec.description, boundaries=list(spec.boundaries),
                                      tag_keys=spec.tag_keys)
     raise ValueError(f"unknown metric kind {spec.kind!r}")
+
+
+class _Counter:
+    """A ``ray.util.metrics.Counter`` whose ``inc(0)`` records 0, which Ray's refuses: a series is
+    exported only once something is recorded under its tags, so 0 is how it exists from the start."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def inc(self, value: float, tags: dict) -> None:
+        if value == 0:
+            self.counter._record(0.0, tags=tags)   # adds nothing to the sum; creates the series
+        else:
+            self.counter.inc(value, tags=tags)
 
 
 def _ray_connected() -> bool:
@@ -76,7 +90,8 @@ class RunMetrics:
 
     ``factory`` makes the metric object for a spec; the default makes
     ``ray.util.metrics`` objects once Ray is initialized in this process.
-    Tests pass a factory of fakes. Recording never raises: a metric that
+    Tests pass a factory of fakes. When the metrics are made, every counter series the run can
+    count under (``MetricSpec.zero_series``) is exported at 0. Recording never raises: a metric that
     cannot be recorded is logged once and skipped, so metrics cannot stop a run.
     Safe to call from several threads (durable checkpoints finish on their own).
     """
@@ -202,6 +217,11 @@ class RunMetrics:
                     except Exception as e:
                         log.warning("[%s] metric %s not created: %s: %s", self.run, spec.name, type(e).__name__, e)
                 self._metrics = made
+                # Every counter series at 0 before its first event: increase() over a series that
+                # appears with its first count (1) sees no increase, and the alerts' offset no base.
+                for spec in METRICS:
+                    for tags in spec.zero_series():
+                        self._call(spec.name, "inc", 0.0, tags)
                 if self._factory is None:
                     self._refresher = threading.Thread(target=self._refresh_loop, name="metrics-refresh",
                                                        daemon=True)

@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from elastic_trainer.metrics import RunMetrics, prometheus_names
+from elastic_trainer.metrics.names import FAILURE_KINDS
 from elastic_trainer.worker.process_group import free_port
 
 pytestmark = pytest.mark.integration
@@ -74,8 +75,10 @@ def test_recorded_metrics_are_exported_under_the_promised_names(metrics_port):
     assert set(got) == want, f"missing {sorted(want - set(got))}, unexpected {sorted(set(got) - want)}"
     assert got["ray_elastic_trainer_step"] == [(got["ray_elastic_trainer_step"][0][0], 3.0)]
     assert 'run="export-test"' in got["ray_elastic_trainer_step"][0][0]
-    failures = got["ray_elastic_trainer_failures_total"]
-    assert [v for _, v in failures] == [2.0] and 'kind="death"' in failures[0][0]
+    # Every kind is exported from the start, at 0 until it happens (increase() sees the first).
+    failures = {re.search(r'kind="([^"]*)"', labels).group(1): v
+                for labels, v in got["ray_elastic_trainer_failures_total"]}
+    assert failures == {**dict.fromkeys(FAILURE_KINDS, 0.0), "death": 2.0}
     running = [v for labels, v in got["ray_elastic_trainer_controller_state"] if 'state="RUNNING"' in labels]
     assert running == [1.0]
     # Gauges set once stay exported while the recording process lives (the alerts rely on it):

@@ -163,3 +163,87 @@ def test_an_eval_set_too_small_for_its_batches_is_a_data_error(corpus_dir):
         open_datasets(cfg)
     train, evald = open_datasets(cfg.with_overrides(["eval.fraction=0.1"]))
     assert len(train) + len(evald) == len(open_datasets(cfg.with_overrides(["eval.every=null"]))[0])
+
+
+# -- YAML 1.1 reads off/on/yes/no as booleans ---------------------------------------------------
+
+# The spellings PyYAML's safe_load turns into booleans (YAML 1.1), by the boolean they become.
+YAML_BOOL_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+
+
+def _literal_words(annotation) -> set[str]:
+    """The string values a field's annotation allows through ``Literal`` (any depth of unions)."""
+    from typing import Literal, get_args, get_origin
+
+    if get_origin(annotation) is Literal:
+        return {a for a in get_args(annotation) if isinstance(a, str)}
+    return set().union(*(_literal_words(a) for a in get_args(annotation))) if get_args(annotation) else set()
+
+
+def _worded_fields() -> list[tuple[str, str, str]]:
+    """(section, key, word) for every config field whose allowed words include a YAML 1.1 boolean."""
+    spellings = {w for words in YAML_BOOL_WORDS.values() for w in words}
+    out = []
+    for section, field in TrainerConfig.model_fields.items():
+        for key, f in field.annotation.model_fields.items():
+            out += [(section, key, w) for w in sorted(_literal_words(f.annotation) & spellings)]
+    return out
+
+
+def test_every_worded_field_is_found():
+    # balance.mode's 'off' is documented in the README; the sweep below would pass vacuously without it.
+    assert ("balance", "mode", "off") in _worded_fields()
+
+
+@pytest.mark.parametrize("section, key, word", _worded_fields())
+def test_a_word_yaml_reads_as_a_boolean_is_taken_as_written(tmp_path, section, key, word):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"data: {{path: /d}}\n{section}:\n  {key}: {word}\n")
+    assert getattr(getattr(TrainerConfig.from_yaml(job), section), key) == word
+    job.write_text("data: {path: /d}\n")
+    assert getattr(getattr(TrainerConfig.from_yaml(job, [f"{section}.{key}={word}"]), section), key) == word
+    assert getattr(getattr(make().with_overrides([f"{section}.{key}={word}"]), section), key) == word
+
+
+def test_balance_mode_off_in_a_shipped_job_and_through_set():
+    from pathlib import Path
+
+    demo = Path(__file__).parents[2] / "jobs" / "demo.yaml"
+    cfg = TrainerConfig.from_yaml(demo, ["balance.mode=off"])
+    assert cfg.balance.mode == "off"
+    assert cfg.with_overrides(["balance.mode=detect"]).with_overrides(["balance.mode=off"]).balance.mode == "off"
+    cfg.balance.mode = False   # assignment is validated the same way
+    assert cfg.balance.mode == "off"
+
+
+def test_a_boolean_word_a_field_does_not_take_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"balance.mode: .*boolean True.*'off', 'detect', 'act'"):
+        make().with_overrides(["balance.mode=on"])
+
+
+@pytest.mark.parametrize("key, word", [("checkpoint.memory_every", "on"), ("checkpoint.memory_every", "yes"),
+                                       ("data.shuffle_mix", "true"), ("data.shuffle_mix", "off")])
+def test_a_number_or_auto_field_refuses_a_boolean_rather_than_read_it_as_1_or_0(key, word):
+    # pydantic would take True as 1 here: `memory_every: on` snapshotting every step.
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: .*boolean"):
+        make().with_overrides([f"{key}={word}"])
+    section, name = key.split(".")
+    assert getattr(getattr(make().with_overrides([f"{key}=auto"]), section), name) == "auto"
+    assert getattr(getattr(make().with_overrides([f"{key}=3"]), section), name) == 3
+
+
+@pytest.mark.parametrize("key, word, value", [("comm.overlap", "false", False), ("comm.overlap", "true", True),
+                                              ("control.renew_early", "off", False),
+                                              ("data.shuffle", "no", False), ("checkpoint.overlap", "yes", True)])
+def test_a_boolean_field_still_takes_booleans(tmp_path, key, word, value):
+    section, name = key.split(".")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"data: {{path: /d, {name}: {word}}}\n" if section == "data"
+                   else f"data: {{path: /d}}\n{section}: {{{name}: {word}}}\n")
+    assert getattr(getattr(TrainerConfig.from_yaml(job), section), name) is value
+    assert getattr(getattr(make().with_overrides([f"{key}={word}"]), section), name) is value
+
+
+def test_a_text_field_given_a_yaml_boolean_says_to_quote_it():
+    with pytest.raises(ConfigError, match=r"run.name: .*given False.*quote"):
+        make().with_overrides(["run.name=no"])

@@ -44,6 +44,11 @@ def calls(made, short):
     return made[metric(short).name].calls
 
 
+def _counted(made, short):
+    """The counter's increments, leaving out the zeros that create its series."""
+    return [c for c in calls(made, short) if c[1] != 0]
+
+
 RECORD = {"step": 7, "loss": 2.5, "cursor": 56, "dp": 2, "pp": 3, "world_size": 6, "plan": 0,
           "step_time_s": 0.5, "tokens_per_s": 1024.0, "comm_time_s": 0.125, "worker_s": 0.4, "comm_bytes": 4096,
           "time": 1700000000.0}
@@ -135,9 +140,9 @@ def test_failures_are_counted_by_kind(recorder):
     rec, made = recorder
     for kind in ("death", "death", "hang", None):
         rec.record_event({"kind": "failure", "failure": kind, "worker": 1, "rank": 0, "node": "n", "step": 3})
-    kinds = [c[2]["kind"] for c in calls(made, "failures")]
+    kinds = [c[2]["kind"] for c in _counted(made, "failures")]
     assert kinds == ["death", "death", "hang", "unknown"]
-    assert all(c[0] == "inc" and c[1] == 1.0 for c in calls(made, "failures"))
+    assert all(c[0] == "inc" and c[1] == 1.0 for c in _counted(made, "failures"))
 
 
 def test_a_recovery_is_observed_once_when_its_total_is_known(recorder):
@@ -211,4 +216,89 @@ def test_refresh_sets_every_gauge_series_again_to_its_last_value(recorder):
     running = [c for c in calls(made, "controller_state") if c[2].get("state") == "RUNNING"]
     assert running[-1][1] == 1.0 and len(running) == 2
     # Counters are cumulative in Ray: not replayed.
-    assert len(calls(made, "failures")) == 1
+    assert len(_counted(made, "failures")) == 1
+
+
+# -- counters exist from the start ---------------------------------------------------------------
+
+def test_a_fresh_recorder_exports_every_counter_at_zero_under_every_label_set_it_will_count(recorder):
+    # increase() and `offset` see a counter's first event only if its series already existed at 0.
+    rec, made = recorder
+    assert rec.enabled   # the metrics are made on first use, in the recording process
+    counters = [m for m in METRICS if m.kind == COUNTER]
+    assert {"failures", "rebalances", "stragglers"} <= {m.name.removeprefix("elastic_trainer_") for m in counters}
+    for spec in counters:
+        got = made[spec.name].calls
+        assert got and all(method == "inc" and value == 0 for method, value, _ in got), spec.name
+        assert all(tags["run"] == "run-a" for _, _, tags in got)
+        assert len({tuple(sorted(t.items())) for _, _, t in got}) == len(got), f"{spec.name}: a series twice"
+    kinds = {t["kind"] for _, _, t in calls(made, "failures")}
+    actions = {t["action"] for _, _, t in calls(made, "rebalances")}
+    assert {"death", "hang", "startup"} <= kinds and {"shares", "readmit"} <= actions
+    # The first real failure increments a series that is already there, under the same labels.
+    rec.record_event({"kind": "failure", "failure": "death"})
+    assert _counted(made, "failures") == [("inc", 1.0, {"run": "run-a", "kind": "death"})]
+    assert ("inc", 0.0, {"run": "run-a", "kind": "death"}) in calls(made, "failures")
+
+
+def _emitted(kind: str, field: str) -> set[str]:
+    """Every string the controller's sources can give ``field`` of a ``kind`` event: from
+    ``ctl.event(kind, field=...)`` calls and ``{"kind": kind, field: ...}`` literals, following a
+    loop variable back to the tuple it iterates over."""
+    import ast
+    from pathlib import Path
+
+    import elastic_trainer.controller as controller_pkg
+
+    found: set[str] = set()
+
+    def strings(node):
+        return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+    for path in Path(controller_pkg.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        loops = {}   # loop variable name -> the strings its loop's tuple gives it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.For) and isinstance(node.target, ast.Tuple) and isinstance(node.iter, ast.Tuple):
+                for i, t in enumerate(node.target.elts):
+                    if isinstance(t, ast.Name):
+                        loops.setdefault(t.id, set()).update(
+                            s for e in node.iter.elts if isinstance(e, ast.Tuple) for s in strings(e.elts[i]))
+        for node in ast.walk(tree):
+            value = None
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "event"
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == kind):
+                value = next((k.value for k in node.keywords if k.arg == field), None)
+            elif isinstance(node, ast.Dict):
+                d = {k.value: v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)}
+                if isinstance(d.get("kind"), ast.Constant) and d["kind"].value == kind:
+                    value = d.get(field)
+            if value is not None:
+                found |= loops.get(value.id, set()) if isinstance(value, ast.Name) else strings(value)
+    return found
+
+
+@pytest.mark.parametrize("short, kind, field", [("failures", "failure", "failure"),
+                                                ("rebalances", "rebalance", "action")])
+def test_every_label_the_controller_counts_is_exported_at_zero(recorder, short, kind, field):
+    rec, made = recorder
+    assert rec.enabled
+    emitted = _emitted(kind, field)
+    assert len(emitted) >= 4, emitted   # the scan found the controller's events
+    tag = metric(short).tag_keys[1]
+    assert emitted <= {t[tag] for _, _, t in calls(made, short)}
+
+
+def test_every_counter_the_dashboards_and_alerts_read_is_exported_at_zero(recorder):
+    import json
+    import re
+    from pathlib import Path
+
+    rec, made = recorder
+    assert rec.enabled
+    root = Path(__file__).parents[2] / "dashboards"
+    text = (root / "alerts.yml").read_text() + json.dumps(json.loads((root / "elastic_trainer.json").read_text()))
+    read = set(re.findall(r"ray_(elastic_trainer_\w+)_total", text))
+    assert "elastic_trainer_failures" in read
+    for name in read:
+        assert made[name].calls and all(c[1] == 0 for c in made[name].calls), name
