@@ -8,15 +8,27 @@ then holds one complete snapshot per step instead of dp of them, in one object
 per stage, and every part still has copies on distinct nodes: the writer's
 object plus the other replicas' local copies. Where a stage sits on fewer than
 ``replicas`` nodes (dp=1, or replicas packed on a node) the controller asks
-workers on other nodes to pin a copy. A snapshot commits when every part has
-all its copies, or is dropped (its refs let go, its pins cancelled) when a pin
-fails or is not stored within ``failure.pin_timeout_s``: never both. A holder
-is given at most ``snapshots_kept`` pins outstanding at once, and none while a
-pin of a dropped snapshot is still outstanding on it, so a slow holder holds a
-bounded number of parts. The last ``checkpoint.snapshots_kept`` committed stay;
-older refs are dropped, and every pin request tells its holder the oldest step
-still kept, so holders let older copies go and object-store use does not grow
-with the step count. Workers keep that many local copies too: one number for both.
+workers on other nodes to pin a copy.
+
+A snapshot commits only on evidence of every copy it counts: each part's
+own object sealed (and not an error), every pin answered, and every DP peer
+counted for a local copy having reported it (``copied`` in its step results,
+which reach the store with the next snapshot step's). It is dropped (its refs
+let go, its pins cancelled) when a part's object or a pin fails, or a pin is
+not stored within ``failure.pin_timeout_s``: never both. Only committed
+snapshots are restore sources. A holder is given at most ``snapshots_kept`` pins
+outstanding at once, and none while a pin of a snapshot let go is still
+outstanding on it, so a slow holder holds a bounded number of parts. The last
+``checkpoint.snapshots_kept`` committed stay; older refs are dropped, and
+every pin request tells its holder the oldest step still kept, so holders let
+older copies go and object-store use does not grow with the step count.
+Workers keep that many local copies too: one number for both.
+
+A rollback re-runs steps, and takes their snapshots again: ``rolled_back``
+lets go of every snapshot after the restored step. Each snapshot is a *take*
+(numbered), and a pin's key carries it, so a pin of an earlier take of the
+same step that answers late counts for nothing here and replaces no newer
+copy on its holder (``worker.copies.HeldCopies.pin``).
 
 This module owns all of it: when a snapshot is due, who writes what, where
 copies go, when a snapshot commits and how long it is kept.
@@ -25,11 +37,11 @@ copies go, when a snapshot commits and how long it is kept.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import ray
-
 
 
 @dataclass
@@ -40,6 +52,9 @@ class ShardEntry:
     wid: int | None = None                      # worker that produced it
     pins: dict[int, object] = field(default_factory=dict)  # holder worker id -> ack ref
     pinned: set = field(default_factory=set)                # holder ids whose copy is stored
+    peers: dict[int, str] = field(default_factory=dict)     # DP peer worker id -> node, counted for its local copy
+    sealed: bool = False                        # its own object is in the object store, not an error
+    error: str | None = None                    # why its own object failed
 
 
 @dataclass
@@ -50,6 +65,7 @@ class Snapshot:
     committed_at: float | None = None
     nbytes: int = 0                 # one copy of every part
     dropped: str | None = None      # why it was dropped (then it is no longer kept)
+    take: int = 0                   # which take of its step (a step is taken again after a rollback)
 
 
 def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
@@ -73,6 +89,33 @@ def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
     return phases
 
 
+def check_sealed(entries) -> None:
+    """Mark each part whose own object is in the object store (``sealed``) or failed (``error``),
+    without waiting. A get would pull every part to the controller's node, so where Ray's
+    record (the controller owns every part) places the object in a node's store, or spilled,
+    it holds a value (a task's error is a small object, kept with its owner); only an object
+    kept with the owner is read, which moves nothing."""
+    todo: dict[object, list[ShardEntry]] = {}
+    for e in entries:
+        if not e.sealed and e.error is None:
+            todo.setdefault(e.ref, []).append(e)
+    if not todo:
+        return
+    ready, _ = ray.wait(list(todo), num_returns=len(todo), timeout=0, fetch_local=False)
+    where = ray.experimental.get_local_object_locations(ready) if ready else {}
+    for ref in ready:
+        loc, sealed, error = where.get(ref) or {}, True, None
+        if not (loc.get("node_ids") or loc.get("did_spill")):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                sealed = False
+            except Exception as ex:  # noqa: BLE001 - the writer died or its part failed
+                sealed, error = False, f"{type(ex).__name__}: {str(ex).splitlines()[0][:200] if str(ex) else ''}"
+        for e in todo[ref]:
+            e.sealed, e.error = sealed, error
+
+
 class SnapshotStore:
     """The run's object-store snapshots: ``snaps`` (step -> Snapshot), taken, replicated, committed, pruned."""
 
@@ -82,10 +125,12 @@ class SnapshotStore:
         self.pin_timeout_s = pin_timeout_s
         self.snaps: dict[int, Snapshot] = {}
         self.dropped: list[Snapshot] = []   # dropped since the last poll
-        self._stale: dict[int, list] = {}   # holder -> pins of dropped snapshots it has not answered
+        self._stale: dict[int, list] = {}   # holder -> pins of snapshots let go that it has not answered
+        self._copied: dict[int, set[int]] = collections.defaultdict(set)  # worker -> steps it reported copied
         self._plan = None
         self._phases: list[dict[int, list[int]]] = [{}]
         self._taken = 0   # scheduled snapshots so far: whose turn it is to write
+        self._takes = itertools.count(1)   # numbers every take, so a late pin answer names its own
         self.calls = 0    # pin requests issued so far
 
     def set_plan(self, plan) -> None:
@@ -98,49 +143,68 @@ class SnapshotStore:
         (``after``: that many scheduled snapshots not yet handed to ``take_step`` come first)."""
         return self._phases[(self._taken + after) % len(self._phases)]
 
-    def take_step(self, step: int, ranks: dict, shard_refs: dict, full: bool = False, nbytes: int = 0) -> None:
+    def take_step(self, step: int, ranks: dict, shard_refs: dict, full: bool = False, nbytes: int = 0,
+                  results: dict | None = None) -> None:
         """Start replicating the parts of ``step`` that the current plan's ranks returned.
 
         ``ranks``: rank -> ``WorkerHandle``; ``shard_refs``: worker id -> its part's ref;
         ``full``: each rank returned all its blocks (a snapshot off the schedule, which
-        does not move the writers' turn).
+        does not move the writers' turn); ``results``: worker id -> its result of ``step``,
+        whose ``copied`` names the latest step it has made a local copy of (the evidence a
+        DP peer's copy of an earlier snapshot exists).
         """
+        self.reported(results or {})
         topo = self._plan.topology
         writers = None if full else self.writers()
-        parts, copy_nodes = {}, {}
+        parts, peers = {}, {}
         for r, h in ranks.items():
             blocks = self._plan.blocks_of(r) if full else writers[r]
             if not blocks:
                 continue
             parts[r] = (h.wid, h.node, shard_refs[h.wid], blocks)
             stage = topo.coords(r)[1]
-            copy_nodes[r] = {ranks[topo.rank(d, stage)].node for d in range(topo.dp)}
-        self.take(step, parts, [(h.wid, h.actor, h.node) for h in ranks.values()], copy_nodes, nbytes)
+            peers[r] = {p.wid: p.node for p in (ranks[topo.rank(d, stage)] for d in range(topo.dp)) if p.wid != h.wid}
+        self.take(step, parts, [(h.wid, h.actor, h.node) for h in ranks.values()], peers, nbytes)
         if not full:
             self._taken += 1
+
+    def reported(self, results: dict) -> None:
+        """Record what step results (worker id -> result) say each worker has copied locally."""
+        for wid, out in results.items():
+            step = (out or {}).get("copied")
+            if step is not None:
+                self._copied[wid].add(step)
 
     def oldest_kept(self) -> int:
         """The oldest step whose snapshot is still kept (committed or not); 0 if none."""
         return min(self.snaps, default=0)
 
     def take(self, step: int, parts: dict[int, tuple], workers: list[tuple],
-             copy_nodes: dict[int, set[str]], nbytes: int = 0) -> None:
+             peers: dict[int, dict[int, str]], nbytes: int = 0) -> None:
         """Start replicating snapshot ``step``.
 
         ``parts``: rank -> (worker id, node, shard ref, blocks) of the ranks that
         returned a part; ``workers``: (worker id, actor, node) of every rank, the
-        candidate pin holders; ``copy_nodes``: rank -> nodes that already hold a
-        copy of that rank's part (its own node and its DP peers' nodes).
+        candidate pin holders; ``peers``: rank -> {worker id: node} of the other ranks
+        that keep a local copy of that rank's part (its DP peers).
         """
+        if step in self.snaps:
+            # Taken again (after a rollback, or whole at the end): the earlier take is not the run's.
+            self._let_go(self.snaps.pop(step))
+        take = next(self._takes)
         shards = {rank: ShardEntry(ref, blocks, node, wid) for rank, (wid, node, ref, blocks) in parts.items()}
         workers = sorted(workers, key=lambda w: w[0])
         keep_from = min(self.oldest_kept() or step, step)
         # A holder takes no new pin with ``keep`` unanswered, nor while it still holds a part
-        # of a dropped snapshot (its pin has not answered).
+        # of a snapshot let go (its pin has not answered).
         stale, pending = self._stale_holders(), self._unanswered()
         short = []
         for rank, entry in shards.items():
-            used = set(copy_nodes.get(rank, ())) | {entry.node}
+            used = {entry.node}
+            for p_wid, p_node in sorted(peers.get(rank, {}).items()):
+                if len(used) < self.replicas and p_node not in used:
+                    used.add(p_node)
+                    entry.peers[p_wid] = p_node
             wid = parts[rank][0]
             # Holders: workers on other nodes, nearest worker id after the producer first.
             order = sorted(workers, key=lambda w: (w[0] - wid) % (workers[-1][0] + 1))
@@ -150,12 +214,12 @@ class SnapshotStore:
                 if h_node in used or h_wid in stale or pending[h_wid] >= self.keep:
                     continue
                 used.add(h_node)
-                entry.pins[h_wid] = h_actor.pin.remote((step, rank), [entry.ref], keep_from)
+                entry.pins[h_wid] = h_actor.pin.remote((step, rank, take), [entry.ref], keep_from)
                 self.calls += 1
                 pending[h_wid] += 1
             if len(used) < min(self.replicas, len({w[2] for w in workers})):
                 short.append(rank)
-        snap = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes)
+        snap = Snapshot(step, time.perf_counter(), shards, nbytes=nbytes, take=take)
         self.snaps[step] = snap
         if short:
             # Every holder that could take a copy is still storing an older one: this
@@ -168,18 +232,19 @@ class SnapshotStore:
                                    for e in snap.shards.values() for h in e.pins if h not in e.pinned)
 
     def _stale_holders(self) -> set[int]:
-        """Holders with a pin of a dropped snapshot still unanswered (until it answers, the holder
+        """Holders with a pin of a snapshot let go still unanswered (until it answers, the holder
         still holds that part)."""
         for h, refs in list(self._stale.items()):
-            _, left = ray.wait(refs, num_returns=len(refs), timeout=0)
+            _, left = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
             if left:
                 self._stale[h] = left
             else:
                 del self._stale[h]
         return set(self._stale)
 
-    def _drop(self, snap: Snapshot, why: str) -> None:
-        snap.dropped = why
+    def _let_go(self, snap: Snapshot) -> None:
+        """``snap`` is no longer kept: its pins still queued are cancelled, and every pin not yet
+        answered keeps its holder from new ones until it answers."""
         for e in snap.shards.values():
             for h, ref in e.pins.items():
                 if h not in e.pinned:
@@ -188,22 +253,38 @@ class SnapshotStore:
                     except Exception:  # noqa: BLE001 - already running or done
                         pass
                     self._stale.setdefault(h, []).append(ref)
-        del self.snaps[snap.step]
+
+    def _drop(self, snap: Snapshot, why: str) -> None:
+        snap.dropped = why
+        self._let_go(snap)
+        if self.snaps.get(snap.step) is snap:
+            del self.snaps[snap.step]
         self.dropped.append(snap)
 
+    def rolled_back(self, step: int) -> None:
+        """The run restored ``step``: snapshots of later steps (and what workers said they copied
+        of them) hold state the run no longer has, and those steps will be taken again."""
+        for later in [s for s in self.snaps if s > step]:
+            self._let_go(self.snaps.pop(later))
+        for steps in self._copied.values():
+            steps.difference_update([s for s in steps if s > step])
+
     def poll(self) -> list[Snapshot]:
-        """Record finished pins; returns the snapshots that committed now. Those whose pin failed
-        or took longer than ``pin_timeout_s`` are dropped (see ``take_dropped``)."""
+        """Record finished pins and parts; returns the snapshots that committed now. Those whose
+        part or pin failed, or whose pins took longer than ``pin_timeout_s``, are dropped (see
+        ``take_dropped``)."""
         done = []
         now = time.perf_counter()
-        for snap in list(self.snaps.values()):
-            if snap.committed_at is not None:
-                continue
+        waiting = [s for s in self.snaps.values() if s.committed_at is None]
+        check_sealed(e for snap in waiting for e in snap.shards.values())
+        for snap in waiting:
             failed = None
             for rank, e in snap.shards.items():
-                waiting = [r for h, r in e.pins.items() if h not in e.pinned]
-                if waiting:
-                    ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+                if e.error:
+                    failed = f"rank {rank}'s part failed: {e.error}"
+                unanswered = [r for h, r in e.pins.items() if h not in e.pinned]
+                if unanswered:
+                    ready, _ = ray.wait(unanswered, num_returns=len(unanswered), timeout=0)
                     for h, r in e.pins.items():
                         if r in ready and h not in e.pinned:
                             try:
@@ -211,15 +292,19 @@ class SnapshotStore:
                                 e.pinned.add(h)
                             except Exception as ex:  # noqa: BLE001 - the holder died or failed
                                 failed = f"pin of rank {rank}'s part on worker {h} failed: {type(ex).__name__}"
-            complete = all(len(e.pinned) == len(e.pins) for e in snap.shards.values())
-            if failed is None and not complete and now - snap.started > self.pin_timeout_s:
+            pinned = all(len(e.pinned) == len(e.pins) for e in snap.shards.values())
+            if failed is None and not pinned and now - snap.started > self.pin_timeout_s:
                 failed = f"its pins were not all stored within failure.pin_timeout_s({self.pin_timeout_s:g})"
             if failed:
                 self._drop(snap, failed)
-            elif complete:
+            elif pinned and all(e.sealed and self._proven(snap.step, e) for e in snap.shards.values()):
                 snap.committed_at = now
                 done.append(snap)
         return done
+
+    def _proven(self, step: int, e: ShardEntry) -> bool:
+        """Whether every DP peer counted for a local copy of ``e`` has reported copying ``step``."""
+        return all(step in self._copied.get(p, ()) for p in e.peers)
 
     def take_dropped(self) -> list[Snapshot]:
         """Snapshots dropped since the last call."""
@@ -243,26 +328,31 @@ class SnapshotStore:
             return
         cutoff = committed[-self.keep]
         for step in [s for s in self.snaps if s < cutoff]:
-            del self.snaps[step]
+            self._let_go(self.snaps.pop(step))
+        for steps in self._copied.values():
+            steps.difference_update([s for s in steps if s < cutoff])
 
     def available(self, alive_nodes: set[str], alive_workers: set[int]) -> dict[int, dict[int, list[int]]]:
-        """Shards that still have a copy: step -> {rank: blocks}. A shard survives if its
-        producer's node is alive or a pinned copy sits on a live worker."""
+        """Parts of committed snapshots that still have a copy: step -> {rank: blocks}. A part
+        survives if its producer's node is alive or a pinned copy sits on a live worker."""
         out: dict[int, dict[int, list[int]]] = {}
         for step, snap in self.snaps.items():
+            if snap.committed_at is None:
+                continue
             for rank, e in snap.shards.items():
                 if e.node in alive_nodes or any(h in alive_workers for h in e.pinned):
                     out.setdefault(step, {})[rank] = e.blocks
         return out
 
     def written(self, alive_workers: set[int]) -> dict[int, dict[int, tuple]]:
-        """Parts whose writer is alive: worker id -> {step: (ref, blocks)}. A rank that
+        """Sealed parts whose writer is alive: worker id -> {step: (ref, blocks)}. A rank that
         writes all its blocks keeps no other copy of that step; its part, on its own
-        node, is its local copy (the live tier of a restore)."""
+        node, is its local copy (the live tier of a restore), once it is in the object store."""
+        check_sealed(e for snap in self.snaps.values() for e in snap.shards.values())
         out: dict[int, dict[int, tuple]] = {}
         for step, snap in self.snaps.items():
             for e in snap.shards.values():
-                if e.wid in alive_workers:
+                if e.wid in alive_workers and e.sealed:
                     out.setdefault(e.wid, {})[step] = (e.ref, e.blocks)
         return out
 
@@ -283,10 +373,15 @@ class SnapshotStore:
 
     def covering(self, step: int, n_blocks: int, alive_nodes: set[str] | None = None,
                  alive_workers: set[int] | None = None) -> list | None:
-        """Refs of parts of ``step`` that together hold every block (only parts with a
-        surviving copy when ``alive_*`` are given), or None if they do not."""
+        """Refs of parts of ``step`` that together hold every block, or None if they do not.
+
+        With ``alive_*`` (what survives, to restore or save from): only a committed snapshot,
+        and only its parts with a surviving copy. Without them (the durable writer's "write this
+        step now"): the kept snapshot's parts as they are, committed or not yet; its write
+        reads them and fails on any that never came.
+        """
         snap = self.snaps.get(step)
-        if snap is None:
+        if snap is None or (alive_nodes is not None and snap.committed_at is None):
             return None
         picked, seen = [], set()
         for _, e in sorted(snap.shards.items()):

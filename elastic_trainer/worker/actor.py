@@ -279,6 +279,7 @@ class TrainWorker(SnapshotServing, GroupControl):
             self.trainer.clock.slow_factor = self.faults.compute_factor(step)
             with self.groups.guarded(f"step {step}", timeout_s):
                 r = self.trainer.train_step(step, shares)
+            copied = self._copy_made()   # before this step's snapshot may let that copy go
             if snapshot:
                 delay = self.faults.snapshot_delay()
                 if delay:
@@ -302,7 +303,7 @@ class TrainWorker(SnapshotServing, GroupControl):
                 "micro_batches": r.micro_batches, "passes_steady_s": r.passes_steady_s,
                 "passes_shape": r.passes_shape,
                 "snapshot_bytes": job.nbytes if job and put_blocks else 0,
-                "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes,
+                "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes, "copied": copied,
                 # The whole call here (what the controller's driving cannot save, the rank's own
                 # Python between its passes included).
                 "call_s": time.perf_counter() - t0,

@@ -21,6 +21,8 @@ class HeldCopies:
         self.keep = 0                          # local copies kept; set from the plan's config at set-up
         self.local: dict[int, dict] = {}       # step -> this rank's state after that step
         self.pins: dict[tuple, object] = {}    # (step, rank) -> another rank's snapshot part
+        self._takes: dict[tuple, int] = {}     # (step, rank) -> the take of the part held
+        self._newest = 0                       # the newest take a pin request has named
         self._lock = threading.Lock()
 
     def add_local(self, step: int, shard: dict) -> None:
@@ -47,16 +49,27 @@ class HeldCopies:
             return {s: sh["blocks"] for s, sh in self.local.items()}
 
     def pinned(self, key: tuple):
-        """The pinned copy held under ``key`` = (step, rank)."""
+        """The pinned copy of the part ``key`` = (step, rank): the latest take of it held here."""
+        key = tuple(key[:2])
         with self._lock:
             if key not in self.pins:
                 raise KeyError(f"no pinned copy of step {key[0]}, rank {key[1]} here; held: {sorted(self.pins)}")
             return self.pins[key]
 
     def pin(self, key: tuple, value, keep_from: int) -> int:
-        """Hold ``value`` under ``key`` = (step, rank); let pins of steps before ``keep_from`` go."""
+        """Hold ``value`` as the copy of ``key`` = (step, rank, take); let pins of steps before
+        ``keep_from`` go. A step is taken again after a rollback, with a later take number: a
+        request of an earlier take that comes late (its snapshot no longer the run's) neither
+        replaces a later take's copy of its part nor, with its older ``keep_from``, lets go of
+        copies taken since."""
+        step, rank, take = (*key, 0)[:3]
         with self._lock:
-            self.pins[key] = value
-            for k in [k for k in self.pins if k[0] < keep_from]:
-                del self.pins[k]
+            if take >= self._takes.get((step, rank), 0):
+                self.pins[(step, rank)] = value
+                self._takes[(step, rank)] = take
+            if take >= self._newest:
+                self._newest = take
+                for k in [k for k in self.pins if k[0] < keep_from]:
+                    del self.pins[k]
+                    self._takes.pop(k, None)
             return len(self.pins)

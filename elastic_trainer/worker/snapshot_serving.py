@@ -69,6 +69,16 @@ class SnapshotServing:
             self._snap_cv.notify_all()
         return job
 
+    def _copy_made(self) -> int | None:
+        """The latest step whose local copy this worker has made since its set-up (None: none),
+        as its step results report it (``copied``): the controller counts a DP peer's copy as a
+        replica of a snapshot only once it is made. Read before the next snapshot begins, which
+        may let that copy go; the update before it waited for the copy."""
+        with self._snap_cv:
+            made = [s for s, job in self._jobs.items()
+                    if not job.lent and job.done() and job.future.exception() is None]
+        return max(made, default=None)
+
     @ray.method(concurrency_group="snapshot")
     def snapshot_part(self, step: int, blocks: list[int], wait_s: float | None = None) -> dict:
         """The object-store part of ``step``'s snapshot that holds ``blocks``: returned, not put, so
@@ -114,8 +124,9 @@ class SnapshotServing:
     def pin(self, key: tuple, refs: list, keep_from: int) -> int:
         """Hold a copy of another rank's shard on this node so it outlives that node.
 
-        ``keep_from``: the oldest step the controller still keeps; copies of older
-        steps are let go here, which spares it an unpin call per shard per step."""
+        ``key``: (step, rank, take), see ``HeldCopies.pin``. ``keep_from``: the oldest step the
+        controller still keeps; copies of older steps are let go here, which spares it an unpin
+        call per shard per step."""
         delay = self.faults.pin_delay(key[0])
         if delay:
             time.sleep(delay)

@@ -39,7 +39,7 @@ def test_covering_needs_every_block_and_only_counts_parts_with_a_surviving_copy(
         0: ShardEntry("r0", [0, 1], "nodeA"),
         1: ShardEntry("r1", [2, 3], "nodeB", pinned={5}),
         2: ShardEntry("r2", [4], "nodeC"),
-    })
+    }, committed_at=1.0)
     assert store.covering(7, 5) == ["r0", "r1", "r2"]
     assert store.covering(7, 6) is None
     assert store.covering(8, 5) is None
@@ -50,10 +50,11 @@ def test_covering_needs_every_block_and_only_counts_parts_with_a_surviving_copy(
 
 def test_a_writers_part_counts_as_its_copy_only_while_the_writer_lives():
     store = SnapshotStore(replicas=2, keep=2)
-    store.snaps[6] = Snapshot(6, 0.0, {0: ShardEntry("a6", [0, 1], "nodeA", wid=10),
-                                       1: ShardEntry("b6", [2], "nodeB", wid=11)})
-    store.snaps[7] = Snapshot(7, 0.0, {0: ShardEntry("a7", [0, 1], "nodeA", wid=12),
-                                       1: ShardEntry("b7", [2], "nodeB", wid=11)})
+    # Parts in the object store (sealed); one not yet there is named by no one (test_snapshot_commit).
+    store.snaps[6] = Snapshot(6, 0.0, {0: ShardEntry("a6", [0, 1], "nodeA", wid=10, sealed=True),
+                                       1: ShardEntry("b6", [2], "nodeB", wid=11, sealed=True)})
+    store.snaps[7] = Snapshot(7, 0.0, {0: ShardEntry("a7", [0, 1], "nodeA", wid=12, sealed=True),
+                                       1: ShardEntry("b7", [2], "nodeB", wid=11, sealed=True)})
     assert store.written({10, 11}) == {10: {6: ("a6", [0, 1])}, 11: {6: ("b6", [2]), 7: ("b7", [2])}}
     assert store.written(set()) == {}
 
@@ -98,6 +99,18 @@ def test_a_worker_keeps_as_many_local_copies_as_the_controller_keeps_snapshots()
     assert held.pin((4, 0), "part4", keep_from=3) == 2 and set(held.pins) == {(3, 0), (4, 0)}
 
 
+def test_a_holder_keeps_the_newer_take_of_a_part_and_its_other_copies():
+    from elastic_trainer.worker.copies import HeldCopies
+
+    held = HeldCopies()
+    # After a rollback to step 3, steps 4 and 5 are taken again (takes 7 and 8).
+    held.pin((4, 0, 7), "new4", keep_from=3)
+    held.pin((5, 0, 8), "new5", keep_from=3)
+    # A pin of take 6, from before the rollback (step 5 then, with step 5 the oldest kept), answers now.
+    held.pin((5, 0, 6), "old5", keep_from=5)
+    assert held.pinned((5, 0)) == "new5" and held.pinned((4, 0, 7)) == "new4"
+
+
 def test_holders_are_told_the_oldest_step_the_controller_still_keeps():
     class FakeActor:
         def __init__(self):
@@ -115,6 +128,49 @@ def test_holders_are_told_the_oldest_step_the_controller_still_keeps():
     assert store.steps() == [2, 3] and store.oldest_kept() == 2
     holder = FakeActor()
     # dp=1: the part's only other copy goes to a worker on another node.
-    store.take(4, {0: (10, "nodeA", "p4", [0])}, [(10, FakeActor(), "nodeA"), (11, holder, "nodeB")],
-               {0: {"nodeA"}})
-    assert holder.calls == [((4, 0), 2)]
+    store.take(4, {0: (10, "nodeA", "p4", [0])}, [(10, FakeActor(), "nodeA"), (11, holder, "nodeB")], {})
+    # The key names the take too (the store's first here): a step taken again is another take.
+    assert holder.calls == [((4, 0, 1), 2)]
+
+
+def test_a_worker_reports_the_local_copies_it_made_since_its_set_up():
+    import torch
+
+    from elastic_trainer.worker.snapshot_serving import SnapshotServing
+    from elastic_trainer.worker.snapshot_taker import SnapshotTaker
+
+    class Stage:
+        """What the worker's snapshots ask of its stage, on a real SnapshotTaker."""
+
+        def __init__(self):
+            lin = torch.nn.Linear(3, 2)
+            self.named = [("blocks.0.weight", lin.weight), ("blocks.0.bias", lin.bias)]
+            self.optimizer = torch.optim.AdamW(lin.parameters())
+            self.blocks = [0]
+            self.snapshots = SnapshotTaker(torch.device("cpu"), 30.0)
+
+        def begin_snapshot(self, step, lend):
+            return self.snapshots.begin(step, lend, self.named, self.optimizer, self.blocks, {}, {}, {})
+
+    class Worker(SnapshotServing):
+        def __init__(self):
+            self._init_snapshots()
+            self.copies.keep = 1
+            self.trainer = Stage()
+
+    worker = Worker()
+    assert worker._copy_made() is None
+    worker._begin_snapshot(3, [])             # a DP peer: it writes nothing, it copies
+    worker.trainer.snapshots.wait()           # the next update's barrier
+    assert worker._copy_made() == 3
+    # A writer of all its blocks lends them: no local copy is made.
+    worker._begin_snapshot(4, [0])
+    worker.trainer.snapshots.wait()
+    assert worker._copy_made() is None
+    worker._begin_snapshot(5, [])
+    worker.trainer.snapshots.wait()
+    assert worker._copy_made() == 5
+    # A set-up: a copy from before it (maybe of a step rolled back) is not reported again.
+    worker._forget_snapshots()
+    assert worker._copy_made() is None
+    worker.trainer.snapshots.close()
