@@ -19,7 +19,7 @@ import ray
 
 from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
-from ..planning.policy import choose_plan
+from ..planning.policy import choose_plan, no_plan_reason
 from .failures import Diagnosis, diagnose
 from .group_keys import carries_groups
 from .group_settle import settle_groups
@@ -303,10 +303,7 @@ class Recovery(RestorePoints):
             usable = len(ctl.bench.usable())
             choice = choose_plan(self.cfg, usable, ctl.worker_memory())
         if choice is None:
-            raise RunError(f"no dp x pp fits {usable} workers for global_batch_size"
-                           f"({self.cfg.train.global_batch_size}) and micro_batch_size({self.cfg.train.micro_batch_size})"
-                           + (f" in scaling.worker_memory_gb({self.cfg.scaling.worker_memory_gb:g})"
-                              if self.cfg.scaling.worker_memory_gb else ""))
+            raise RunError(no_plan_reason(self.cfg, usable, ctl.worker_memory()) or f"no dp x pp fits {usable} workers")
         return plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, ctl.counts), None, choice.reason
 
     def _wait_for_min_workers(self) -> None:

@@ -149,7 +149,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
     total_params = sum(counts)
     layouts = feasible_layouts(cfg, counts, workers)
     if not layouts:
-        raise NothingFits(no_layout_message(cfg, workers))
+        raise NothingFits(no_layout_message(cfg, workers, len(counts)))
     checkpointing = cfg.train.activation_checkpointing == "blocks"
     sized = [(lay, *worker_memory(lay, shape, cfg.parallel.schedule, checkpointing)) for lay in layouts]
     if worker_memory_bytes is not None:

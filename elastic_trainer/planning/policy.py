@@ -10,6 +10,11 @@ error-feedback state), and to the layouts whose memory fits a worker. So
 ``plan --workers N`` shows, as its ``replan`` row, what a run re-plans to on
 ``N`` workers.
 
+The start is held to the same memory bound (:func:`check_start`, before any
+worker is placed), and where nothing fits, :func:`no_plan_reason` says why:
+each layout left out, the rule it broke or how far over memory it is, and
+what would fit.
+
 It runs on the recovery path. The model's shapes and the constants file are
 read once and cached, and only the configured codec's rows are priced, so a
 re-plan after the first costs milliseconds.
@@ -17,14 +22,18 @@ re-plan after the first costs milliseconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import TrainerConfig
+from ..errors import ConfigError
 from .constants import flops_rate, run_constants
-from .layouts import Layout, NothingFits
-from .memory import worker_memory
+from .layouts import (Layout, NothingFits, Rejection, describe_rejections, feasible_layouts, layouts_of_any_size,
+                      listed, rejected_layouts)
+from .memory import BYTES_PER_PARAM, rank_memory
 from .model_shape import model_shape
+from .plan import Plan
 from .planner import predict_candidates, rank_key, serves
 from .recut import block_costs
 
@@ -64,7 +73,9 @@ def choose_plan(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float |
     default: the file ``cfg.comm.constants`` names, else the built-ins. Its
     ``compute`` entry, if any, sets the compute rate, as in ``plan``. The
     global batch stays ``cfg.train.global_batch_size``; the micro-batches per
-    replica follow from ``dp``. None when no layout is feasible or fits.
+    replica follow from ``dp``. None when no layout is feasible or fits:
+    :func:`no_plan_reason` then says why, :func:`rejected_plans` lists each
+    layout left out.
     """
     if n_workers == 0:
         return None
@@ -114,11 +125,135 @@ def cut_fits(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, worker_memory_b
     the planner's memory model (always, where no bound is set)."""
     if worker_memory_bytes is None:
         return True
+    return max(map(sum, _rank_needs(cfg, _layout(cfg, dp, pp, stage_bounds)))) <= worker_memory_bytes
+
+
+def check_start(cfg: TrainerConfig, plan: Plan) -> None:
+    """Raise a ``ConfigError`` where ``plan``, the layout a run starts on (``parallel.dp x pp`` and
+    its stage cut), does not fit ``scaling.worker_memory_gb`` by the memory model a re-plan is held
+    to (:func:`cut_fits`): before any worker is placed, rather than at the first out-of-memory.
+
+    The message names the layout, the bytes each pipeline rank needs (parameter state and
+    activations apart), the bound, the layouts on as many workers that :func:`choose_plan`
+    would accept, and the smallest ``worker_memory_gb`` that runs the layout as given.
+    """
+    gb = cfg.scaling.worker_memory_gb
+    if gb is None:
+        return
+    bound = gb * (1 << 30)
+    topo = plan.topology
+    ranks = _rank_needs(cfg, _layout(cfg, topo.dp, topo.pp, plan.stage_bounds))
+    need = max(map(sum, ranks))
+    if need <= bound:
+        return
+    n = topo.world_size
+    sized = _sized(cfg, feasible_layouts(cfg, model_shape(cfg).param_counts, n))
+    fits = sorted(((lay, m) for lay, m in sized if m <= bound), key=lambda s: (-s[0].world_size, s[1]))
+    if fits:
+        would = (f"on {n} worker(s) " + listed([f"dp={lay.dp} pp={lay.pp} ({_mib(m)})" for lay, m in fits])
+                 + f" would fit (set parallel.dp and parallel.pp; `elastic-trainer plan --workers {n}` ranks them)")
+    else:
+        would = f"no dp x pp on {n} worker(s) fits {_mib(bound)}" + _beyond(cfg, n, bound)
+    would += f"; or scaling.worker_memory_gb >= {_gb_at_least(need)} runs dp={topo.dp} pp={topo.pp} as given"
+    if not fits and sized:
+        lay, least = min(sized, key=lambda s: s[1])
+        if least < need:
+            would += f", >= {_gb_at_least(least)} dp={lay.dp} pp={lay.pp} on {lay.world_size} worker(s)"
+    raise ConfigError(
+        f"parallel.dp({topo.dp}) x parallel.pp({topo.pp}), stages {[list(b) for b in plan.stage_bounds]}, does "
+        f"not fit scaling.worker_memory_gb({gb:g}) = {_mib(bound)} a worker by the planner's memory model "
+        f"({BYTES_PER_PARAM} B of state a parameter, its host snapshot copy included, plus live activations): "
+        + ", ".join(f"pp rank {r} needs {_mib(st + act)} ({_mib(st)} parameter state + {_mib(act)} activations)"
+                    for r, (st, act) in enumerate(ranks))
+        + f"; {would}")
+
+
+def rejected_plans(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float | None = None) -> list[Rejection]:
+    """Every ``dp x pp`` on at most ``n_workers`` workers that :func:`choose_plan` could not take, and
+    why: the global batch does not split, the model has too few blocks, the schedule cannot run it,
+    or (over ``worker_memory_bytes``) how much it needs and by how much that is over, smallest first."""
+    if n_workers < 1:
+        return [Rejection(None, None, "workers", "no workers to run on", f"{n_workers} given")]
+    counts = model_shape(cfg).param_counts
+    out = rejected_layouts(cfg, len(counts), n_workers)
+    if worker_memory_bytes is None:
+        return out
+    over = []
+    for lay in feasible_layouts(cfg, counts, n_workers):
+        ranks = _rank_needs(cfg, lay)
+        r, (st, act) = max(enumerate(ranks), key=lambda x: sum(x[1]))
+        if st + act > worker_memory_bytes:
+            extra = st + act - worker_memory_bytes
+            over.append(Rejection(lay.dp, lay.pp, "memory", f"over {_mib(worker_memory_bytes)} a worker",
+                                  f"needs {_mib(st + act)}, {_mib(extra)} over: {_mib(st)} parameter state + "
+                                  f"{_mib(act)} activations on pp rank {r}", st + act, math.ceil(extra)))
+    return out + sorted(over, key=lambda x: x.need_bytes)
+
+
+def no_plan_reason(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float | None = None) -> str | None:
+    """Why :func:`choose_plan` finds no plan on ``n_workers`` workers (None where it finds one):
+    what was given, each layout left out and why (:func:`rejected_plans`), and what would fit:
+    the fewest workers some layout fits, and the smallest ``worker_memory_gb`` on these workers."""
+    counts = model_shape(cfg).param_counts
+    sized = _sized(cfg, feasible_layouts(cfg, counts, n_workers)) if n_workers >= 1 else []
+    if any(worker_memory_bytes is None or m <= worker_memory_bytes for _, m in sized):
+        return None
+    t, p = cfg.train, cfg.parallel
+    bound = ""
+    if worker_memory_bytes is not None:
+        gb = cfg.scaling.worker_memory_gb
+        bound = f" of {_mib(worker_memory_bytes)}" + (f" (scaling.worker_memory_gb({gb:g}))"
+                                                      if gb and gb * (1 << 30) == worker_memory_bytes else "")
+    given = (f"no dp x pp fits {n_workers} worker(s){bound} for global_batch_size({t.global_batch_size}), "
+             f"micro_batch_size({t.micro_batch_size}), schedule '{p.schedule}' and a model of {len(counts)} blocks")
+    parts = [given + ": " + describe_rejections(rejected_plans(cfg, n_workers, worker_memory_bytes))]
+    beyond = _beyond(cfg, n_workers, worker_memory_bytes)
+    if beyond:
+        parts.append(beyond.lstrip("; "))
+    if sized:
+        lay, least = min(sized, key=lambda s: s[1])
+        parts.append(f"scaling.worker_memory_gb >= {_gb_at_least(least)} would fit dp={lay.dp} pp={lay.pp} "
+                     f"on these workers")
+    return "; ".join(parts)
+
+
+def _layout(cfg: TrainerConfig, dp: int, pp: int, stage_bounds) -> Layout:
     t = cfg.train
-    lay = Layout(dp, pp, tuple(tuple(b) for b in stage_bounds), max(1, t.global_batch_size // (dp * t.micro_batch_size)),
-                 cfg.parallel.stages_per_rank)
-    need, _ = worker_memory(lay, model_shape(cfg), cfg.parallel.schedule, t.activation_checkpointing == "blocks")
-    return need <= worker_memory_bytes
+    return Layout(dp, pp, tuple(tuple(b) for b in stage_bounds),
+                  max(1, t.global_batch_size // (dp * t.micro_batch_size)), cfg.parallel.stages_per_rank)
+
+
+def _rank_needs(cfg: TrainerConfig, lay: Layout) -> list[tuple[int, int]]:
+    """``(state, activations)`` bytes of each PP rank, as the planner counts them."""
+    return rank_memory(lay, model_shape(cfg), cfg.parallel.schedule, cfg.train.activation_checkpointing == "blocks")
+
+
+def _sized(cfg: TrainerConfig, layouts: list[Layout]) -> list[tuple[Layout, int]]:
+    return [(lay, max(map(sum, _rank_needs(cfg, lay)))) for lay in layouts]
+
+
+def _beyond(cfg: TrainerConfig, n_workers: int, bound: float | None) -> str:
+    """"; dp=.. pp=.. on K worker(s) would fit": the fewest workers past ``n_workers`` a layout fits."""
+    more = [(lay, m) for lay, m in _sized(cfg, layouts_of_any_size(cfg, model_shape(cfg).param_counts))
+            if lay.world_size > n_workers and (bound is None or m <= bound)]
+    if not more:
+        return "; no dp x pp fits on any number of workers" if bound is not None else ""
+    lay, m = min(more, key=lambda s: (s[0].world_size, s[1]))
+    return f"; dp={lay.dp} pp={lay.pp} on {lay.world_size} worker(s) would fit (needing {_mib(m)} a worker)"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _gb_at_least(nbytes: float) -> str:
+    """``nbytes`` in GiB to three significant digits, rounded up: a ``worker_memory_gb`` that holds it."""
+    gb = nbytes / (1 << 30)
+    digits = max(0, 2 - math.floor(math.log10(gb)))
+    text = f"{math.ceil(gb * 10 ** digits) / 10 ** digits:.{digits}f}"
+    while float(text) * (1 << 30) < nbytes:   # a float's last bit
+        text = f"{float(text) + 10 ** -digits:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def _reason(best: dict, rows: Sequence[dict], memory: float | None) -> str:

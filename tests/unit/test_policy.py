@@ -7,7 +7,7 @@ from elastic_trainer.planning import model_shape as model_shape_module
 from elastic_trainer.planning.memory import BYTES_PER_PARAM
 from elastic_trainer.planning.model_shape import model_shape
 from elastic_trainer.planning.planner import predict_candidates, rank_key, serves
-from elastic_trainer.planning.policy import choose_plan
+from elastic_trainer.planning.policy import choose_plan, no_plan_reason, rejected_plans
 
 
 def demo(*overrides: str) -> TrainerConfig:
@@ -109,3 +109,47 @@ def test_a_model_that_cannot_run_on_meta_is_still_replanned():
     c = choose_plan(cfg, 4)
     assert c is not None and c.world_size <= 4
     assert "activations unknown" in c.reason
+
+
+def test_when_nothing_fits_the_reasons_say_which_layout_is_over_memory_by_how_much_and_what_would_fit():
+    cfg = demo()
+    state = sum(model_shape(cfg).param_counts) * BYTES_PER_PARAM
+    bound = 2 * state
+    assert choose_plan(cfg, 1, bound) is None
+    [one] = rejected_plans(cfg, 1, bound)
+    need = next(r["memory_bytes"] for r in predict_candidates(cfg, 1) if (r["dp"], r["pp"]) == (1, 1))
+    assert (one.dp, one.pp, one.kind, one.need_bytes, one.over_bytes) == (1, 1, "memory", need, need - bound)
+    why = no_plan_reason(cfg, 1, bound)
+    assert why.startswith(f"no dp x pp fits 1 worker(s) of {bound / (1 << 20):.1f} MiB")
+    assert f"dp=1 pp=1 needs {need / (1 << 20):.1f} MiB, {(need - bound) / (1 << 20):.1f} MiB over" in why
+    # On two workers a pipeline fits (test_memory_counts_activations...): the reason says so.
+    two = choose_plan(cfg, 2, bound)
+    assert f"dp={two.dp} pp={two.pp} on 2 worker(s) would fit" in why
+    assert no_plan_reason(cfg, 2, bound) is None
+
+
+def test_the_reasons_name_the_batch_and_schedule_rules_a_layout_broke():
+    cfg = demo()   # global batch 16 of micro-batches of 4
+    assert choose_plan(cfg, 3) is not None and no_plan_reason(cfg, 3) is None
+    batch = [r for r in rejected_plans(cfg, 3) if r.kind == "batch"]
+    assert [(r.dp, r.pp) for r in batch] == [(3, None)]
+    assert batch[0].rule == "global_batch_size(16) is not a multiple of dp x micro_batch_size(4)"
+    inter = demo("parallel.schedule=interleaved")
+    assert choose_plan(inter, 1) is None
+    why = no_plan_reason(inter, 1)
+    assert "'interleaved' needs pp >= 2" in why and "on 2 worker(s) would fit" in why
+    assert choose_plan(cfg, 0) is None and "no workers" in no_plan_reason(cfg, 0)
+
+
+def test_gpipe_over_the_bound_names_every_layout_it_tried():
+    gpipe = demo("parallel.schedule=gpipe")
+    bound = {(r["dp"], r["pp"]): r["memory_bytes"] for r in predict_candidates(demo(), 2)}[(1, 2)]
+    assert choose_plan(gpipe, 2, bound) is None
+    over = {(r.dp, r.pp): r.over_bytes for r in rejected_plans(gpipe, 2, bound) if r.kind == "memory"}
+    assert set(over) == {(1, 1), (2, 1), (1, 2)} and all(v > 0 for v in over.values())
+    why = no_plan_reason(gpipe, 2, bound)
+    assert all(f"dp={dp} pp={pp} needs" in why for dp, pp in over)
+    assert "scaling.worker_memory_gb >= " in why
+    # On three workers dp=3 is out for the batch as well.
+    three = no_plan_reason(gpipe, 3, bound)
+    assert "dp=3: global_batch_size(16) is not a multiple of dp x micro_batch_size(4)" in three
