@@ -8,9 +8,14 @@ Layout under ``storage``::
 
 Every checkpoint belongs to a run (its id is in the directory's name and the
 manifest): a run prunes and restores only its own, so two runs sharing a
-storage never delete or load each other's work. ``--resume`` adopts the run of
-the newest checkpoint there. Directories named ``step-00000040`` (no run id)
-are read, never pruned.
+storage never delete or load each other's work (``resume_lookup`` finds the run
+``--resume`` continues). Directories named ``step-00000040`` (no run id) are
+read, never pruned, and resumed only by their path.
+
+A prune never deletes a checkpoint that a load of the same store has open, nor
+the newest complete one, and takes a manifest before its shards; a load whose
+checkpoint was pruned under it all the same (by another store of the run) lists
+again and reads the newest.
 
 A directory without a manifest is half-written and ignored; a file whose
 checksum does not match marks the checkpoint corrupt, and the loader reports it
@@ -20,32 +25,42 @@ so a checkpoint can never run code.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import io
 import json
+import threading
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.fs as pafs
 import torch
 
 from ..data.dataset import resolve_filesystem
-from ..errors import ElasticTrainerError
+from ..errors import DataError, ElasticTrainerError
 from ..retry import StorageError, with_retries
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+# Listings a load makes when checkpoints are pruned under it: each finds newer ones.
+_LISTINGS = 4
 
 
 class CheckpointError(ElasticTrainerError):
     """A durable checkpoint is missing, half-written or corrupt."""
 
 
-def _dirname(step: int, run_id: str | None = None) -> str:
+class _Vanished(CheckpointError):
+    """The checkpoint being read was deleted (pruned) meanwhile: newer ones stand in its place."""
+
+
+def checkpoint_dirname(step: int, run_id: str | None = None) -> str:
     return f"step-{step:08d}" + (f"-{run_id}" if run_id else "")
 
 
-def _parse(name: str) -> tuple[int, str | None] | None:
+def parse_dirname(name: str) -> tuple[int, str | None] | None:
     """(step, run id or None) of a checkpoint directory's name, or None if it is not one."""
     if not name.startswith("step-"):
         return None
@@ -101,6 +116,11 @@ class DurableStore:
         self.run_id = run_id
         self.retries, self.backoff_s = retries, backoff_s
         self.fs, self.root = resolve_filesystem(uri)
+        # Checkpoints a load of this store has open, and those a prune is deleting: the durable
+        # writer's thread prunes while a recovery reads (restore_points.load_durable).
+        self._lock = threading.Lock()
+        self._open: collections.Counter[str] = collections.Counter()
+        self._deleting: set[str] = set()
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
@@ -112,7 +132,7 @@ class DurableStore:
         """Write shards of one step (together covering every block); the manifest goes last."""
         if len({s["step"] for s in shards}) != 1 or shards[0]["step"] != step:
             raise ValueError(f"shards of steps {sorted({s['step'] for s in shards})} given for step {step}")
-        d = self._path(_dirname(step, self.run_id))
+        d = self._path(checkpoint_dirname(step, self.run_id))
         files, blobs = [], []
         for i, shard in enumerate(shards):
             buf = io.BytesIO()
@@ -151,7 +171,7 @@ class DurableStore:
             raise StorageError(f"cannot list checkpoints in {self.uri}: {type(e).__name__}: {e}") from None
         out = []
         for info in infos:
-            parsed = _parse(info.base_name) if info.type == pafs.FileType.Directory else None
+            parsed = parse_dirname(info.base_name) if info.type == pafs.FileType.Directory else None
             if parsed and (not own or self.run_id is None or parsed[1] == self.run_id):
                 out.append((parsed[0], info.base_name))
         return sorted(out, reverse=True)
@@ -162,13 +182,16 @@ class DurableStore:
 
     def load(self, step: int) -> tuple[list[dict], dict]:
         """Shards and manifest of this run's checkpoint of ``step``, every checksum verified."""
-        return self.load_dir(_dirname(step, self.run_id))
+        return self.load_dir(checkpoint_dirname(step, self.run_id))
 
     def read_manifest(self, name: str) -> dict:
+        """The manifest of the checkpoint directory ``name``."""
         d = self._path(name)
         try:
             raw = self._retry(lambda: _read(self.fs, f"{d}/{MANIFEST}"), f"reading {d}/{MANIFEST}")
         except FileNotFoundError:
+            if not self._exists(d):
+                raise _Vanished(f"checkpoint {d} was deleted while being read") from None
             raise CheckpointError(f"checkpoint {d} has no {MANIFEST}: it was not finished") from None
         except (OSError, StorageError) as e:
             raise CheckpointError(f"checkpoint {d}: unreadable {MANIFEST}: {e}") from None
@@ -177,65 +200,120 @@ class DurableStore:
         except ValueError as e:
             raise CheckpointError(f"checkpoint {d}: unreadable {MANIFEST}: {e}") from None
 
+    def _exists(self, path: str) -> bool:
+        return self._retry(lambda: self.fs.get_file_info(path), f"reading {path}").type != pafs.FileType.NotFound
+
+    @contextlib.contextmanager
+    def _reading(self, name: str):
+        """Hold ``name`` open: a prune of this store leaves it until the read ends."""
+        with self._lock:
+            if name in self._deleting:
+                raise _Vanished(f"checkpoint {self._path(name)} is being pruned")
+            self._open[name] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[name] -= 1
+                if not self._open[name]:
+                    del self._open[name]
+
     def load_dir(self, name: str, manifest: dict | None = None) -> tuple[list[dict], dict]:
         """Shards and manifest of the checkpoint directory ``name`` (its ``manifest`` where already
         read), every checksum verified."""
         d = self._path(name)
-        manifest = manifest or self.read_manifest(name)
-        shards = []
-        for entry in manifest["files"]:
-            try:
-                data = self._retry(lambda: _read(self.fs, f"{d}/{entry['name']}"), f"reading {d}/{entry['name']}")
-            except (OSError, StorageError) as e:
-                raise CheckpointError(f"checkpoint {d}: cannot read {entry['name']}: {e}") from None
-            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint {d}: {entry['name']} is corrupt (sha256 {hashlib.sha256(data).hexdigest()[:12]}.. "
-                    f"!= manifest {entry['sha256'][:12]}.., {len(data)} bytes vs {entry['bytes']})")
-            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-            shards.append(_to_numpy(obj, manifest["step"], entry["blocks"]))
+        with self._reading(name):
+            manifest = manifest or self.read_manifest(name)
+            shards = []
+            for entry in manifest["files"]:
+                try:
+                    data = self._retry(lambda: _read(self.fs, f"{d}/{entry['name']}"),
+                                       f"reading {d}/{entry['name']}")
+                except (OSError, StorageError) as e:
+                    # Its manifest gone too: pruned under the reader, not a broken checkpoint.
+                    if isinstance(e, FileNotFoundError) and not self._exists(f"{d}/{MANIFEST}"):
+                        raise _Vanished(f"checkpoint {d} was deleted while being read") from None
+                    raise CheckpointError(f"checkpoint {d}: cannot read {entry['name']}: {e}") from None
+                if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                    raise CheckpointError(
+                        f"checkpoint {d}: {entry['name']} is corrupt (sha256 {hashlib.sha256(data).hexdigest()[:12]}.. "
+                        f"!= manifest {entry['sha256'][:12]}.., {len(data)} bytes vs {entry['bytes']})")
+                obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+                shards.append(_to_numpy(obj, manifest["step"], entry["blocks"]))
         return shards, manifest
 
     def load_latest(self, own: bool = True) -> tuple[list[dict], dict, list[str]] | None:
         """The newest checkpoint that verifies, and a note for each newer one that did not.
 
         ``own``: this run's, newest step first. Otherwise every run's, newest written first
-        (what ``--resume`` continues)."""
-        problems = []
-        names = [name for _, name in self.entries(own)]
+        (a look at the whole storage: ``--resume`` reads one run's, see ``load_resume``)."""
+        if own:
+            return self._load_newest(lambda: [name for _, name in self.entries()], {})
         manifests: dict[str, dict] = {}
-        if not own:
+
+        def newest_written() -> list[str]:
+            names = [name for _, name in self.entries(own=False)]
             for name in names:
+                if name not in manifests:
+                    try:
+                        manifests[name] = self.read_manifest(name)
+                    except CheckpointError:
+                        pass   # unfinished: tried last (by load_dir), for its note
+            return sorted(names, key=lambda n: manifests[n].get("created", 0.0) if n in manifests else -1.0,
+                          reverse=True)
+
+        return self._load_newest(newest_written, manifests)
+
+    def _load_newest(self, listing, manifests: dict) -> tuple[list[dict], dict, list[str]] | None:
+        """The first checkpoint of ``listing()`` that verifies, and the problems of those before it.
+        One pruned under the read means newer ones were written: the listing is made again, and
+        all of it tried again (what was unfinished may be complete now)."""
+        for _ in range(_LISTINGS):
+            problems, vanished = [], False
+            for name in listing():
                 try:
-                    manifests[name] = self.read_manifest(name)
-                except CheckpointError:
-                    pass   # unfinished: tried last (by load_dir), for its note
-            names.sort(key=lambda n: manifests[n].get("created", 0.0) if n in manifests else -1.0, reverse=True)
-        for name in names:
-            try:
-                shards, manifest = self.load_dir(name, manifests.get(name))
-                return shards, manifest, problems
-            except CheckpointError as e:
-                problems.append(str(e))
+                    shards, manifest = self.load_dir(name, manifests.get(name))
+                    return shards, manifest, problems
+                except _Vanished:
+                    manifests.pop(name, None)
+                    vanished = True
+                    break
+                except CheckpointError as e:
+                    problems.append(str(e))
+            if not vanished:
+                break
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.uri}: " + "; ".join(problems))
         return None
 
     def prune(self, keep: int) -> None:
         """Delete all but this run's newest ``keep`` complete checkpoints (and its older unfinished
-        ones). Another run's checkpoints, and those of no run, are never touched."""
+        ones), but any that a load of this store has open. Another run's checkpoints, and those of
+        no run, are never touched."""
         if self.run_id is None:
             raise ValueError("pruning needs the run id whose checkpoints it may delete")
-        complete = 0
+        if keep < 1:
+            raise ValueError(f"keep {keep}: a prune keeps at least the newest complete checkpoint")
+        complete, doomed = 0, []
         for _, name in self.entries():
-            d = self._path(name)
-            done = self._retry(lambda: self.fs.get_file_info(f"{d}/{MANIFEST}"),
-                               f"reading {d}").type == pafs.FileType.File
-            if done and complete < keep:
-                complete += 1
-                continue
             if complete >= keep:
+                doomed.append(name)
+            elif self._exists(f"{self._path(name)}/{MANIFEST}"):
+                complete += 1
+        with self._lock:
+            doomed = [name for name in doomed if name not in self._open]
+            self._deleting.update(doomed)
+        try:
+            for name in doomed:
+                d = self._path(name)
+                # The manifest first: a reader that lists now sees an unfinished checkpoint, not a
+                # complete one whose shards go from under it.
+                with contextlib.suppress(FileNotFoundError):
+                    self._retry(lambda: self.fs.delete_file(f"{d}/{MANIFEST}"), f"deleting {d}/{MANIFEST}")
                 self._retry(lambda: self.fs.delete_dir(d), f"deleting {d}")
+        finally:
+            with self._lock:
+                self._deleting.difference_update(doomed)
 
 
 def _read(fs, path: str) -> bytes:

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from ..checkpoint.compat import resume_differences
+from ..checkpoint.compat import ACCEPTABLE, resume_check
 from ..checkpoint.durable import CheckpointError
+from ..checkpoint.resume_lookup import load_resume, runs
 from ..errors import RunError
 from ..retry import StorageError
 from .restore import Load, choose_restore, newest_copies, plan_loads
@@ -98,24 +99,20 @@ class RestorePoints:
             return False
         return bool(steps) and steps[0] > step
 
-    def load_durable(self, resume: bool = False) -> dict:
+    def load_durable(self, resumed=None) -> dict:
         """Load the latest durable checkpoint into the object store: ``{step: {shard: blocks}}``, or {}.
 
         Mid-run, the run's own newest, and a storage error is a problem noted (the run has
-        other copies). With ``resume``, the newest of any run there, and a storage error fails."""
+        other copies). ``resumed``: the checkpoint ``--resume`` read (``resume_lookup.load_resume``)."""
         ctl = self.ctl
-        try:
-            loaded = ctl.durable.load_latest(own=not resume) if ctl.durable else None
-        except StorageError as e:
-            if resume:
-                raise RunError(f"--resume cannot read checkpoint.storage({self.cfg.checkpoint.storage!r}): {e}") from None
-            ctl.event("checkpoint_problem", detail=str(e))
-            return {}
-        except CheckpointError as e:
-            if resume:
-                raise RunError(f"--resume found no usable checkpoint: {e}") from None
-            ctl.event("checkpoint_problem", detail=str(e))
-            return {}
+        if resumed is not None:
+            loaded = resumed.shards, resumed.manifest, resumed.problems
+        else:
+            try:
+                loaded = ctl.durable.load_latest() if ctl.durable else None
+            except (StorageError, CheckpointError) as e:
+                ctl.event("checkpoint_problem", detail=str(e))
+                return {}
         if not loaded:
             return {}
         shards, manifest, problems = loaded
@@ -174,29 +171,57 @@ class RestorePoints:
 
         return {r: [ref(load, ranks[r]) for load in rank_loads] for r, rank_loads in loads.items()}
 
-    def resume_source(self) -> tuple | None:
-        """The restore point of ``--resume``: the latest durable checkpoint, with its history."""
+    def resume_source(self, request: dict | bool = True) -> tuple | None:
+        """The restore point of ``--resume``, with its history. ``request`` (``compat.resume_request``,
+        True for its default): the newest checkpoint of the run named run.name, or of a run id,
+        or a checkpoint path. The run continues as that run (its id, its pruning), unless the
+        checkpoint is an older one of it: then it is a branch, under this run's own id."""
         ctl, storage = self.ctl, self.cfg.checkpoint.storage
         if not ctl.durable:
             raise RunError("resume needs checkpoint.storage")
-        durable = self.load_durable(resume=True)
-        if not durable:
-            ctl.event("resume", detail=f"no checkpoint in {storage}; starting fresh")
+        request = request if isinstance(request, dict) else {}
+        target, accept = request.get("target"), request.get("accept") or []
+        try:
+            got = load_resume(ctl.durable, ctl.run_name, target)
+        except StorageError as e:
+            raise RunError(f"--resume cannot read checkpoint.storage({storage!r}): {e}") from None
+        except CheckpointError as e:
+            raise RunError(f"--resume found no checkpoint to continue: {e}") from None
+        if got is None:
+            # A misspelt run.name starts fresh too: the runs there are named for the eye to catch it.
+            try:
+                there = ", ".join(f"{i} ({r['name']})" for i, r in runs(ctl.durable).items()) or "none"
+            except StorageError as e:
+                there = f"not listed: {e}"
+            ctl.event("resume", detail=f"no checkpoint of a run named {ctl.run_name!r} in {storage} (runs there: "
+                                       f"{there}); starting fresh")
             return None
-        manifest = self.durable_manifest
-        diff = resume_differences(manifest.get("config") or {}, ctl.cfg_json, manifest.get("data"), ctl.data)
-        if diff:
-            raise RunError(f"--resume refuses the checkpoint of step {manifest['step']} in {storage}: it was "
-                           f"trained with another model or data ({'; '.join(diff)}). Resume with the same "
-                           "model, data, train.seed and train.global_batch_size (dp, pp and placement may "
-                           "differ), or point checkpoint.storage elsewhere to start fresh.")
-        if manifest.get("run_id"):
-            # The resumed run continues that run: its checkpoints, its pruning.
-            ctl.run_id = ctl.durable.run_id = manifest["run_id"]
+        manifest, step = got.manifest, got.manifest["step"]
+        accepted, refused = resume_check(manifest.get("config") or {}, ctl.cfg_json, manifest.get("data"), ctl.data,
+                                         step, accept)
+        if refused:
+            may = [r.split(":")[0] for r in refused if r.split(":")[0] in ACCEPTABLE and ": checkpoint " in r]
+            raise RunError(
+                f"--resume refuses the checkpoint of step {step} of run {got.run_id} "
+                f"({manifest.get('run_name')!r}) in {storage}: this run's config differs ({'; '.join(refused)}). "
+                + (f"To take {', '.join(may)} as given, resume with --accept-change {','.join(may)} "
+                   f"(Trainer.fit(accept_change={may})). " if may else "")
+                + "The model, data, train.seed, train.global_batch_size, the optimizer, precision and "
+                f"gradient exchange must match; dp, pp, placement and the other layout may differ; "
+                f"{', '.join(ACCEPTABLE)} may change when accepted.")
+        durable = self.load_durable(resumed=got)
         found = choose_restore(len(ctl.counts), {}, {}, durable)
         if found is None:
-            raise RunError(f"the checkpoint in {storage} does not cover every block of this model")
-        ctl.extend_history(self.durable_manifest.get("history", []))
-        ctl.event("resume", step=found[0], source=storage)
-        log.info("[%s] resuming from step %d of %s", ctl.run_name, found[0], storage)
+            raise RunError(f"the checkpoint {got.name} in {storage} does not cover every block of this model")
+        detail = {"checkpoint": got.name, "accepted": accepted}
+        if got.newest and got.run_id:
+            # The resumed run continues that run: its checkpoints, its pruning.
+            ctl.run_id = ctl.durable.run_id = got.run_id
+        else:
+            # Continuing as that run would prune its own new checkpoints behind the old run's later ones.
+            detail["branched_from"] = got.run_id
+        ctl.extend_history(manifest.get("history", []))
+        ctl.event("resume", step=found[0], source=storage, run_id=ctl.run_id, **detail)
+        log.info("[%s] resuming from step %d of %s (%s)%s", ctl.run_name, found[0], storage, got.name,
+                 "".join(f"; {a['field']} {a['checkpoint']!r} -> {a['run']!r}" for a in accepted))
         return found[0], found[1], {"durable": len(found[1])}

@@ -73,9 +73,10 @@ def test_durable_checkpoints_belong_to_their_run(cluster, corpus_dir, tmp_path):
     # --resume with another model is refused, naming the field.
     changed = config(corpus_dir, "own3", steps=10, checkpoint=ck, model={"d_model": 64})
     with pytest.raises(RunError, match=r"model\.d_model: checkpoint 32, this run 64"):
-        Trainer(changed, verbose=False).fit(resume=True)
-    # With the same model it continues the newest run (the second), as that run.
-    resumed = Trainer(config(corpus_dir, "own3", steps=6, checkpoint=ck), verbose=False).fit(resume=True)
+        Trainer(changed, verbose=False).fit(resume=second.run_id)
+    # With the same model it continues the second run, by its id, as that run.
+    resumed = Trainer(config(corpus_dir, "own3", steps=6, checkpoint=ck), verbose=False).fit(
+        resume=second.run_id, accept_change=["train.steps"])
     assert resumed.run_id == second.run_id
     assert [e for e in resumed.events if e["kind"] == "resume"][0]["step"] == 4
 

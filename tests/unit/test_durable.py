@@ -1,8 +1,11 @@
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from elastic_trainer.checkpoint.durable import CheckpointError, DurableStore
+from elastic_trainer.checkpoint.resume_lookup import load_resume, runs
 from elastic_trainer.checkpoint.state import export_shard, load_into, merge_shards
 
 
@@ -89,7 +92,7 @@ def test_prune_leaves_another_runs_checkpoints_alone(tmp_path):
     assert old.steps() == [60, 50] and (tmp_path / "step-00000070").is_dir()
     # Its own newest is what it restores, not the other run's later steps.
     assert new.load_latest()[1]["step"] == 30 and new.load_latest()[1]["run_id"] == "new"
-    # --resume (no run yet) takes the newest written, whichever run wrote it.
+    # A look at the whole storage (own=False) finds the newest written, whichever run wrote it.
     assert DurableStore(str(tmp_path)).load_latest(own=False)[1]["run_id"] == "new"
 
 
@@ -159,3 +162,148 @@ def test_shard_state_round_trips_through_adamw():
 def test_mixing_steps_is_refused():
     with pytest.raises(ValueError, match="refusing to mix states from steps"):
         merge_shards([shard(1, [0], 1.0), shard(2, [1], 1.0)], ["blocks.0.w", "blocks.1.w"])
+
+
+# -- a prune while a recovery reads -------------------------------------------------------------
+
+class _PausedRead:
+    """The real local filesystem, but the first read of a shard waits for ``go`` (after saying
+    so on ``reading``): a recovery stopped between its manifest and its shards."""
+
+    def __init__(self, real):
+        self.real, self.reading, self.go = real, threading.Event(), threading.Event()
+        self.armed = True
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def open_input_stream(self, path, *a, **k):
+        if self.armed and "/shard-" in path:
+            self.armed = False
+            self.reading.set()
+            assert self.go.wait(60), "the test never let the read go on"
+        return self.real.open_input_stream(path, *a, **k)
+
+
+def _read_in_thread(store):
+    out = {}
+
+    def read():
+        try:
+            out["loaded"] = store.load_latest()
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            out["error"] = e
+
+    t = threading.Thread(target=read)
+    t.start()
+    return t, out
+
+
+def test_a_prune_never_deletes_the_checkpoint_a_recovery_is_reading(tmp_path):
+    # One store, as the controller has: the durable writer's thread writes and prunes while a
+    # recovery (restore_points.load_durable) reads the newest checkpoint.
+    store = DurableStore(str(tmp_path), run_id="r")
+    for s in (1, 2):
+        store.save(s, [shard(s, [0, 1], float(s))], {})
+    store.prune(1)
+    store.fs = paused = _PausedRead(store.fs)
+    reader, out = _read_in_thread(store)
+    assert paused.reading.wait(60)
+    store.save(3, [shard(3, [0, 1], 3.0)], {})
+    store.prune(1)                       # the writer, while step 2's shards are open
+    paused.go.set()
+    reader.join()
+    assert "error" not in out, out.get("error")
+    shards, manifest, problems = out["loaded"]
+    assert manifest["step"] == 2 and problems == [] and shards[0]["params"]["blocks.1.w"][0, 0] == 3.0
+    assert store.steps() == [3, 2]       # kept while read, let go by the next prune
+    store.prune(1)
+    assert store.steps() == [3]
+
+
+def test_a_reader_whose_checkpoint_another_store_prunes_reads_the_newer_one(tmp_path):
+    # Another store of the same run (another process) finishes step 3, which the reader saw
+    # half-written, and prunes the checkpoint being read: the reader lists again and loads
+    # step 3, not "no usable checkpoint".
+    reader, writer = DurableStore(str(tmp_path), run_id="r"), DurableStore(str(tmp_path), run_id="r")
+    writer.save(2, [shard(2, [0], 2.0)], {})
+    (tmp_path / "step-00000003-r").mkdir()
+    (tmp_path / "step-00000003-r" / "shard-000.pt").write_bytes(b"half")
+    reader.fs = paused = _PausedRead(reader.fs)
+    thread, out = _read_in_thread(reader)
+    assert paused.reading.wait(60)
+    writer.save(3, [shard(3, [0], 3.0)], {})
+    writer.prune(1)
+    assert writer.steps() == [3]
+    paused.go.set()
+    thread.join()
+    assert "error" not in out, out.get("error")
+    _, manifest, problems = out["loaded"]
+    assert manifest["step"] == 3 and problems == []
+
+
+def test_a_prune_keeps_the_newest_complete_checkpoint(tmp_path):
+    store = DurableStore(str(tmp_path), run_id="r")
+    store.save(1, [shard(1, [0], 1.0)], {})
+    (tmp_path / "step-00000002-r").mkdir()          # a write that died half-way
+    (tmp_path / "step-00000002-r" / "shard-000.pt").write_bytes(b"partial")
+    store.prune(1)
+    assert store.steps() == [2, 1] and store.load_latest()[1]["step"] == 1
+    with pytest.raises(ValueError, match=r"keep 0: a prune keeps at least the newest complete checkpoint"):
+        store.prune(0)
+
+
+# -- which checkpoints --resume reads ----------------------------------------------------------
+
+def _two_runs(root):
+    """Run "alpha" (id a1, steps 2 and 4) and, written after it, run "beta" (id b2, steps 6 and 8)."""
+    for run_id, name, steps in (("a1", "alpha", (2, 4)), ("b2", "beta", (6, 8))):
+        store = DurableStore(str(root), run_id=run_id)
+        for s in steps:
+            store.save(s, [shard(s, [0, 1], float(s))], {"run_name": name, "history": [{"step": s}]})
+    return DurableStore(str(root))
+
+
+def _spoil(root, run_id):
+    """Every shard of ``run_id`` overwritten: a resume that reads one of them reports it corrupt."""
+    for f in root.glob(f"step-*-{run_id}/shard-*.pt"):
+        f.write_bytes(b"not this run's")
+
+
+def test_resume_by_name_reads_that_run_only(tmp_path):
+    store = _two_runs(tmp_path)
+    _spoil(tmp_path, "b2")
+    got = load_resume(store, "alpha")
+    assert (got.manifest["step"], got.run_id, got.newest, got.problems) == (4, "a1", True, [])
+    assert runs(store)["b2"]["name"] == "beta" and runs(store)["a1"]["steps"] == [4, 2]
+    assert load_resume(store, "gamma") is None          # no run of that name: a fresh start
+    by_id = load_resume(store, "alpha", "a1")
+    assert (by_id.manifest["step"], by_id.run_id, by_id.newest) == (4, "a1", True)
+
+
+def test_resume_names_what_it_cannot_find_and_refuses_an_ambiguous_name(tmp_path):
+    store = _two_runs(tmp_path)
+    with pytest.raises(CheckpointError, match=r"no run 'zz9' in .*runs there: a1 \(alpha, newest step 4\), "
+                                              r"b2 \(beta, newest step 8\)"):
+        load_resume(store, "alpha", "zz9")
+    DurableStore(str(tmp_path), run_id="c3").save(1, [shard(1, [0, 1], 1.0)], {"run_name": "alpha"})
+    with pytest.raises(CheckpointError, match=r"2 runs named 'alpha' .*a1 \(newest step 4\).*c3 \(newest step 1\)"
+                                              r".*resume one by its id"):
+        load_resume(store, "alpha")
+
+
+def test_resume_from_a_checkpoint_path(tmp_path):
+    store = _two_runs(tmp_path)
+    newest = load_resume(store, "x", str(tmp_path / "step-00000008-b2"))
+    assert (newest.manifest["step"], newest.run_id, newest.newest) == (8, "b2", True)
+    # An older one of its run: continuing as that run would prune its own new checkpoints
+    # behind the old run's later ones, so it is a branch (newest False).
+    older = load_resume(store, "x", "step-00000006-b2")
+    assert (older.manifest["step"], older.run_id, older.newest) == (6, "b2", False)
+    with pytest.raises(CheckpointError, match=r"not in checkpoint.storage"):
+        load_resume(store, "x", str(tmp_path / "elsewhere" / "step-00000006-b2"))
+    with pytest.raises(CheckpointError, match=r"no checkpoint step-00000005-b2 in"):
+        load_resume(store, "x", "step-00000005-b2")
+    _spoil(tmp_path, "b2")
+    with pytest.raises(CheckpointError, match=r"step-00000008-b2: shard-000.pt is corrupt"):
+        load_resume(store, "x", "step-00000008-b2")   # the one asked for, or none
