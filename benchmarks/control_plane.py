@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 NODES = 4
 
 
-def tiny_config(n: int, steps: int, name: str, corpus: str, lease: int = 1, memory_every="auto",
+def tiny_config(n: int, steps: int, name: str, corpus: str, lease: int | str = 1, memory_every="auto",
                 pp: int = 1, keep_groups: bool = True, renew_early: bool = True) -> dict:
     per_node = max(1, n // NODES)
     raw = {
@@ -106,13 +106,13 @@ def calls_per_step(history: list[dict]) -> float:
     return (history[-1]["actor_calls"] - history[0]["actor_calls"]) / (len(history) - 1)
 
 
-def lease_spec(spec: str) -> tuple[int, bool]:
+def lease_spec(spec: str) -> tuple[int | str, bool]:
     """``16``: leases of 16, each renewed while the last runs (``control.renew_early``);
-    ``16-end``: granted once the last one's results are in."""
+    ``16-end``: granted once the last one's results are in; ``auto``: the default's."""
     steps, _, when = spec.partition("-")
-    if when not in ("", "end"):
-        raise SystemExit(f"--lease-steps: {spec!r} is not N or N-end")
-    return int(steps), when != "end"
+    if when not in ("", "end") or not (steps == "auto" or steps.isdigit()):
+        raise SystemExit(f"--lease-steps: {spec!r} is not N, auto, N-end or auto-end")
+    return (steps if steps == "auto" else int(steps)), when != "end"
 
 
 def run_one(n: int, steps: int, warmup: int, corpus: str, kill: bool, lease: str = "1", memory_every="auto",
@@ -210,8 +210,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-recovery", action="store_true", help="leave out the run with a node killed")
-    ap.add_argument("--lease-steps", default="1",
-                    help="control.lease_steps to run each N with, comma-separated (1: every step driven); "
+    ap.add_argument("--lease-steps", default="auto",
+                    help="control.lease_steps to run each N with, comma-separated (auto, the default: "
+                         "about a second of steps a lease; 1: every step driven); "
                          "N-end: each lease granted once the last one's results are in (control.renew_early "
                          "false), not while it runs")
     ap.add_argument("--memory-every", default="auto",

@@ -134,10 +134,13 @@ class BalanceSection(_Strict):
 class ControlSection(_Strict):
     """How the controller drives the steps."""
 
-    lease_steps: int = Field(
-        1, ge=1, description="Most steps a worker runs on its own per call of the controller (a lease): the "
-                             "controller then gathers their results at once and acts between leases. A lease "
-                             "ends at a snapshot step, an evaluation and the last step; 1 drives every step.")
+    lease_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Most steps a worker runs on its own per call of the controller (a lease): the "
+                            "controller then gathers their results at once and acts between leases. A lease "
+                            "ends at a snapshot step, an evaluation and the last step. 'auto': as many steps "
+                            "as fit about a second at the measured step time (one a call during warm-up and "
+                            "until a step time is measured), so the controller still acts within about a "
+                            "second; 1 drives every step.")
     renew_early: bool = Field(
         True, description="Grant each rank its next lease while the current one runs, queued behind it (run "
                           "only if that one completes there), so no rank waits for the controller between "

@@ -3,7 +3,8 @@
 A step that completed on every rank is recorded (``commit``): its history
 record, each rank's pace and the balancing it calls for, the metrics, its
 snapshot and the durable checkpoint due. A step that failed goes to
-``Recovery.recover``. With leases (``control.lease_steps``) the next lease
+``Recovery.recover``. With leases (``control.lease_steps``; ``auto``, the
+default, sizes them to about a second of steps) the next lease
 is granted while the last one still runs, queued behind it on every rank
 (``control.renew_early``; else as soon as it completes), and always before
 its steps are recorded (``_renew``, docs/runtime.md "Leases"): the workers
@@ -17,7 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .leases import lease_length
+from .leases import lease_length, schedule_after
 from .stepping import StepOutcome
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class StepLoop:
                 step = ctl.step + 1
                 if ctl._error_at is not None and ctl._error_at in (step, 0):
                     raise RuntimeError(f"injected controller error at step {step}")
-                count = lease_length(ctl.cfg, step, ctl.schedule, self.one_step_at_a_time())
+                count = self.lease_at(step)
                 granted.append(self._issue(step, count))
             if len(granted) == 1 and ctl.cfg.control.renew_early:
                 renewal = self._renew(granted[0], running=True)
@@ -71,10 +72,12 @@ class StepLoop:
             for one in steps:
                 self.commit(one)
 
-    def _issue(self, step: int, count: int, snapshots_pending: int = 0, after: int | None = None) -> StepOutcome:
-        """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``)."""
+    def _issue(self, step: int, count: int, snapshots_pending: int = 0, after: int | None = None,
+               snapshot_step: int | None = None) -> StepOutcome:
+        """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``);
+        ``snapshot_step``: that of a snapshot granted before it and not yet recorded."""
         ctl = self.ctl
-        snap = ctl.schedule.due(step + count - 1)
+        snap = schedule_after(ctl.schedule, snapshot_step).due(step + count - 1)
         writers = ctl.snapshots.writers(snapshots_pending)
         return ctl.driver.start(step, {w: ctl.pool[w].actor for w in ctl.ranks.values()}, snap,
                                 {w: writers[r] for r, w in ctl.ranks.items()} if snap else None,
@@ -96,13 +99,23 @@ class StepLoop:
                 or ctl.evaluator.due_after(first - 1)
                 or self.one_step_at_a_time() or not ctl.recovery.quiet() or ctl.schedule.requested):
             return None
-        count = lease_length(ctl.cfg, first, ctl.schedule, False)
+        # ``lease``'s snapshot is not yet recorded: the next snapshot step counts from it, and
+        # the snapshot parts asked for are those of the turn after it.
+        pending = first - 1 if lease.snapshot else None
+        count = self.lease_at(first, pending)
         if count <= 1:
             return None
-        # The snapshot parts it asks for are those of the turn after ``lease``'s snapshot,
-        # which is not yet recorded.
         return self._issue(first, count, snapshots_pending=1 if lease.snapshot else 0,
-                           after=lease.grant if running else None)
+                           after=lease.grant if running else None, snapshot_step=pending)
+
+    def lease_at(self, first: int, snapshot_pending: int | None = None) -> int:
+        """Steps the lease from ``first`` holds now (``leases.lease_length``): with
+        ``lease_steps: auto``, as many as fit about a second at the step time measured under
+        the plan in force. ``snapshot_pending``: the step of a snapshot granted and not yet
+        recorded (a lease granted ahead)."""
+        ctl = self.ctl
+        return lease_length(ctl.cfg, first, ctl.schedule, self.one_step_at_a_time(), ctl.driver.median_step_s(),
+                            snapshot_pending)
 
     def one_step_at_a_time(self) -> bool:
         """Whether the next steps must run without a lease: during warm-up (its step times set
@@ -159,7 +172,8 @@ class StepLoop:
             ctl.schedule.taken(step)
             ranks = {r: ctl.pool[w] for r, w in ctl.ranks.items()}
             ctl.snapshots.take_step(step, ranks, out.shard_refs,
-                                    nbytes=sum(o.get("snapshot_bytes", 0) for o in out.results.values()))
+                                    nbytes=sum(o.get("snapshot_bytes", 0) for o in out.results.values()),
+                                    results=out.results)
             if ctl.ps:
                 ctl.ps.snapshot(step)
         for snap in ctl.snapshots.poll():

@@ -104,6 +104,13 @@ class StepDriver:
         h = self.cfg.failure.heartbeat_timeout_s
         return None if h <= 0 or self._warming() else h
 
+    def median_step_s(self) -> float | None:
+        """The median time of the steps recorded since the last set-up (of the last 20 kept), the
+        step time under the plan in force (``control.lease_steps: auto`` sizes leases by it); None
+        before its first step."""
+        n = min(self.steps_since_setup, len(self.step_times))
+        return statistics.median(list(self.step_times)[-n:]) if n else None
+
     def collective_timeout(self) -> float:
         """Generous until the step time is known, then a multiple of it."""
         if len(self.step_times) < self.cfg.failure.warmup_steps:

@@ -1,6 +1,7 @@
 """Leases: workers run several steps on their own per controller call, exactly as step by step."""
 
 import threading
+import time
 
 import pytest
 import ray
@@ -17,9 +18,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def _cfg(corpus, name, lease, steps=24, **sections):
+    # ``lease`` None: control.lease_steps left at its default (auto).
+    control = {} if lease is None else {"lease_steps": lease}
     return TrainerConfig.from_dict(tiny_config(
         corpus, parallel={"dp": 2, "pp": 2}, run={"name": name}, train={"steps": steps},
-        checkpoint={"memory_every": 8}, control={"lease_steps": lease}, **sections))
+        checkpoint={"memory_every": 8}, control=control, **sections))
 
 
 def test_leases_train_exactly_as_step_by_step_with_fewer_calls(cluster, corpus_dir):
@@ -38,6 +41,49 @@ def test_leases_train_exactly_as_step_by_step_with_fewer_calls(cluster, corpus_d
     assert [r["step"] for r in leased.history if r["snapshot"]] == [8, 16]
     # Each lease's cost beyond the ranks' own calls is spread over its steps.
     assert all(r["controller_s"] >= 0 for r in leased.history)
+
+
+def test_auto_leases_are_the_default_and_train_exactly_as_step_by_step(cluster, corpus_dir):
+    # Balancing off: on this loaded host it may move a micro-batch in one run and not the other,
+    # which changes the order of the gradient's sums whatever drives the steps.
+    by_step = Trainer(_cfg(corpus_dir, "auto-steps", 1, balance={"mode": "off"}), verbose=False).fit()
+    cfg = _cfg(corpus_dir, "auto-leases", None, balance={"mode": "off"})
+    assert cfg.control.lease_steps == "auto"
+    leased = Trainer(cfg, verbose=False).fit()
+    assert [r["step"] for r in leased.history] == list(range(1, 25))
+    # The same computation in the same order: bit for bit the same losses and data.
+    assert [r["loss"] for r in leased.history] == [r["loss"] for r in by_step.history]
+    assert [r["cursor"] for r in leased.history] == [r["cursor"] for r in by_step.history]
+    assert [r["step"] for r in leased.history if r["snapshot"]] == [8, 16, 24]
+    # Leases ran: step by step costs a train_step per rank per step (96 and the snapshot parts);
+    # the tiny model's steps take milliseconds, so a lease runs up to each snapshot step.
+    assert by_step.history[-1]["actor_calls"] >= 24 * 4
+    assert leased.history[-1]["actor_calls"] < by_step.history[-1]["actor_calls"] / 2, \
+        [r["actor_calls"] for r in leased.history]
+
+
+def test_a_failure_inside_an_auto_lease_rolls_back_as_step_by_step(cluster, corpus_dir):
+    # Leases 4..8, 9..16, 17..24 after the warm-up, their length the default's (auto). Rank 0
+    # raises in step 15: back to the snapshot of step 8, steps 9..15 redone, as step by step.
+    cfg = _cfg(corpus_dir, "auto-fail", None, failure={"allow_fault_injection": True}, balance={"mode": "off"})
+
+    def fault():
+        actor = ray.get_actor("auto-fail-rank0-r0s0", namespace=NAMESPACE)
+        # Slower steps: the fault is armed well before rank 0 reaches step 15.
+        ray.get(actor.inject_fault.remote("slow_compute", seconds=3.0))
+        ray.get(actor.inject_fault.remote("raise", step=15))
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, fault)).fit()
+    assert_contiguous_data(result, cfg)
+    assert [f["failure"] for f in result.failures] == ["exception"]
+    [rec] = result.recoveries
+    assert (rec["failed_step"], rec["restored_step"], rec["steps_redone"]) == (15, 8, 7), rec
+    # Steps 4..8 ran as a lease (step by step: a train_step per rank each, 20 calls), and the
+    # steps after it too: the failure came inside one.
+    calls = {r["step"]: r["actor_calls"] for r in result.history if r["plan"] == 0}
+    assert calls[8] - calls[3] < 5 * 4, calls
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-5)
 
 
 def test_a_failure_with_the_next_lease_queued_drops_it_and_rolls_back(cluster, corpus_dir):
@@ -73,14 +119,22 @@ def test_a_failure_in_a_lease_stops_every_rank_and_rolls_back_as_step_by_step(fr
 
     def slow():
         # Rank 0 computes 10x slower (a sleep: the numbers stay), so the lease of steps 25 .. 48
-        # takes seconds, and a node killed half a second after step 24 is seen dies inside it
-        # (the lease began as step 24 ended, granted while 4 .. 24 ran: at 4x it could end first).
+        # takes seconds, and the node killed once every rank has done step 25 dies inside it.
         actor = ray.get_actor("lease-loss-rank0-r0s0", namespace=NAMESPACE)
         ray.get(actor.inject_fault.remote("slow_compute", seconds=10.0))
 
-    def kill_soon():
+    def kill_inside_the_lease():
+        # Waits on the event itself: every rank has completed step 25 (inside the lease, which
+        # began as step 24 ended), as each worker says; then rank 3's node goes.
         node = node_of_rank("lease-loss", 3, nodes)
-        threading.Timer(0.5, lambda: c.remove_node(node, allow_graceful=False)).start()
+        actors = [ray.get_actor(f"lease-loss-rank{r}-r{r // 2}s{r % 2}", namespace=NAMESPACE) for r in range(4)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and min(ray.get([a.last_step.remote() for a in actors])) < 25:
+            time.sleep(0.02)
+        c.remove_node(node, allow_graceful=False)
+
+    def kill_soon():
+        threading.Thread(target=kill_inside_the_lease, daemon=True).start()
 
     result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, slow).at(24, kill_soon)).fit()
     assert_contiguous_data(result, cfg)
