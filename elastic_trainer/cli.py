@@ -1,4 +1,4 @@
-"""Command line: ``elastic-trainer run | plan | bench-comm | status | prepare-data | export``."""
+"""Command line: ``elastic-trainer run | plan | bench-comm | status | stop | prepare-data | export``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .checkpoint.compat import ACCEPTABLE
 from .config import TrainerConfig
 from .errors import ConfigError, ElasticTrainerError
 
@@ -52,6 +53,10 @@ def _cmd_run(args) -> int:
         hint = balancing_hint(cfg)
         if hint:
             print(hint, file=sys.stderr)
+    resume, accept = args.resume_from or args.resume, args.accept_change
+    if accept and not resume:
+        raise ConfigError(f"--accept-change {','.join(accept)} names what a resumed run may change: add --resume "
+                          "(the run named run.name) or --resume-from RUN_ID|CHECKPOINT")
     if args.kill_node_at_step is not None and not args.simulate_nodes:
         raise ConfigError("--kill-node-at-step needs --simulate-nodes N (a local multi-node cluster to kill a node of)")
     if args.simulate_nodes:
@@ -63,9 +68,9 @@ def _cmd_run(args) -> int:
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("et-%Y%m%d-%H%M%S")})})
 
         with simulated_cluster(args.simulate_nodes, cfg) as sim:
-            result = Trainer(cfg, on_step=sim.killer(args.kill_node_at_step)).fit(resume=args.resume)
+            result = Trainer(cfg, on_step=sim.killer(args.kill_node_at_step)).fit(resume=resume, accept_change=accept)
     else:
-        result = Trainer(cfg).fit(resume=args.resume)
+        result = Trainer(cfg).fit(resume=resume, accept_change=accept)
     print(f"run {result.run_name}: final loss {result.final_loss:.4f} after {len(result.history)} steps"
           + (f", {len(result.failures)} failure(s) survived" if result.failures else ""))
     return 0
@@ -194,13 +199,13 @@ def _check_reachable(address: str) -> None:
         raise ElasticTrainerError(f"no Ray cluster answers at --address {address!r} ({e.strerror or e})") from None
 
 
-def _cmd_status(args) -> int:
+def _connect(args) -> str:
+    """Join the cluster of ``--address`` (else $RAY_ADDRESS, else the local one) as a client."""
     import os
 
     import ray
 
     from .naming import NAMESPACE
-    from .status import format_status, live_statuses
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
     _check_reachable(address)
@@ -208,6 +213,35 @@ def _cmd_status(args) -> int:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     except ConnectionError as e:
         raise ElasticTrainerError(f"no Ray cluster at --address {address!r}: {e}") from None
+    return address
+
+
+def _cmd_stop(args) -> int:
+    import ray
+
+    from .status import live_statuses, stop_run
+
+    address = _connect(args)
+    try:
+        taken = stop_run(args.run, args.reason)
+        live = [st["run"] for st in live_statuses()] if taken is None else []
+    finally:
+        ray.shutdown()
+    if taken is None:
+        print(f"no live run {args.run!r} on {address}; live runs: {', '.join(live) or 'none'}", file=sys.stderr)
+        return 1
+    print(f"run {args.run!r}: " + ("stopping after the steps in flight; its weights and final durable "
+                                   "checkpoint are saved as at the end" if taken
+                                   else "a stop was already asked, or the run has ended"))
+    return 0
+
+
+def _cmd_status(args) -> int:
+    import ray
+
+    from .status import format_status, live_statuses
+
+    address = _connect(args)
     try:
         statuses = live_statuses(args.run)
     finally:
@@ -270,7 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = job_command("run", "Run a training job.")
     run.add_argument("--resume", action="store_true",
-                     help="continue from the newest durable checkpoint in checkpoint.storage")
+                     help="continue the run named run.name from its newest durable checkpoint in "
+                          "checkpoint.storage (start fresh if it has none); the config must match the "
+                          "checkpoint's but for the layout (dp, pp, placement, ...)")
+    run.add_argument("--resume-from", metavar="RUN_ID|CHECKPOINT",
+                     help="continue the run of this id from its newest checkpoint, or this checkpoint "
+                          "directory (<storage>/step-<N>-<run id>); an older one of its run starts a branch")
+    run.add_argument("--accept-change", action="append", default=[], metavar="FIELD[,FIELD]",
+                     help="with --resume(-from): let these fields differ from the checkpoint's config "
+                          f"({', '.join(ACCEPTABLE)}); repeatable")
     run.add_argument("--simulate-nodes", type=int, metavar="N",
                      help="start a local cluster of N simulated nodes (one machine) and run on it")
     run.add_argument("--kill-node-at-step", type=int, metavar="K",
@@ -313,6 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--run", help="only this run")
     st.add_argument("--json", action="store_true", help="print the raw status as JSON")
     st.set_defaults(fn=_cmd_status)
+    sp = sub.add_parser("stop", help="End a live run at the next step boundary, saved: it ends STOPPED.",
+                        description="Ask a live run's controller to stop after the steps in flight. The weights "
+                                    "and the final durable checkpoint of its last step are written as at the end "
+                                    "(killing the job instead saves nothing); `run --resume` continues it.")
+    sp.add_argument("run", help="the run's name (run.name; `elastic-trainer status` lists them)")
+    sp.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else the local cluster)")
+    sp.add_argument("--reason", default="elastic-trainer stop", help="recorded in the run's stop_requested event")
+    sp.set_defaults(fn=_cmd_stop)
     p = sub.add_parser("prepare-data", help="Write Parquet token rows: the Python-stdlib byte corpus, or "
                                             "text tokenized with --tokenizer.",
                        description="Write the Python-stdlib byte corpus as Parquet token rows; with --tokenizer "

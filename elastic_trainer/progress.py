@@ -87,6 +87,12 @@ class ProgressPrinter:
             self._line(f"-> resumed from step {ev.get('step', 0)} of {ev.get('source', '')}")
         elif kind == "checkpoint_problem":
             self._line(f"!! checkpoint: {ev['detail']}")
+        elif kind == "durable_failed":
+            self._line(f"!! durable checkpoint of step {ev['step']} failed ({_durable_role(ev)}): {ev['error']}")
+        elif kind == "stop_requested":
+            self._line(f"!! stop requested at step {ev['step']}"
+                       + (f" ({ev['reason']})" if ev.get("reason") else "")
+                       + ": the run ends after the steps in flight and saves what it has")
         elif kind == "straggler":
             self._line(f"!! straggler: rank {ev['rank']} (worker {ev.get('worker')}, node {str(ev.get('node'))[:8]}) "
                        f"computes {ev['compute_s'] / ev['reference_s']:.1f}x its {ev['against']} since step "
@@ -118,16 +124,34 @@ class ProgressPrinter:
         elif kind == "durable_checkpoint":
             self._line(f"   durable checkpoint of step {ev['step']} written to {ev['path']} in {ev['seconds']:.2f}s")
 
-    def done(self, history: list[dict]) -> None:
+    def done(self, history: list[dict], state: str = "FINISHED") -> None:
+        """The run's last line: ``done`` for a run that finished, ``stopped at step N of T`` for
+        one ended by a stop (``state`` STOPPED), with the loss and the steady throughput."""
         if not history:
+            if state == "STOPPED":
+                self._line(f"stopped at step 0 of {self.total} (not finished): no step run")
             return
         first, last = history[0]["loss"], history[-1]["loss"]
         steady = history[len(history) // 2:]
         tps = sum(r["tokens_per_s"] for r in steady) / len(steady)
+        head = (f"stopped at step {history[-1]['step']} of {self.total} (not finished): " if state == "STOPPED"
+                else "done: ")
         self._line(
-            f"done: {len(history)} steps, loss {first:.4f} -> {last:.4f} "
+            f"{head}{len(history)} steps, loss {first:.4f} -> {last:.4f} "
             f"({(1 - last / first) * 100:.1f}% lower), {tps:,.0f} tok/s steady"
         )
+
+
+def _durable_role(ev: dict) -> str:
+    """What a failed durable write means for the run, by its role."""
+    role = ev.get("role", "periodic")
+    if role == "final":
+        return "the final one: the run fails without it"
+    if role == "emergency":
+        return "the emergency copy"
+    last = ev.get("last_written")
+    return "the run goes on from memory; " + (f"the newest on storage is of step {last}" if last is not None
+                                               else "none written since the run started")
 
 
 def _clock(seconds: float) -> str:

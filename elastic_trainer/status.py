@@ -1,4 +1,4 @@
-"""``elastic-trainer status``: the live runs on a cluster, read from their controllers."""
+"""``elastic-trainer status`` and ``stop``: the live runs on a cluster, through their controllers."""
 
 from __future__ import annotations
 
@@ -32,9 +32,27 @@ def live_statuses(run: str | None = None) -> list[dict]:
     return out
 
 
+def stop_run(run: str, reason: str = "") -> bool | None:
+    """Ask the live run ``run`` to stop at its next step boundary (``Controller.stop``): True when
+    the request was taken, False when a stop was asked already or the run has ended, None when
+    no live run has that name."""
+    import ray
+
+    try:
+        controller = ray.get_actor(f"{run}-controller", namespace=NAMESPACE)
+    except ValueError:
+        return None
+    return ray.get(controller.stop.remote(reason), timeout=_ANSWER_TIMEOUT_S)
+
+
 def format_status(st: dict) -> str:
     """A few lines per run: state, step, throughput, plan with each rank's node, last failures."""
-    lines = [f"run {st['run']}: {st['state']}"]
+    head = f"run {st['run']}: {st['state']}"
+    if st["state"] == "STOPPED":
+        head += f" at step {st['step']} of {st['steps']} (stopped before the last step; what it had is saved)"
+    elif st.get("stopping") and st["state"] not in ("FINISHED", "FAILED"):
+        head += f" (stop requested at step {st['stopping']['step']}: ending after the steps in flight)"
+    lines = [head]
     if "error" in st:
         lines.append(f"  controller did not answer: {st['error']}")
         return "\n".join(lines)
@@ -45,8 +63,9 @@ def format_status(st: dict) -> str:
             step_line += f", lr {st['last']['lr']:.3g}"
     if st.get("tokens_per_s"):
         step_line += f", {st['tokens_per_s']:,.0f} tok/s, {st['step_time_s'] * 1000:.1f} ms/step"
-        left = (st["steps"] - st["step"]) * st["step_time_s"]
-        step_line += f", ~{left / 60:.1f} min left"
+        if not st.get("stopping") and st["state"] != "STOPPED":   # a stopped run has no time left to run
+            left = (st["steps"] - st["step"]) * st["step_time_s"]
+            step_line += f", ~{left / 60:.1f} min left"
     lines.append(step_line)
     if st.get("eval"):
         lines.append(f"  validation loss {st['eval']['loss']:.4f} after step {st['eval']['step']}")

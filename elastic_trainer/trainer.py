@@ -7,11 +7,12 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .checkpoint.compat import resume_request
 from .config import TrainerConfig
 from .controller.controller import Controller
 from .controller.saving import SaveError
@@ -41,6 +42,18 @@ class Result:
     durable_path: str | None = None  # the final durable checkpoint, where checkpoint.storage is set
     hf_path: str | None = None       # model.kind hf: a folder AutoModelForCausalLM.from_pretrained loads
     run_id: str | None = None        # the id its durable checkpoints carry
+    state: str = "FINISHED"          # FINISHED: every step run; STOPPED: ended early by Controller.stop()
+    step: int | None = None          # the last step run, which the weights (and durable_path) hold
+
+    @property
+    def finished(self) -> bool:
+        """Every step was run (a failed run raises instead of returning)."""
+        return self.state == "FINISHED"
+
+    @property
+    def stopped(self) -> bool:
+        """A stop ended the run before its last step, at ``step``; what it had is saved."""
+        return self.state == "STOPPED"
 
     @property
     def failures(self) -> list[dict]:
@@ -53,6 +66,54 @@ class Result:
     @property
     def final_loss(self) -> float | None:
         return self.history[-1]["loss"] if self.history else None
+
+
+class ControllerActor:
+    """The run's controller as the cluster reaches it (``ray.get_actor("<run>-controller")``).
+
+    Ray lets any driver connected to the cluster call every method of a named actor's class,
+    private ones included, so the actor is this narrow class: the :class:`Controller` it holds,
+    with its internals that move the run (``transition``, ``apply_plan``, ``event``, ...), is
+    out of a client's reach. What is left: ``run`` (once: the driver that made the actor calls
+    it), ``stop`` (ends the run STOPPED, with what it has saved), the read-only ``progress``,
+    ``status`` and ``unsaved_state``, and two chaos hooks, ``inject_fault`` and
+    ``worker_handles``, refused unless the run's config sets ``failure.allow_fault_injection``.
+    """
+
+    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None):
+        self._ctl = Controller(cfg_json, run_name, data)
+
+    def run(self, *args, **kwargs) -> dict:
+        """``Controller.run``: the whole run; a second call is refused."""
+        return self._ctl.run(*args, **kwargs)
+
+    def stop(self, reason: str = "") -> bool:
+        """``Controller.stop``: end the run after the steps in flight, saved, STOPPED."""
+        return self._ctl.stop(reason)
+
+    def progress(self, since: int, events_since: int = 0) -> dict:
+        """Step records and events since the given indices (read-only)."""
+        return self._ctl.progress(since, events_since)
+
+    def status(self) -> dict:
+        """What ``elastic-trainer status`` shows (read-only)."""
+        return self._ctl.status()
+
+    def unsaved_state(self) -> dict | None:
+        """The weights of a run whose final save failed (read-only; the weights themselves)."""
+        return self._ctl.unsaved_state()
+
+    def inject_fault(self, *args, **kwargs) -> None:
+        """``Controller.inject_fault``; only with ``failure.allow_fault_injection``."""
+        return self._ctl.inject_fault(*args, **kwargs)
+
+    def worker_handles(self) -> list:
+        """The live workers' actors, for chaos tools that inject faults into them: only with
+        ``failure.allow_fault_injection``, as those faults are."""
+        if not self._ctl.cfg.failure.allow_fault_injection:
+            raise PermissionError(f"worker handles are for fault injection, which is off in run "
+                                  f"{self._ctl.run_name!r}: set failure.allow_fault_injection true in its config")
+        return self._ctl.worker_handles()
 
 
 class Trainer:
@@ -70,10 +131,16 @@ class Trainer:
         self.report_path: str | None = None  # the run report PNG of the last fit
         self._data: dict = {}                # the data fingerprint, sent to the controller
 
-    def fit(self, return_model_state: bool = False, resume: bool = False) -> Result:
-        """Train. ``resume``: continue from the newest durable checkpoint in
-        ``checkpoint.storage`` (after the cluster or the driver was lost)."""
+    def fit(self, return_model_state: bool = False, resume: bool | str = False,
+            accept_change: str | Iterable[str] = ()) -> Result:
+        """Train. ``resume`` (after the cluster or the driver was lost): True continues the run
+        named run.name from its newest durable checkpoint in ``checkpoint.storage``; a run id
+        continues that run; a checkpoint path (``<storage>/step-<N>-<run id>``) that checkpoint.
+        ``accept_change``: fields the resumed run may change (``checkpoint.compat.ACCEPTABLE``:
+        train.steps, train.lr, the schedule), listed in its resume event; any other difference
+        from the checkpoint's config but the layout is refused."""
         cfg = self.config
+        resume = resume_request(resume, accept_change, cfg.run.name)
         run_name = cfg.run.name or time.strftime("et-%Y%m%d-%H%M%S")
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name})})
         cfg = self._check_inputs(cfg)
@@ -143,7 +210,7 @@ class Trainer:
 
     def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool) -> Result:
         node_id = ray.get_runtime_context().get_node_id()
-        controller = ray.remote(Controller).options(
+        controller = ray.remote(ControllerActor).options(
             name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(cfg.model_dump(mode="json"), run_name, self._data)
@@ -188,7 +255,7 @@ class Trainer:
         finally:
             ray.kill(controller, no_restart=True)
         if printer:
-            printer.done(out["history"])
+            printer.done(out["history"], out["state"])
             print(f"weights: {out['model_path']}", flush=True)
             if out.get("hf_path"):
                 print(f"hugging face folder: {out['hf_path']}", flush=True)
@@ -197,7 +264,8 @@ class Trainer:
         return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
                       workers=out["workers"], plans=out["plans"], model_state=out["model_state"],
                       report_path=self.report_path, model_path=out["model_path"],
-                      durable_path=out["durable_path"], run_id=out["run_id"], hf_path=out.get("hf_path"))
+                      durable_path=out["durable_path"], run_id=out["run_id"], hf_path=out.get("hf_path"),
+                      state=out["state"], step=out["step"])
 
 
 def output_dir(cfg: TrainerConfig) -> str:

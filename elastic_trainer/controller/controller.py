@@ -38,7 +38,7 @@ from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
 from ..planning.plan import Plan, make_plan
-from ..planning.policy import choose_plan, cut_fits, plan_block_costs, plan_row
+from ..planning.policy import check_start, choose_plan, cut_fits, plan_block_costs, plan_row
 from .durable_writer import DurableWriter
 from .balance import Balance
 from .benching import Bench
@@ -111,13 +111,28 @@ class Controller(ControllerViews):
     def state(self) -> RunState:
         return self.machine.state
 
-    def stop(self) -> None:
-        """Stop at the next step boundary."""
-        self._stop.set()
+    def stop(self, reason: str = "") -> bool:
+        """End the run at the next step boundary: the steps in flight complete (a step, or a lease
+        and the one granted behind it), the weights and the final durable checkpoint of the last
+        step are saved as at the end, and the run ends STOPPED (FINISHED if its last step was
+        already done). ``reason`` goes into the ``stop_requested`` event. True when the request
+        is taken; False when a stop was asked already or the run has ended.
+
+        Any client of the cluster can call this, as it can ``ray.kill`` the actor, which saves
+        nothing: of the two, this is the way that keeps the run's work."""
+        with self._lock:
+            if self._stop.is_set() or self.machine.ended:
+                return False
+            self._stop.set()
+            step = self.step
+        self.event("stop_requested", step=step, reason=str(reason)[:300])
+        log.warning("[%s] stop requested at step %d%s: the run ends after the steps in flight", self.run_name, step,
+                    f" ({reason})" if reason else "")
+        return True
 
     def worker_handles(self) -> list:
         """The actors of the live workers (for chaos tools, which inject faults into them)."""
-        return [w.actor for w in list(self.pool.workers.values())]
+        return [w.actor for w in self.pool.handles()]
 
     def inject_fault(self, kind: str, seconds: float = 0.0, step: int | None = None) -> None:
         """Chaos hooks: ``slow_durable`` holds each durable write ``seconds`` before it fetches its
@@ -162,6 +177,17 @@ class Controller(ControllerViews):
 
     # -- the run -------------------------------------------------------------------------
     def run(self, return_model_state: bool = False, resume: bool = False) -> dict:
+        """The whole run, once: place, start, step, save. It ends FINISHED after the last step or
+        STOPPED after ``stop()``, each with the weights (and, with storage, the final durable
+        checkpoint) of its last step written and read back; any error ends it FAILED, raised.
+        Any client of the cluster can call this method, so a second call is refused: running
+        again would tear down the workers of the run under way."""
+        with self._lock:
+            again, self._run_called = getattr(self, "_run_called", False), True
+            now = self.machine.state
+        if again or now is not RunState.PENDING:
+            raise RunError(f"run() was already called on run {self.run_name!r} (state {now.value}): a "
+                           "controller runs once; start a new run, or resume this one from its checkpoints")
         log.info("[%s] starting: dp=%d x pp=%d, %d steps", self.run_name, self.cfg.parallel.dp,
                  self.cfg.parallel.pp, self.cfg.train.steps)
         try:
@@ -177,10 +203,14 @@ class Controller(ControllerViews):
             StepLoop(self).run()
             state = self.saver.gather_state()
             saved = self.saver.final(state)
-            self.transition(RunState.FINISHED, model_path=saved["model_path"])
-            log.info("[%s] finished at step %d; weights at %s", self.run_name, self.step, saved["model_path"])
+            # A stop that came after the last step leaves nothing undone: that run finished.
+            end = RunState.STOPPED if self._stop.is_set() and self.step < self.cfg.train.steps else RunState.FINISHED
+            self.transition(end, step=self.step, model_path=saved["model_path"])
+            log.info("[%s] %s at step %d of %d; weights at %s", self.run_name, end.value.lower(), self.step,
+                     self.cfg.train.steps, saved["model_path"])
             return {"history": self.history, "events": self.events, "plan": self.plan.describe(),
                     "plans": self.plans, "workers": self.pool.table(), "run_id": self.run_id,
+                    "state": end.value, "step": self.step,
                     "model_state": state if return_model_state else None, **saved}
         except BaseException as e:
             log.error("[%s] failed: %s: %s", self.run_name, type(e).__name__, e)
@@ -199,6 +229,7 @@ class Controller(ControllerViews):
         """Place and start the first workers and set up the first plan. A worker that fails to
         start, or a node lost during the set-up, is a failure: the run re-plans on what is left."""
         plan = make_plan(self.cfg)
+        check_start(self.cfg, plan)   # as a re-plan is held to scaling.worker_memory_gb, before any worker is placed
         topo = plan.topology
         nodes = find_nodes(self.cfg.scaling, topo.world_size, {}, self.cfg.scaling.placement_timeout_s)
         slot_of_rank = assign_ranks(topo, nodes, self.cfg.scaling.replica_placement)
@@ -215,7 +246,7 @@ class Controller(ControllerViews):
             self.ps = ParameterServers(self.cfg, self.run_name, ray.get_runtime_context().get_node_id(), topo.dp)
             if self.writer:
                 self.writer.ps = self.ps
-        self.resume_point = self.recovery.resume_source() if resume else None
+        self.resume_point = self.recovery.resume_source(resume) if resume else None
         try:
             if lost:
                 err = WorkerError("workers failed to start: " + "; ".join(
@@ -319,6 +350,7 @@ class Controller(ControllerViews):
                               lambda: plan_row(self.cfg, topo.dp, topo.pp), plan.stage_bounds, ranks,
                               lambda: plan_block_costs(self.cfg, topo.dp), self.cfg.parallel.stages_per_rank)
         self.snapshots.set_plan(plan)
+        self.snapshots.rolled_back(restored)   # later snapshots are no longer the run's state
         self.schedule.restart(restored)
         with self._lock:
             # Steps after the restored one were rolled back: they will be run again.

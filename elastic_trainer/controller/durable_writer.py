@@ -5,6 +5,14 @@ parameter-server mode, the shards' own snapshot), so writing it never stalls
 a step: a thread fetches the parts and writes them while training goes on.
 At most one write runs at a time; a due write that finds the previous one
 still going is skipped rather than queued.
+
+A write that fails is told the moment the writer sees it (on the write's own
+thread, for a periodic one): a ``durable_failed`` event (step, storage, error,
+the newest step written, and its role: periodic, final or emergency), which
+the driver prints as a line (and a metric can count), and a log record. A
+periodic write's failure is only a warning: the run goes on from its
+in-memory snapshots, and the next due write tries again; the final one's
+fails the run (``saving``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class DurableWriter:
         self.snapshots, self.n_blocks, self._event, self.run_name = snapshots, n_blocks, event, run_name
         self.ps = None  # the run's ParameterServers, in that mode: they hold the optimizer state
         self.delay_s = 0.0  # a chaos hook (Controller.inject_fault): each write holds this long first
+        self.last_written: int | None = None   # the newest step this writer has written
         self._thread: threading.Thread | None = None
 
     def shards(self, step: int, alive_nodes: set[str] | None = None, alive_workers: set[int] | None = None) -> list:
@@ -58,29 +67,55 @@ class DurableWriter:
         if self._thread is not None:
             self._thread.join()
 
-    def write(self, step: int, refs: list, history: list, plan: dict, raise_errors: bool = False) -> str | None:
-        """Fetch ``refs`` and write them as the checkpoint of ``step``; the path, or None on failure
-        (reported as an event; ``raise_errors``: raised as well)."""
+    def write(self, step: int, refs: list, history: list, plan: dict, raise_errors: bool = False,
+              role: str = "periodic") -> str | None:
+        """Fetch ``refs`` and write them as the checkpoint of ``step`` (see :meth:`save`)."""
         t0 = time.perf_counter()
         try:
             if self.delay_s:
                 time.sleep(self.delay_s)
             shards = ray.get(refs, timeout=self.cfg.comm.timeout_s)
-            path = self.store.save(step, shards, {"history": history, "config": self.cfg_json, "plan": plan,
-                                                  "run_name": self.run_name, "data": self.data})
-            self.store.prune(self.cfg.checkpoint.keep_durable)
-        except Exception as e:  # noqa: BLE001 - reported as an event; the run goes on from memory
-            error = f"{type(e).__name__}: {e}"
-            log.error("[%s] durable checkpoint of step %d failed: %s", self.run_name, step, error)
-            self._event("checkpoint_problem", detail=f"durable checkpoint of step {step} failed: {error}")
+        except Exception as e:  # noqa: BLE001 - reported; the run goes on from memory
+            self._failed(step, e, "final" if raise_errors else role)
             if raise_errors:
                 raise
             return None
+        return self.save(step, shards, history, plan, raise_errors, role, started=t0)
+
+    def save(self, step: int, shards: list[dict], history: list, plan: dict, raise_errors: bool = False,
+             role: str = "periodic", started: float | None = None) -> str | None:
+        """Write ``shards`` (parts covering every block) as the checkpoint of ``step``, then prune
+        the run's older ones; the path, or None on failure. A failure is reported at once, as a
+        ``durable_failed`` event and a warning; ``raise_errors`` (the final checkpoint, whose
+        failure fails the run): raised as well. ``role``: periodic, final or emergency."""
+        t0 = time.perf_counter() if started is None else started
+        try:
+            path = self.store.save(step, shards, {"history": history, "config": self.cfg_json, "plan": plan,
+                                                  "run_name": self.run_name, "data": self.data})
+            self.store.prune(self.cfg.checkpoint.keep_durable)
+        except Exception as e:  # noqa: BLE001 - reported; the run goes on from memory
+            self._failed(step, e, "final" if raise_errors else role)
+            if raise_errors:
+                raise
+            return None
+        self.last_written = step
         seconds = time.perf_counter() - t0
         log.info("[%s] durable checkpoint of step %d at %s (%.2f s)", self.run_name, step, path, seconds)
         self._event("durable_checkpoint", step=step, path=path, seconds=seconds,
                     bytes=sum(shard_nbytes(s) for s in shards))
         return path
+
+    def _failed(self, step: int, e: Exception, role: str) -> None:
+        error = f"{type(e).__name__}: {e}"
+        if role == "periodic":
+            kept = f"the newest on storage is of step {self.last_written}" if self.last_written is not None \
+                else "none written since the run started"
+            log.warning("[%s] durable checkpoint of step %d failed; the run goes on from memory (%s): %s",
+                        self.run_name, step, kept, error)
+        else:
+            log.error("[%s] %s durable checkpoint of step %d failed: %s", self.run_name, role, step, error)
+        self._event("durable_failed", step=step, role=role, storage=self.store.uri, error=error,
+                    last_written=self.last_written)
 
     def emergency(self, alive_nodes: set[str], alive_workers: set[int], history: list, plan: dict) -> str | None:
         """On the way out after failures: write the newest committed snapshot that survives, if any."""
@@ -88,5 +123,5 @@ class DurableWriter:
         for step in reversed(self.snapshots.committed_steps()):
             pick = self.shards(step, alive_nodes, alive_workers)
             if pick:
-                return self.write(step, pick, [h for h in history if h["step"] <= step], plan)
+                return self.write(step, pick, [h for h in history if h["step"] <= step], plan, role="emergency")
         return None

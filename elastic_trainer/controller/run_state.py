@@ -20,7 +20,8 @@ class RunState(str, enum.Enum):
     RUNNING = "RUNNING"          # steps
     RECOVERING = "RECOVERING"    # a step failed: detect, re-plan, restore
     RESIZING = "RESIZING"        # nodes joined: re-plan onto more workers
-    FINISHED = "FINISHED"
+    FINISHED = "FINISHED"        # every step run, everything saved
+    STOPPED = "STOPPED"          # Controller.stop() before the last step; what it had is saved
     FAILED = "FAILED"
 
 
@@ -30,11 +31,14 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.PLACING: frozenset({S.STARTING, S.FAILED}),
     # A worker or node lost before the first step is recovered from like any other loss.
     S.STARTING: frozenset({S.RUNNING, S.RECOVERING, S.FAILED}),
-    S.RUNNING: frozenset({S.RECOVERING, S.RESIZING, S.FINISHED, S.FAILED}),
+    # The step loop leaves on a stop only between steps, in RUNNING: a stop asked during a
+    # recovery or a resize takes effect once it is back there.
+    S.RUNNING: frozenset({S.RECOVERING, S.RESIZING, S.FINISHED, S.STOPPED, S.FAILED}),
     # A failure during a resize is retried inside it, as during a recovery.
     S.RESIZING: frozenset({S.RUNNING, S.FAILED}),
     S.RECOVERING: frozenset({S.RUNNING, S.FAILED}),
     S.FINISHED: frozenset(),
+    S.STOPPED: frozenset(),
     S.FAILED: frozenset(),
 }
 del S

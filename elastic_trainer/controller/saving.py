@@ -1,23 +1,35 @@
 """What a run leaves behind: at the end, the final durable checkpoint and the weights, both
 verified; on the way out of a failed run, an emergency copy of the newest surviving snapshot.
 
-A run ends FINISHED only once everything it was asked to keep is written and
-read back. A save that fails ends it FAILED with :class:`SaveError`, which
-names what was not saved; the controller then keeps the weights it gathered
-(``unsaved``) until the driver has taken them.
+A run ends FINISHED (or STOPPED) only once everything it was asked to keep is
+written and read back. A save that fails ends it FAILED with :class:`SaveError`,
+which names what was not saved; the controller then keeps the weights it
+gathered (``unsaved``) until the driver has taken them.
+
+The final weights of a pipeline stage come from replica 0's worker, else from
+another live DP replica of the stage (a worker lost after the last step
+costs nothing: every replica holds the same weights), else from the snapshot
+of the last step where its parts sit on a live node. A stage with none of
+these fails the run with an error naming the stage and what is gone, and the
+emergency copy then saves the newest snapshot that survives. The choice is
+made by the pure functions below (``stage_replicas``, ``take_stages``,
+``snapshot_cover``, ``lost_stages_error``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import ray
+import torch
 
 from ..checkpoint.weights import WeightsError, save_weights, weights_from_shards
 from ..errors import RunError
 from ..hf_export import recorded_config, write_hf_folder
+from .workers import ask_all
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -27,6 +39,78 @@ log = logging.getLogger(__name__)
 
 class SaveError(RunError):
     """The run trained to the end but what it had to keep was not (all) saved."""
+
+
+def stage_replicas(topo, ranks: dict[int, int], alive: set[int], late: frozenset[int] = frozenset()) \
+        -> dict[int, list[int]]:
+    """Each pipeline stage's live workers (``ranks``: rank -> worker id; ``alive``: worker ids),
+    replica 0's first: where the stage's final weights can come from, in the order to ask. Those
+    in ``late`` (they missed a ping: gone, or only slow) come after the others, not never."""
+    out = {}
+    for s in range(topo.pp):
+        held = [ranks[topo.rank(d, s)] for d in range(topo.dp) if ranks[topo.rank(d, s)] in alive]
+        out[s] = [w for w in held if w not in late] + [w for w in held if w in late]
+    return out
+
+
+def take_stages(order: dict[int, list[int]], ask: Callable[[dict[int, int]], dict]) -> tuple[dict, dict]:
+    """Each stage's answer from the first of its workers (``order``: stage -> worker ids) that
+    gives one. ``ask`` ({stage: worker} -> {stage: its answer, or the exception it raised})
+    asks one worker of every stage still open at once; a stage whose worker failed asks its
+    next. Returns ({stage: (worker, answer)} of the stages answered, {worker: why} of those
+    that failed); a stage none of whose workers answered is in neither."""
+    queues = {s: list(ws) for s, ws in order.items()}
+    got: dict[int, tuple] = {}
+    failed: dict[int, str] = {}
+    while True:
+        asks = {s: q.pop(0) for s, q in queues.items() if s not in got and q}
+        if not asks:
+            return got, failed
+        for s, answer in ask(asks).items():
+            if isinstance(answer, BaseException):
+                text = str(answer).splitlines()[0][:200] if str(answer) else ""
+                failed[asks[s]] = f"{type(answer).__name__}: {text}" if text else type(answer).__name__
+            else:
+                got[s] = (asks[s], answer)
+
+
+def snapshot_cover(parts: dict[int, tuple[list[int], str]], need: set[int], alive_nodes: set[str]) -> list[int] | None:
+    """Ranks of a snapshot's parts (rank -> (blocks, node its object is on)) that sit on live
+    nodes and together hold every block of ``need``; None if they do not."""
+    picked, seen = [], set()
+    for r, (blocks, node) in sorted(parts.items()):
+        mine = set(blocks) & need
+        if node in alive_nodes and mine and not mine <= seen:
+            picked.append(r)
+            seen |= mine
+    return picked if seen >= need else None
+
+
+def lost_stages_error(run: str, step: int, lost: dict[int, list[tuple[int, int, str]]],
+                      blocks: dict[int, list[int]], newest_snapshot: int | None) -> RunError:
+    """The error of final weights that cannot be gathered. ``lost``: stage -> (replica, worker,
+    why) of each of its workers; ``blocks``: stage -> its blocks; ``newest_snapshot``: the newest
+    step with a snapshot kept, which the emergency copy falls back to."""
+    stages = "; ".join(
+        f"stage {s} (blocks {_spans(blocks[s])}) has no live replica ("
+        + "; ".join(f"replica {d}, worker {w}: {why}" for d, w, why in gone) + ")"
+        for s, gone in sorted(lost.items()))
+    return RunError(
+        f"run {run}: the final weights of step {step} cannot be gathered: {stages} and no snapshot of step "
+        f"{step} holds {'it' if len(lost) == 1 else 'them'} on a live node; "
+        + (f"the newest snapshot kept is of step {newest_snapshot}: the emergency copy saves the newest one that "
+           "survives" if newest_snapshot is not None else "no snapshot is kept to save instead"))
+
+
+def _spans(blocks: list[int]) -> str:
+    """Blocks as runs of consecutive ids: [3, 4, 8, 9] -> '3..4, 8..9'."""
+    spans: list[list[int]] = []
+    for b in sorted(blocks):
+        if spans and b == spans[-1][1] + 1:
+            spans[-1][1] = b
+        else:
+            spans.append([b, b])
+    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in spans)
 
 
 class RunSaver:
@@ -46,14 +130,74 @@ class RunSaver:
         return meta
 
     def gather_state(self) -> dict:
-        """Full model state from replica 0's ranks (every replica holds the same weights)."""
+        """Full model state of the last step: each stage from its first live replica (every
+        replica holds the same weights), else from the snapshot of the step. Workers found gone
+        are dropped (the durable and emergency saves then read only what lives). Raises
+        :class:`RunError` naming each stage none of which is left."""
         ctl = self.ctl
-        topo = ctl.plan.topology
-        refs = [ctl.pool[ctl.ranks[topo.rank(0, s)]].actor.state_dict.remote() for s in range(topo.pp)]
+        topo, wids = ctl.plan.topology, sorted(set(ctl.ranks.values()))
+        gone = {w: "no longer in the pool" for w in wids if w not in ctl.pool}
+        # A ping first, so a worker lost with its node does not hold a stage for comm.timeout_s
+        # while another replica could answer; one that missed it is still asked, last.
+        late = frozenset(ctl.pool.dead_among([w for w in wids if w not in gone]))
+        order = stage_replicas(topo, ctl.ranks, set(wids) - set(gone), late)
+        got, failed = take_stages(order, lambda asks: ask_all(
+            {s: ctl.pool[w].actor.state_dict.remote() for s, w in asks.items()}, ctl.cfg.comm.timeout_s))
+        used = {w for w, _ in got.values()}
+        gone.update({w: "did not answer a ping" for w in late - used})
+        gone.update(failed)
+        if gone:
+            ctl.pool.drop([w for w in gone if w in ctl.pool])
         out = {}
-        for part in ray.get(refs, timeout=ctl.cfg.comm.timeout_s):
+        for _, part in got.values():
             out.update(part)
+        from_snapshot, left = [], []
+        for s in sorted(set(range(topo.pp)) - set(got)):
+            part = self._stage_from_snapshot(s)
+            if part is None:
+                left.append(s)
+            else:
+                out.update(part)
+                from_snapshot.append(s)
+        if gone:
+            moved = [f"stage {s} from worker {w}" for s, (w, _) in sorted(got.items())
+                     if w != ctl.ranks[topo.rank(0, s)]]
+            detail = ("worker(s) gone at the end: " + "; ".join(f"{w} ({why})" for w, why in sorted(gone.items()))
+                      + (f"; final weights of {', '.join(moved)}" if moved else "")
+                      + (f"; stage(s) {', '.join(map(str, from_snapshot))} from the snapshot of step {ctl.step}"
+                         if from_snapshot else ""))
+            ctl.event("checkpoint_problem", step=ctl.step, detail=detail)
+            log.warning("[%s] %s", ctl.run_name, detail)
+        if left:
+            lost = {s: [(d, ctl.ranks[topo.rank(d, s)], gone.get(ctl.ranks[topo.rank(d, s)], "gave no answer"))
+                        for d in range(topo.dp)] for s in left}
+            committed = ctl.snapshots.committed_steps()
+            raise lost_stages_error(ctl.run_name, ctl.step, lost,
+                                    {s: ctl.plan.blocks_of(topo.rank(0, s)) for s in left},
+                                    committed[-1] if committed else None)
         return out
+
+    def _stage_from_snapshot(self, stage: int) -> dict | None:
+        """Stage ``stage``'s weights from the snapshot of the last step, where its parts sit on
+        live nodes (None otherwise, or if reading them fails): the same step as the live
+        replicas', so the model stays one step's."""
+        ctl = self.ctl
+        snap = ctl.snapshots.snaps.get(ctl.step)
+        if snap is None:
+            return None
+        parts = {r: (e.blocks, e.node) for r, e in snap.shards.items()}
+        picked = snapshot_cover(parts, set(ctl.plan.blocks_of(ctl.plan.topology.rank(0, stage))), ctl.pool.nodes())
+        if picked is None:
+            return None
+        try:
+            shards = ray.get([snap.shards[r].ref for r in picked], timeout=ctl.cfg.comm.timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("[%s] the snapshot of step %d could not stand in for stage %d: %s", ctl.run_name,
+                        ctl.step, stage, e)
+            return None
+        # A bf16 parameter is stored as its bits (int16); no parameter is an int16 of its own.
+        bits = {n: torch.bfloat16 for sh in shards for n, a in sh["params"].items() if a.dtype == np.int16}
+        return weights_from_shards(shards, bits)
 
     def final(self, state: dict) -> dict:
         """Write the final durable checkpoint (with storage) and ``state`` (the weights gathered
@@ -101,16 +245,24 @@ class RunSaver:
     def _final_durable(self) -> str:
         ctl = self.ctl
         ctl.writer.wait()
-        refs = ctl.writer.shards(ctl.step)
+        topo = ctl.plan.topology
+        live = {r: w for r, w in ctl.ranks.items() if w in ctl.pool}
+        whole = len(live) == len(ctl.ranks)
+        # With a worker gone (gather_state dropped it), only parts with a copy that lives are read.
+        refs = (ctl.writer.shards(ctl.step) if whole
+                else ctl.writer.shards(ctl.step, ctl.pool.nodes(), set(live.values())))
         if not refs:
             # The last step has no snapshot kept (none due, or dropped): export one from every
-            # rank, and write replica 0's parts, whatever becomes of their copies.
-            exported = {w: ctl.pool[w].actor.export_snapshot.remote(ctl.step) for w in ctl.ranks.values()}
-            ctl.snapshots.take_step(ctl.step, {r: ctl.pool[w] for r, w in ctl.ranks.items()}, exported, full=True)
+            # live rank, and write each stage's first live replica's part, whatever becomes of
+            # their copies.
+            exported = {w: ctl.pool[w].actor.export_snapshot.remote(ctl.step) for w in live.values()}
+            if whole:
+                ctl.snapshots.take_step(ctl.step, {r: ctl.pool[w] for r, w in live.items()}, exported, full=True)
             if ctl.ps:
                 ctl.ps.snapshot(ctl.step)
-            topo = ctl.plan.topology
-            refs = ctl.writer.shards(ctl.step) or [exported[ctl.ranks[topo.rank(0, s)]] for s in range(topo.pp)]
+            order = stage_replicas(topo, ctl.ranks, set(live.values()))
+            refs = ((ctl.writer.shards(ctl.step) if whole or ctl.ps else [])
+                    or ([exported[ws[0]] for ws in order.values()] if all(order.values()) else []))
         if not refs:
             raise RuntimeError(f"no snapshot of step {ctl.step} covers every block")
         path = ctl.writer.write(ctl.step, refs, list(ctl.history), ctl.plan.describe(), raise_errors=True)

@@ -1,7 +1,11 @@
 """What a running controller shows its callers: the progress the driver polls, and ``status``.
 
 Read-only views of the controller's state, taken under its lock while
-``run()`` goes on in another thread of the actor.
+``run()`` goes on in another thread of the actor. What they return is a copy
+made under that lock (the worker table under the pool's own): Ray serialises
+the answer after the lock is let go, while the loop thread goes on changing
+the originals (a recovery event gains its total when its first step commits).
+Any client of the cluster may call these; none changes the run.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ class ControllerViews:
         """
         with self._lock:
             return {"state": self.state.value, "records": self.history[since:], "length": len(self.history),
-                    "events": self.events[events_since:], "n_events": len(self.events),
+                    "events": [dict(e) for e in self.events[events_since:]], "n_events": len(self.events),
                     "plan": self.plan.describe() if self.plan else None}
 
     def status(self) -> dict:
@@ -35,10 +39,17 @@ class ControllerViews:
                     "setting_up": self.setting_up,
                     "snapshots": self.schedule.describe(),
                     "workers": self.pool.table(),
-                    "failures": [e for e in self.events if e["kind"] == "failure"][-5:],
+                    "failures": [dict(e) for e in [e for e in self.events if e["kind"] == "failure"][-5:]],
                     "recoveries": sum(1 for e in self.events if e["kind"] == "recovery"),
-                    "eval": next((e for e in reversed(self.events) if e["kind"] == "eval"), None),
+                    "eval": _copy(next((e for e in reversed(self.events) if e["kind"] == "eval"), None)),
+                    # A stop asked and not yet taken (the run ends after the steps in flight).
+                    "stopping": _copy(next((e for e in reversed(self.events) if e["kind"] == "stop_requested"),
+                                           None)),
                     "pace": (self.history[-1].get("pace") if self.history else None) or {},
                     "stragglers": self.balance.tracker.stragglers,
-                    "shares": self.balance.shares,
+                    "shares": list(self.balance.shares) if self.balance.shares else self.balance.shares,
                     "benched": self.bench.describe()}
+
+
+def _copy(event: dict | None) -> dict | None:
+    return dict(event) if event is not None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -112,7 +113,12 @@ def failed(value) -> bool:
 
 
 class WorkerPool:
-    """The run's live workers (``workers``: id -> handle) and those still starting (``joining``)."""
+    """The run's live workers (``workers``: id -> handle) and those still starting (``joining``).
+
+    The controller's loop thread adds and drops workers while its callers' threads (``status``,
+    ``worker_handles``: Ray runs a threaded actor's calls at once) read them, so every change to
+    ``workers`` is made under ``lock`` and a reader on another thread walks ``handles()``, a copy
+    taken under it, never the dict itself."""
 
     def __init__(self, cfg: TrainerConfig, run_name: str):
         self.cfg = cfg
@@ -120,6 +126,7 @@ class WorkerPool:
         self.workers: dict[int, WorkerHandle] = {}
         self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
         self.bare_nodes: set[str] = set()    # alive (a dropped worker answered there), no worker of ours
+        self.lock = threading.Lock()
         self._next_wid = 0
         # Groups: "train" runs steps one at a time (a lock), with a thread for a lease queued behind
         # the one running; "control" (ping, queries) never waits
@@ -143,7 +150,13 @@ class WorkerPool:
         dropped while it still answered (``drop(..., answered=True)``). Ray's own view of a
         node lags its death by seconds, and reading an object from a dead node blocks, so a
         node counts only on such evidence; it stops counting once Ray declares it dead."""
-        return {w.node for w in self.workers.values()} | self.bare_nodes
+        with self.lock:
+            return {w.node for w in self.workers.values()} | self.bare_nodes
+
+    def handles(self) -> list[WorkerHandle]:
+        """The live workers' handles as they are now, in id order: a copy any thread may walk."""
+        with self.lock:
+            return [self.workers[w] for w in sorted(self.workers)]
 
     def spawn(self, nodes: list[str], names: list[str] | None = None) -> None:
         """Start a worker on each node given (without waiting for it)."""
@@ -199,8 +212,9 @@ class WorkerPool:
                             str(e).splitlines()[0][:200])
                 lost.append((wid, node, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
                 continue
-            self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"],
-                                             mark=info.get("mark"))
+            with self.lock:
+                self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"],
+                                                 mark=info.get("mark"))
             log.info("[%s] worker %d joined on node %s (pid %d)", self.run_name, wid, info["node_id"][:12],
                      info["pid"])
         if required:
@@ -211,8 +225,10 @@ class WorkerPool:
         return lost
 
     def table(self) -> list[dict]:
+        """One row per live worker, off a copy of the pool taken at once: ``status`` reads it on a
+        call's thread while the loop thread drops and adds workers."""
         return [{"worker_id": w.wid, "rank": w.rank, "node_id": w.node, "pid": w.pid, "ip": w.ip}
-                for w in self.workers.values()]
+                for w in self.handles()]
 
     def ask(self, method: str, wids, timeout: float, *args) -> dict:
         """``{wid: answer}`` of ``method(*args)`` on each live worker of ``wids`` (see :func:`ask_all`)."""
@@ -237,26 +253,32 @@ class WorkerPool:
         staying inside a failed step, not lost), so their nodes live on: the snapshot parts
         those nodes hold can still be read (``nodes``)."""
         for wid in wids:
-            w = self.workers.pop(wid, None)
+            with self.lock:
+                w = self.workers.pop(wid, None)
+                if w is not None and answered:
+                    self.bare_nodes.add(w.node)
             if w is not None:
                 log.info("[%s] dropping worker %d (rank %s, node %s)", self.run_name, wid, w.rank, w.node[:12])
                 _kill(w.actor)
-                if answered:
-                    self.bare_nodes.add(w.node)
 
     def forget_dead_nodes(self, dead: set[str]) -> None:
         """Nodes Ray has declared dead no longer count as alive (``nodes``)."""
-        self.bare_nodes -= dead
+        with self.lock:
+            self.bare_nodes -= dead
 
     def teardown(self) -> None:
-        for w in self.workers.values():
+        with self.lock:
+            workers, self.workers = self.workers, {}
+        for w in workers.values():
             _kill(w.actor)
         for actor, _, _ in self.joining.values():
             _kill(actor)
-        self.workers, self.joining = {}, {}
+        self.joining = {}
 
 
 def _kill(actor) -> None:
+    if not ray.is_initialized():
+        return   # no cluster, no actor to kill (and ray.kill would start or join a Ray to find out)
     try:
         ray.kill(actor, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone

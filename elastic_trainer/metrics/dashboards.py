@@ -48,9 +48,10 @@ _GRAFANA_UNITS = {
     "failures": "none",
     "ranks": "none",
     "moves": "none",
+    "checkpoints": "none",
 }
 # Values that change only at step boundaries or plan changes read best as stairs.
-_STEPPED = {"step", "world_size", "dp", "pp", "controller_state", "durable_checkpoint_step"}
+_STEPPED = {"step", "world_size", "dp", "pp", "controller_state", "durable_checkpoint_step", "durable_failures"}
 
 # Panel titles where the metric's name does not read well as one.
 _TITLES = {
@@ -66,6 +67,7 @@ _TITLES = {
     "last_recovery_seconds": "last recovery, by phase",
     "snapshot_seconds": "snapshot time",
     "durable_checkpoint_seconds": "durable checkpoint time",
+    "durable_failures": "durable checkpoints failed, by role",
     "world_size": "world size",
 }
 
@@ -200,10 +202,12 @@ def build_dashboard() -> dict:
 
 
 def build_alerts() -> dict:
-    """Prometheus alert rules: a stalled run, failures that keep coming, a recovery that never ends."""
+    """Prometheus alert rules: a stalled run, failures that keep coming, a recovery that never ends,
+    durable checkpoints that fail to write."""
     step = metric("step").prometheus_name
     state = metric("controller_state").prometheus_name
     failures = metric("failures").prometheus_name
+    durable = metric("durable_failures").prometheus_name
     stall, window, stuck = f"{STALL_MINUTES}m", f"{FAILURE_WINDOW_MINUTES}m", f"{RECOVERY_STUCK_MINUTES}m"
     recovering = 'state=~"RECOVERING|RESIZING"'
     return {"groups": [{"name": "elastic_trainer", "rules": [
@@ -246,6 +250,20 @@ def build_alerts() -> dict:
                 "description": ("The controller has not left RECOVERING or RESIZING in " + stuck
                                 + ": it may be waiting for nodes (failure.wait_for_nodes_s) or retrying a "
                                 "restore that keeps failing."),
+            },
+        },
+        {
+            "alert": "ElasticTrainerDurableCheckpointFailing",
+            # The run goes on after a failed periodic checkpoint, so nothing else says that a
+            # preemption now would lose everything since the last one that was written.
+            "expr": (f"sum by (run, role) (\n  {durable}\n"
+                     f"  - ({durable} offset {window} or {durable} * 0)\n) > 0\n"),
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": "elastic_trainer run {{ $labels.run }}: a {{ $labels.role }} durable checkpoint failed",
+                "description": (f"A durable checkpoint failed to write in the last {window}: the storage may be "
+                                "full, unreachable or refusing writes. The run trains on; its durable_failed "
+                                "event names the error and the newest checkpoint that was written."),
             },
         },
     ]}]}

@@ -35,7 +35,7 @@ GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
 
 # Mirrors controller.RunState (a test keeps them equal): metrics sits below the
 # controller in the import order, so it cannot import the enum.
-STATES = ("PENDING", "PLACING", "STARTING", "RUNNING", "RECOVERING", "RESIZING", "FINISHED", "FAILED")
+STATES = ("PENDING", "PLACING", "STARTING", "RUNNING", "RECOVERING", "RESIZING", "FINISHED", "STOPPED", "FAILED")
 
 # Phases of one recovery, as the controller's "recovery" event times them.
 RECOVERY_PHASES = ("detect", "replan", "restore", "first_step", "total")
@@ -46,6 +46,8 @@ RECOVERY_PHASES = ("detect", "replan", "restore", "first_step", "total")
 # rebalance actions; tests/unit/test_metrics.py reads those sources to keep the lists whole.
 FAILURE_KINDS = ("startup", "death", "silent", "hang", "exception", "collective", "during_recovery")
 REBALANCE_ACTIONS = ("shares", "equal shares", "balanced cut", "recut", "spare", "readmit")
+# controller/durable_writer.py's roles of a durable checkpoint.
+DURABLE_ROLES = ("periodic", "final", "emergency")
 
 # Dashboard rows, in display order.
 GROUPS = ("progress", "throughput", "communication", "elasticity", "checkpoints")
@@ -185,6 +187,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "checkpoints", "durable_checkpoint"),
     MetricSpec(PREFIX + "durable_checkpoint_step", GAUGE, "Step of the last durable checkpoint.", "steps",
                "checkpoints", "durable_checkpoint"),
+    MetricSpec(PREFIX + "durable_failures", COUNTER,
+               "Durable checkpoints that failed to write, by role: a periodic one the run goes on after, "
+               "the final or emergency one.", "checkpoints", "checkpoints", "durable_failed",
+               tag_keys=("run", "role"), tag_values=(("role", DURABLE_ROLES),)),
 )
 
 _BY_NAME = {m.name: m for m in METRICS}

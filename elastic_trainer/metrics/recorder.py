@@ -39,6 +39,7 @@ _STEP_GAUGES = tuple(m for m in METRICS if m.source == "step")
 _RANK_GAUGES = tuple(m for m in METRICS if m.source == "step_per_rank")
 _STRAGGLERS = metric("stragglers").name
 _REBALANCES = metric("rebalances").name
+_DURABLE_FAILURES = metric("durable_failures").name
 
 
 def ray_metric(spec: MetricSpec):
@@ -156,7 +157,8 @@ class RunMetrics:
         """Record one controller event; kinds no metric uses are ignored.
 
         ``state`` sets the state gauges; ``failure`` counts one failure of its
-        ``failure`` kind; ``recovery`` sets the last recovery's phase times
+        ``failure`` kind; ``durable_failed`` counts one failed durable checkpoint of its
+        ``role``; ``recovery`` sets the last recovery's phase times
         and, once ``total_s`` is known (after the first step that follows),
         observes it once; ``snapshot`` and ``durable_checkpoint`` set their
         seconds/bytes (and step) gauges; ``snapshot_interval``
@@ -177,6 +179,8 @@ class RunMetrics:
             self._call(_STRAGGLERS, "inc", 1.0, {})
         elif kind == "rebalance":
             self._call(_REBALANCES, "inc", 1.0, {"action": str(event.get("action") or "unknown")})
+        elif kind == "durable_failed":
+            self._call(_DURABLE_FAILURES, "inc", 1.0, {"role": str(event.get("role") or "unknown")})
         elif kind in _EVENT_GAUGES:
             for name, field in _EVENT_GAUGES[kind]:
                 value = _number(event.get(field))

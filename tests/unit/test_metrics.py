@@ -302,3 +302,20 @@ def test_every_counter_the_dashboards_and_alerts_read_is_exported_at_zero(record
     assert "elastic_trainer_failures" in read
     for name in read:
         assert made[name].calls and all(c[1] == 0 for c in made[name].calls), name
+
+
+def test_a_failed_durable_checkpoint_is_counted_by_its_role(recorder):
+    # The durable writer's roles are the counter's labels, so an alert can tell a periodic failure
+    # (the run goes on) from a final one.
+    import inspect
+
+    from elastic_trainer.controller import durable_writer
+    from elastic_trainer.metrics.names import DURABLE_ROLES
+
+    source = inspect.getsource(durable_writer)
+    assert all(f'"{role}"' in source for role in DURABLE_ROLES)
+    rec, made = recorder
+    assert rec.enabled
+    assert {t["role"] for _, _, t in calls(made, "durable_failures")} == set(DURABLE_ROLES)
+    rec.record_event({"kind": "durable_failed", "step": 8, "role": "periodic", "storage": "/x", "error": "full"})
+    assert _counted(made, "durable_failures") == [("inc", 1.0, {"run": "run-a", "role": "periodic"})]

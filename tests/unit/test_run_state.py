@@ -26,7 +26,7 @@ def test_every_move_not_in_the_table_raises_and_leaves_the_state(prev, new):
 
 def test_the_table_covers_every_state_and_only_the_end_states_are_final():
     assert set(TRANSITIONS) == set(ALL)
-    assert {s for s in ALL if RunStateMachine(s).ended} == {RunState.FINISHED, RunState.FAILED}
+    assert {s for s in ALL if RunStateMachine(s).ended} == {RunState.FINISHED, RunState.STOPPED, RunState.FAILED}
     # Every state before the end can fail, and a run can always reach FINISHED from PENDING.
     assert all(RunState.FAILED in TRANSITIONS[s] for s in ALL if TRANSITIONS[s])
     path = [RunState.PENDING, RunState.PLACING, RunState.STARTING, RunState.RUNNING, RunState.RECOVERING,
