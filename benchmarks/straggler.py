@@ -12,12 +12,23 @@ interleaved over ``--rounds``:
 - with ``detect`` and ``act``: the step the straggler event named the rank and the
   step its recovery was seen, against when the slowdown began and ended; with
   ``act``, each ``rebalance`` (the micro-batches per replica it moved to).
+- the figures behind each decision (``decisions`` per run, medians per mode in
+  the table), which the integration tests leave to this benchmark since they
+  hold only on a quiet host: the slowed rank's pace at its naming
+  (``slow_pace``, its compute since the onset over its peers', against
+  ``--factor``) and the steps from the slowdown to the naming; the first share
+  move (predicted step against the measured one); a spare's predicted step,
+  cost and payback in steps; and when it is let back in, how much faster its
+  probe ran than when it was benched (``probe_speedup``, against ``--factor``).
 
 Target (issue 17): ``act`` recovers at least 60% of the throughput lost. Run on
 a quiet machine:
 
     python benchmarks/straggler.py                     # 90 steps, factor 2, 2 rounds
     python benchmarks/straggler.py --steps 150 --rounds 3
+    # A straggler no share can help (one micro-batch per replica): left out as a spare, let back in
+    python benchmarks/straggler.py --layout 2x1 --micro-batch 8 --factor 20 --no-ray-train \
+        --set balance.payback_steps=5000 --set scaling.grow_check_s=0.5 --out benchmarks/results/straggler_spare.json
 
 Writes benchmarks/results/straggler.json.
 """
@@ -41,15 +52,62 @@ from recovery import demo_config, start_cluster  # noqa: E402  (the same cluster
 MODES = ("off", "detect", "act")
 
 
+# The fields of the straggler and rebalance events kept in the results.
+EVENT_KEYS = ("kind", "action", "rank", "ranks", "worker", "step", "since_step", "pace", "slow_pace", "compute_s",
+              "reference_s", "shares", "stages", "plan_after", "predicted_step_s", "step_s_before", "cost_s",
+              "payback_steps", "probe_s", "probe_s_benched", "benched_steps", "rank_before", "reason")
+
+
+def decisions(events: list[dict], worker: int | None, start: int, end: int) -> dict:
+    """What ``balance`` decided about the slowed ``worker`` (slowed from step ``start`` to
+    ``end``), each with its figures: the naming, its recovery, the first share move, the spare
+    and its return. Keys are absent where that decision was not taken."""
+    out: dict = {}
+
+    def first(pred, after: int = -1):
+        return next(((i, e) for i, e in enumerate(events) if i > after and pred(e)), (None, None))
+
+    i, named = first(lambda e: e["kind"] == "straggler" and e.get("worker") == worker and e["step"] >= start)
+    if named is None:
+        return out
+    out["named"] = {"step": named["step"], "since_step": named["since_step"],
+                    "steps_after_start": named["step"] - start, "slow_pace": named.get("slow_pace"),
+                    "compute_s": named.get("compute_s"), "reference_s": named.get("reference_s")}
+    _, back = first(lambda e: e["kind"] == "straggler_recovered" and e["rank"] == named["rank"], i)
+    if back is not None:
+        out["recovered"] = {"step": back["step"], "steps_after_end": back["step"] - end}
+    _, move = first(lambda e: e["kind"] == "rebalance" and e.get("action") == "shares"
+                    and named["rank"] in (e.get("ranks") or []), i)
+    if move is not None:
+        out["shares"] = {k: move.get(k) for k in ("step", "shares", "predicted_step_s", "step_s_before")}
+    j, spare = first(lambda e: e["kind"] == "rebalance" and e.get("action") == "spare"
+                     and e["rank"] == named["rank"], i)
+    if spare is not None:
+        out["spare"] = {k: spare.get(k) for k in ("step", "pace", "predicted_step_s", "step_s_before", "cost_s",
+                                                  "payback_steps", "plan_after")}
+        _, readmit = first(lambda e: e["kind"] == "rebalance" and e.get("action") == "readmit"
+                           and e.get("worker") == worker, j)
+        if readmit is not None:
+            speedup = (readmit["probe_s_benched"] / readmit["probe_s"]
+                       if readmit.get("probe_s") and readmit.get("probe_s_benched") else None)
+            out["readmit"] = {"step": readmit["step"], "steps_after_end": readmit["step"] - end,
+                              "benched_steps": readmit.get("benched_steps"), "reason": readmit.get("reason"),
+                              "probe_s": readmit.get("probe_s"), "probe_s_benched": readmit.get("probe_s_benched"),
+                              "probe_speedup": speedup}
+    return out
+
+
 def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_batch: int,
-             layout: tuple[int, int], plot: str | None = None) -> dict:
+             layout: tuple[int, int], plot: str | None = None, overrides: list[str] = ()) -> dict:
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
+    from elastic_trainer.config_parsing import apply_overrides
     from elastic_trainer.naming import NAMESPACE
 
-    raw = demo_config(steps, name, balance={"mode": mode}, failure={"allow_fault_injection": True},
-                      checkpoint={"memory_every": 10})
+    raw = demo_config(steps, name, failure={"allow_fault_injection": True}, checkpoint={"memory_every": 10})
+    raw = apply_overrides(raw, list(overrides))
+    raw.setdefault("balance", {})["mode"] = mode
     # Shares move whole micro-batches, and 1F1B keeps pp of them per replica: the demo's own
     # micro-batch (2 per replica at dp=2) leaves nothing to move.
     raw["train"]["micro_batch_size"] = micro_batch
@@ -87,8 +145,10 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
         "median_step_s": statistics.median(r["step_time_s"] for r in h[3:]),
     }
     ev = [e for e in result.events if e["kind"] in ("straggler", "straggler_recovered", "rebalance")]
-    out["events"] = [{k: e[k] for k in ("kind", "action", "rank", "ranks", "step", "since_step", "pace", "shares",
-                                        "stages", "predicted_step_s") if k in e} for e in ev]
+    out["events"] = [{k: e[k] for k in EVENT_KEYS if k in e} for e in ev]
+    if slow:
+        # The worker that started as rank 1 is the slowed one, whatever ranks later plans give it.
+        out["decisions"] = decisions(ev, result.plans[0]["workers"].get(1), start, end)
     out["replans"] = [{"reason": r["reason"], "step": r["failed_step"], "steps_redone": r["steps_redone"],
                        "seconds": round(r.get("total_s") or 0.0, 3)} for r in result.recoveries]
     out["shares_by_step"] = {r["step"]: r["shares"] for r in h if r.get("shares")}
@@ -122,6 +182,9 @@ def main() -> None:
     ap.add_argument("--layout", default="2x2", help="dp x pp, as DPxPP (the demo's is 2x2)")
     ap.add_argument("--no-ray-train", action="store_true", help="leave out Ray Train (DDP at dp=4) on the slowdown")
     ap.add_argument("--plot", help="write the run report (loss, throughput, per-rank pace) of the first act run here")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config override for every run (balance.mode is the benchmark's), e.g. "
+                         "balance.payback_steps=5000; repeatable")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "straggler.json"))
     args = ap.parse_args()
     layout = tuple(int(v) for v in args.layout.lower().split("x"))
@@ -131,10 +194,11 @@ def main() -> None:
     runs = []
     try:
         for rnd in range(args.rounds):
-            runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}", args.micro_batch, layout))
+            runs.append(run_once(args.steps, args.factor, "off", False, f"base{rnd}", args.micro_batch, layout,
+                                 overrides=args.set))
             for mode in MODES:
                 runs.append(run_once(args.steps, args.factor, mode, True, f"{mode}{rnd}", args.micro_batch, layout,
-                                     args.plot if mode == "act" and rnd == 0 else None))
+                                     args.plot if mode == "act" and rnd == 0 else None, overrides=args.set))
             if not args.no_ray_train:
                 runs += [ray_train_once(args.steps, args.factor, slow, args.micro_batch) for slow in (False, True)]
             print(json.dumps(runs[-len(MODES) - 3:], indent=None), flush=True)
@@ -180,8 +244,54 @@ def main() -> None:
               "| | | |")
         print(f"| Ray Train (DDP, dp=4), {args.factor:g}x straggler | {t['tokens_per_s']:,.0f} | "
               f"{t['slow_third_tokens_per_s']:,.0f} | {t['spread_slow_third']} | {t['lost_share']:.0%} | 0% (waits) |")
+    table["decisions"] = decision_table(runs)
+    print_decisions(table["decisions"], args.factor)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "table": table, "runs": runs}, indent=1))
+
+
+# (decision, figure) pairs summarised per mode: the medians over rounds, and every round's value.
+DECISION_FIGURES = (("named", "steps_after_start"), ("named", "slow_pace"), ("recovered", "steps_after_end"),
+                    ("spare", "payback_steps"), ("spare", "predicted_step_s"), ("spare", "step_s_before"),
+                    ("readmit", "probe_speedup"), ("readmit", "benched_steps"))
+
+
+def decision_table(runs: list[dict]) -> dict:
+    """Per mode: how many rounds took each decision, and the median (and every value) of its figures."""
+    table = {}
+    for mode in ("detect", "act"):
+        rows = [r.get("decisions") or {} for r in runs if r["slow"] and r["mode"] == mode]
+        if not rows:
+            continue
+        t = {"rounds": len(rows)}
+        for what in ("named", "recovered", "shares", "spare", "readmit"):
+            t[f"{what}_rounds"] = sum(1 for d in rows if what in d)
+        for what, key in DECISION_FIGURES:
+            values = [d[what][key] for d in rows if what in d and d[what].get(key) is not None]
+            if values:
+                t[f"{what}.{key}"] = {"median": statistics.median(values), "values": values}
+        table[mode] = t
+    return table
+
+
+def print_decisions(table: dict, factor: float) -> None:
+    print(f"\nDecisions on the {factor:g}x straggler (median over the rounds that took each; all rounds in brackets):")
+    print("| mode | named (rounds) | steps to naming | slow_pace at naming | recovered, steps after the end "
+          "| spare (rounds) | spare payback (steps) | spare predicted / measured step (s) "
+          "| let back in (rounds) | probe speedup at readmit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def fig(t, key, fmt="{:.2f}"):
+        v = t.get(key)
+        return "" if v is None else f"{fmt.format(v['median'])} {[round(x, 2) for x in v['values']]}"
+
+    for mode, t in table.items():
+        pred, meas = t.get("spare.predicted_step_s"), t.get("spare.step_s_before")
+        step = f"{pred['median']:.4f} / {meas['median']:.4f}" if pred and meas else ""
+        print(f"| {mode} | {t['named_rounds']}/{t['rounds']} | {fig(t, 'named.steps_after_start', '{:.0f}')} "
+              f"| {fig(t, 'named.slow_pace')} | {fig(t, 'recovered.steps_after_end', '{:.0f}')} "
+              f"| {t['spare_rounds']}/{t['rounds']} | {fig(t, 'spare.payback_steps', '{:.1f}')} | {step} "
+              f"| {t['readmit_rounds']}/{t['rounds']} | {fig(t, 'readmit.probe_speedup')} |")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ def test_uncompressed_bytes_are_the_ring_all_reduce_of_every_gradient(baseline):
     # Buckets round each to whole elements per rank; two ranks send.
     assert all(abs(r["comm_bytes"] - 2 * per_rank) <= 2 * 8 * 4 for r in baseline.history)
     assert all(r["compression_ratio"] == pytest.approx(1.0, rel=1e-3) for r in baseline.history)
-    assert all(0 <= r["exposed_comm_s"] <= r["comm_time_s"] + 0.05 for r in baseline.history)
+    # Timed, apart from the compute (how much of it is hidden is benchmarks/comm.py's figure:
+    # comm_s and exposed_comm_s per mode).
+    assert all(r["exposed_comm_s"] >= 0 and r["comm_time_s"] > 0 for r in baseline.history)
 
 
 @pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "topk", "topk-sparse_reduce", "powersgd"])

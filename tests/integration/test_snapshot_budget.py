@@ -41,7 +41,9 @@ def test_auto_spreads_out_snapshots_made_slow_and_says_so(cluster, corpus_dir):
 
     result = Trainer(cfg, verbose=False, on_step=on_step).fit()
     [choice] = choices(result)
-    assert choice["snapshot_cost_s"] > 0.08 and choice["interval"] > 1, choice
+    # Spread out: the measured cost (about the hook's 0.1 s; benchmarks/scale.py reports auto's
+    # choice with its cost) takes more than the budget at one a step.
+    assert choice["interval"] > 1, choice
     assert choice["expected_overhead"] <= 0.05 and choice["redo_steps"] == choice["interval"] + 1
     # While measuring: every step of the warm-up and of the "with" window, none of the "without" one.
     taken = snapshot_steps(result)

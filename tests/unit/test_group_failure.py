@@ -8,7 +8,6 @@ too), which is how the choice is made in the code.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -111,15 +110,16 @@ def test_the_step_guard_aborts_a_step_past_the_timeout_and_the_step_raises():
     guard = StepGuard(on_expiry)
     with guard.watch("step 1", 5.0):
         pass                                        # in time: nothing happens
-    t0 = time.monotonic()
     with pytest.raises(CollectiveTimeout, match=r"step 2 was ended: it ran past its timeout \(0.2 s\)"):
         with guard.watch("step 2", 0.2):
-            assert release.wait(5.0)                # blocked until the guard aborts
-    assert expired == ["step 2"] and time.monotonic() - t0 < 3.0
+            assert release.wait(30.0)               # blocked until the guard aborts
+    assert expired == ["step 2"]
+    release.clear()
     with pytest.raises(CollectiveTimeout):          # a step that raised after the abort says why
         with guard.watch("step 3", 0.1):
-            time.sleep(0.4)
+            assert release.wait(30.0)               # the abort ends the collective, which raises
             raise RuntimeError("NCCL communicator was aborted")
+    assert expired == ["step 2", "step 3"]
     with guard.watch("step 4", 5.0):                # armed afresh each step
         pass
     with pytest.raises(CollectiveTimeout, match="step 5 was ended: the controller ended"):

@@ -99,18 +99,21 @@ def test_a_lent_state_waits_for_its_reader_before_the_update_changes_it():
 
     def reader():  # stands in for Ray writing the returned part into the object store
         part = job.take_part()
+        # A slow writer, on purpose: without the barrier the update would land in its read.
         time.sleep(0.3)
         buffers = []
         head = pickle.dumps(part, protocol=5, buffer_callback=buffers.append)
         written["shard"] = pickle.loads(head, buffers=[bytes(b.raw()) for b in buffers])
+        written["at"] = time.perf_counter()   # read; the lent buffers are let go as it returns
 
     th = threading.Thread(target=reader)
     th.start()
     _train(blocks, opt, update=False)
-    waited = taker.wait()
+    taker.wait()
+    updated_at = time.perf_counter()
     opt.step()
     th.join()
-    assert waited > 0.2  # the update waited for the write
+    assert written["at"] < updated_at  # the update waited for the write
     _assert_holds(written["shard"], named, expected)
     taker.close()
 
