@@ -132,10 +132,12 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
     result = Trainer(TrainerConfig.model_validate(raw), verbose=False, on_step=on_step).fit()
     h = result.history
     if plot:
+        from elastic_trainer.rank_file import read_rank_figures
         from elastic_trainer.report import write_report
 
         write_report(h, result.events, plot, title=f"{factor:g}x straggler on rank 1, steps {start}-{end}, "
-                                                    f"balance.mode={mode}")
+                                                    f"balance.mode={mode}",
+                     ranks=read_rank_figures(result.ranks_path) if result.ranks_path else None)
     gb_tokens = raw["train"]["global_batch_size"] * raw["data"]["seq_len"]
     middle = [r for r in h if start < r["step"] <= end]
     out = {

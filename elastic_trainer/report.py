@@ -51,25 +51,27 @@ def _ratio(num, den) -> float:
     return num / den if num is not None and den else float("nan")
 
 
-def _pace_grid(history: list[dict]):
-    """(ranks x steps array of each rank's compute over the step's median rank, rank count), or
-    None where the history has no per-rank compute (balance.mode off, or an older run)."""
+def _pace_grid(figures: list[dict] | None):
+    """(ranks x steps array of each rank's compute over the step's median rank, rank count, first
+    and last step), or None where there are no per-rank figures (balance.mode off, no report_dir).
+    ``figures``: the run's per-rank figures in step order (``rank_file.read_rank_figures``)."""
     import numpy as np
 
-    rows = [r.get("rank_compute_s") or {} for r in history]
+    rows = [f.get("rank_compute_s") or {} for f in figures or []]
     ranks = 1 + max((int(k) for row in rows for k in row), default=-1)
     if ranks <= 0:
         return None
-    grid = np.full((ranks, len(history)), np.nan)
+    grid = np.full((ranks, len(rows)), np.nan)
     for j, row in enumerate(rows):
         if row:
             mid = float(np.median(list(row.values())))
             for k, v in row.items():
                 grid[int(k), j] = v / mid if mid > 0 else np.nan
-    return grid, ranks
+    return grid, ranks, figures[0]["step"], figures[-1]["step"]
 
 
-def report_figure(history: list[dict], events: list[dict], title: str | None = None):
+def report_figure(history: list[dict], events: list[dict], title: str | None = None,
+                  ranks: list[dict] | None = None):
     """The report as a matplotlib ``Figure`` (not yet saved); see ``write_report``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -91,7 +93,7 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
         return fig
 
     steps = [r["step"] for r in history]
-    pace = _pace_grid(history)
+    pace = _pace_grid(ranks)
     fig = Figure(figsize=(10, 14 if pace is not None else 12), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(5 if pace is not None else 4, 1, sharex=True,
@@ -137,10 +139,10 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
     ax.set_ylim(bottom=0)
     if pace is not None:
         ax = axes[4]
-        grid, ranks = pace
+        grid, nranks, first, last = pace
         # One row per rank: its compute over the step's median rank (red: slower, green: faster).
         im = ax.imshow(grid, aspect="auto", cmap="RdYlGn_r", vmin=0.5, vmax=2.0, interpolation="nearest",
-                       extent=(steps[0] - 0.5, steps[-1] + 0.5, ranks - 0.5, -0.5))
+                       extent=(first - 0.5, last + 0.5, nranks - 0.5, -0.5))
         ax.set_ylabel("rank pace")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="compute / median")
@@ -163,14 +165,16 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
     return fig
 
 
-def write_report(history: list[dict], events: list[dict], path, title: str | None = None) -> Path:
+def write_report(history: list[dict], events: list[dict], path, title: str | None = None,
+                 ranks: list[dict] | None = None) -> Path:
     """Draw the run's report to a PNG at ``path`` and return the path.
 
-    ``history`` and ``events`` are a ``Result``'s (or the controller's) lists;
+    ``history`` and ``events`` are a ``Result``'s (or the controller's) lists; ``ranks`` the
+    per-rank figures (``rank_file.read_rank_figures``), drawn as a pace strip;
     an empty history gives a page that says no step completed, listing the
     failures if there were any. Needs matplotlib.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    report_figure(history, events, title).savefig(path, format="png")
+    report_figure(history, events, title, ranks).savefig(path, format="png")
     return path

@@ -24,6 +24,7 @@ from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
 from .planning.constants import run_constants
 from .progress import ProgressPrinter
+from .rank_file import RankFile, ranks_path, read_rank_figures
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Result:
     run_id: str | None = None        # the id its durable checkpoints carry
     state: str = "FINISHED"          # FINISHED: every step run; STOPPED: ended early by Controller.stop()
     step: int | None = None          # the last step run, which the weights (and durable_path) hold
+    ranks_path: str | None = None    # each step's per-rank compute, wait and pace (JSON lines), with report_dir
 
     @property
     def finished(self) -> bool:
@@ -91,9 +93,9 @@ class ControllerActor:
         """``Controller.stop``: end the run after the steps in flight, saved, STOPPED."""
         return self._ctl.stop(reason)
 
-    def progress(self, since: int, events_since: int = 0) -> dict:
-        """Step records and events since the given indices (read-only)."""
-        return self._ctl.progress(since, events_since)
+    def progress(self, since: int, events_since: int = 0, ranks_since: int | None = None) -> dict:
+        """Step records, events and per-rank figures since the given indices (read-only)."""
+        return self._ctl.progress(since, events_since, ranks_since)
 
     def status(self) -> dict:
         """What ``elastic-trainer status`` shows (read-only)."""
@@ -129,6 +131,7 @@ class Trainer:
         self.on_step = on_step
         self.verbose = verbose
         self.report_path: str | None = None  # the run report PNG of the last fit
+        self.ranks_path: str | None = None   # the per-rank figures of the last fit (rank_file.py)
         self._data: dict = {}                # the data fingerprint, sent to the controller
 
     def fit(self, return_model_state: bool = False, resume: bool | str = False,
@@ -159,7 +162,8 @@ class Trainer:
 
         path = os.path.join(os.path.expanduser(cfg.run.report_dir), f"{run_name}.png")
         try:
-            write_report(history, events, path, title=f"run {run_name}")
+            write_report(history, events, path, title=f"run {run_name}",
+                         ranks=read_rank_figures(self.ranks_path) if self.ranks_path else None)
         except Exception as e:  # noqa: BLE001 - the training result matters more than its picture
             print(f"run report not written ({type(e).__name__}: {e})", file=sys.stderr)
             return
@@ -219,14 +223,21 @@ class Trainer:
         # What the driver has seen, kept so a failed run still gets its report.
         history: list[dict] = []
         events: list[dict] = []
+        ranks = RankFile(ranks_path(cfg.run.report_dir, run_name)) if cfg.run.report_dir is not None else None
+        self.ranks_path = ranks.path if ranks else None
+        seen_ranks = 0
         try:
             while True:
                 ready, _ = ray.wait([done_ref], timeout=0.2)
                 try:
-                    prog = ray.get(controller.progress.remote(len(history), len(events)))
+                    prog = ray.get(controller.progress.remote(len(history), len(events),
+                                                              seen_ranks if ranks else None))
                 except ray.exceptions.RayActorError:
                     ready = [done_ref]
                     prog = {"records": [], "events": [], "length": len(history), "n_events": len(events)}
+                if ranks and "ranks" in prog:
+                    ranks.write(prog["ranks"], prog["ranks_dropped"])
+                    seen_ranks += len(prog["ranks"]) + prog["ranks_dropped"]
                 for ev in prog["events"]:
                     if printer:
                         printer.event(ev)
@@ -254,6 +265,8 @@ class Trainer:
                 raise cause from None
         finally:
             ray.kill(controller, no_restart=True)
+            if ranks:
+                ranks.close()
         if printer:
             printer.done(out["history"], out["state"])
             print(f"weights: {out['model_path']}", flush=True)
@@ -265,7 +278,7 @@ class Trainer:
                       workers=out["workers"], plans=out["plans"], model_state=out["model_state"],
                       report_path=self.report_path, model_path=out["model_path"],
                       durable_path=out["durable_path"], run_id=out["run_id"], hf_path=out.get("hf_path"),
-                      state=out["state"], step=out["step"])
+                      state=out["state"], step=out["step"], ranks_path=self.ranks_path)
 
 
 def output_dir(cfg: TrainerConfig) -> str:

@@ -4,8 +4,9 @@ rebalancing around a slow rank.
 ``pace`` is the pure part (``PaceTracker``); this joins it to the run: a new
 plan resets it (ranks and stages change), every committed step's record gets
 ``rank_compute_s`` and ``rank_wait_s`` (each rank's own compute and its wait,
-``worker.compute_clock``) and ``pace`` (each rank's median pace), and a rank
-that turns slow or recovers is an event naming its worker and node.
+``worker.compute_clock``) and ``pace`` (each rank's median pace), which leave
+the record for ``rank_figures`` when it commits, and a rank that turns slow or
+recovers is an event naming its worker and node.
 
 A rank's pace is taken from what its step would take on the equal share of
 micro-batches (``equal_share``: its passes as run plus the calls it did not

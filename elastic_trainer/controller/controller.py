@@ -47,6 +47,7 @@ from .evaluation import Evaluator
 from .group_keys import carries_groups, keep_for, plan_keys, sticky_ranks, whole_groups
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
+from .rank_figures import RankFigures
 from .recovery import Recovery
 from .run_state import RunState, RunStateMachine
 from .setup_report import setup_report
@@ -73,6 +74,7 @@ class Controller(ControllerViews):
         self.machine = RunStateMachine()
         self.events: list[dict] = []
         self.history: list[dict] = []
+        self.rank_figures = RankFigures()     # each step's per-rank figures, kept out of its record
         self.plans: list[dict] = []
         self.plan: Plan | None = None
         self.ranks: dict[int, int] = {}       # rank -> worker id

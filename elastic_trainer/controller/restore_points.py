@@ -18,6 +18,7 @@ from ..checkpoint.durable import CheckpointError
 from ..checkpoint.resume_lookup import load_resume, runs
 from ..errors import RunError
 from ..retry import StorageError
+from .rank_figures import RANK_FIELDS
 from .restore import Load, choose_restore, newest_copies, plan_loads
 from .placement import dead_nodes
 from .workers import failed
@@ -220,7 +221,8 @@ class RestorePoints:
         else:
             # Continuing as that run would prune its own new checkpoints behind the old run's later ones.
             detail["branched_from"] = got.run_id
-        ctl.extend_history(manifest.get("history", []))
+        # A manifest of an older version carries per-rank figures in each record: not the history's.
+        ctl.extend_history([{k: v for k, v in h.items() if k not in RANK_FIELDS} for h in manifest.get("history", [])])
         ctl.event("resume", step=found[0], source=storage, run_id=ctl.run_id, **detail)
         log.info("[%s] resuming from step %d of %s (%s)%s", ctl.run_name, found[0], storage, got.name,
                  "".join(f"; {a['field']} {a['checkpoint']!r} -> {a['run']!r}" for a in accepted))

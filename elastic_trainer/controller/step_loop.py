@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .leases import lease_length, schedule_after
+from .rank_figures import split_rank_figures
 from .stepping import StepOutcome
 
 if TYPE_CHECKING:
@@ -160,11 +161,13 @@ class StepLoop:
         # included): what driving costs where its wall time also waits for a core.
         record["controller_cpu_s"] = time.process_time()
         record["heartbeats"] = ctl.driver.heartbeats
+        figures = split_rank_figures(record)
         with ctl._lock:
             ctl.history.append(record)
+            ctl.rank_figures.append(figures)
             ctl.step = step
         ctl.recovery.step_committed()
-        ctl.metrics.record_step(record)
+        ctl.metrics.record_step({**record, **figures})
         choice = ctl.schedule.observe(step, record["step_time_s"])
         if choice:
             ctl.event("snapshot_interval", **choice)

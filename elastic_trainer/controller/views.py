@@ -16,16 +16,21 @@ import statistics
 class ControllerViews:
     """Mixed into ``Controller``: it provides the attributes read here."""
 
-    def progress(self, since: int, events_since: int = 0) -> dict:
-        """Step records from index ``since`` of the history and events from ``events_since``.
+    def progress(self, since: int, events_since: int = 0, ranks_since: int | None = None) -> dict:
+        """Step records from index ``since`` of the history and events from ``events_since``;
+        with ``ranks_since``, the per-rank figures of the steps after the first ``ranks_since``
+        (``rank_figures``; ``ranks_dropped`` counts those gone before they were asked for).
 
         After a rollback the history is shorter than before; ``length`` tells the
         caller where it stands now.
         """
         with self._lock:
-            return {"state": self.state.value, "records": self.history[since:], "length": len(self.history),
-                    "events": [dict(e) for e in self.events[events_since:]], "n_events": len(self.events),
-                    "plan": self.plan.describe() if self.plan else None}
+            out = {"state": self.state.value, "records": self.history[since:], "length": len(self.history),
+                   "events": [dict(e) for e in self.events[events_since:]], "n_events": len(self.events),
+                   "plan": self.plan.describe() if self.plan else None}
+            if ranks_since is not None:
+                out["ranks"], out["ranks_dropped"] = self.rank_figures.since(ranks_since)
+            return out
 
     def status(self) -> dict:
         """What ``elastic-trainer status`` shows: plan, step, throughput, recent failures."""
@@ -45,7 +50,7 @@ class ControllerViews:
                     # A stop asked and not yet taken (the run ends after the steps in flight).
                     "stopping": _copy(next((e for e in reversed(self.events) if e["kind"] == "stop_requested"),
                                            None)),
-                    "pace": (self.history[-1].get("pace") if self.history else None) or {},
+                    "pace": self.rank_figures.last().get("pace") or {},
                     "stragglers": self.balance.tracker.stragglers,
                     "shares": list(self.balance.shares) if self.balance.shares else self.balance.shares,
                     "benched": self.bench.describe()}

@@ -112,15 +112,27 @@ def test_report_shows_each_ranks_pace_as_a_heat_strip():
     from elastic_trainer.report import _pace_grid
 
     history = _history()
-    for r in history:
-        slow = 3.0 if 5 <= r["step"] <= 8 else 1.0
-        r["rank_compute_s"] = {"0": 0.1, "1": 0.1 * slow, "2": 0.1}
-    grid, ranks = _pace_grid(history)
-    assert ranks == 3 and grid.shape == (3, len(history))
+    figures = [{"step": r["step"], "rank_compute_s": {"0": 0.1, "1": 0.1 * (3.0 if 5 <= r["step"] <= 8 else 1.0),
+                                                      "2": 0.1}} for r in history]
+    grid, ranks, first, last = _pace_grid(figures)
+    assert ranks == 3 and grid.shape == (3, len(history)) and (first, last) == (history[0]["step"], history[-1]["step"])
     col = [r["step"] for r in history].index(6)
     assert grid[1, col] == pytest.approx(3.0) and grid[0, col] == 1.0
-    fig = report_figure(history, _events())
+    fig = report_figure(history, _events(), ranks=figures)
     strip = fig.get_axes()[4]
     assert strip.get_ylabel() == "rank pace" and strip.get_images()
     assert _vlines(strip, FAILURE_COLOR) == [11]
-    assert _pace_grid(_history()) is None      # no per-rank compute: no strip
+    assert _pace_grid(None) is None and _pace_grid([]) is None     # no per-rank figures: no strip
+
+
+def test_the_ranks_file_keeps_the_last_line_of_each_step_and_thins_a_long_run(tmp_path):
+    from elastic_trainer.rank_file import RankFile, read_rank_figures
+
+    f = RankFile(str(tmp_path / "r" / "run.ranks.jsonl"))
+    f.write([{"step": s, "pace": {"0": 1.0}} for s in range(1, 6)])
+    f.write([{"step": 4, "pace": {"0": 2.0}}, {"step": 5, "pace": {"0": 2.0}}], dropped=3)   # after a rollback
+    f.close()
+    got = read_rank_figures(f.path)
+    assert [g["step"] for g in got] == [1, 2, 3, 4, 5] and got[3]["pace"] == {"0": 2.0} and f.dropped == 3
+    assert [g["step"] for g in read_rank_figures(f.path, max_steps=2)] == [1, 4]
+    assert read_rank_figures(str(tmp_path / "none.jsonl")) == []
