@@ -1,5 +1,5 @@
 """The soak of ``benchmarks/recovery.py --soak``: the demo GPT for 300 steps on 6 simulated nodes,
-failure-free and then with 5 node losses at seeded random moments (``elastic_trainer.soak``)
+failure-free and then with 5 node losses at seeded random moments (``elastic_trainer.chaos.soak``)
 while 2 nodes are added. Reports the wall-time overhead, each recovery's seconds by phase,
 the object-store bytes over time, and whether every sample was seen once at the same loss."""
 
@@ -14,7 +14,7 @@ NODES = 6
 
 def _run(raw: dict, on_step=None) -> tuple[object, float, list]:
     from elastic_trainer import Trainer, TrainerConfig
-    from elastic_trainer.simulate import object_store_bytes
+    from elastic_trainer.chaos.simulate import object_store_bytes
 
     samples = []
     t0 = time.perf_counter()
@@ -38,7 +38,7 @@ def run_soak(demo_config, start_cluster, seed: int, steps: int = 300) -> dict:
     """Both runs on fresh 6-node clusters (``start_cluster(n)``); the result as a JSON-able dict."""
     import ray
 
-    from elastic_trainer.soak import Soak, SoakPlan
+    from elastic_trainer.chaos.soak import Soak, SoakPlan
     from elastic_trainer.worker.faults import SETUP_DELAY_ENV
 
     storage = tempfile.mkdtemp(prefix="et-soak-")

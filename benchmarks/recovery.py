@@ -87,7 +87,7 @@ def run_elastic_kill(raw: dict, cluster, nodes, kill_at: int, how: str = "kill")
 
     from elastic_trainer import Trainer, TrainerConfig
     from elastic_trainer.naming import NAMESPACE
-    from elastic_trainer.simulate import freeze_node, kill_pids
+    from elastic_trainer.chaos.simulate import freeze_node, kill_pids
 
     name = raw["run"]["name"]
     killed: dict = {}

@@ -102,7 +102,7 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
     import ray
 
     from elastic_trainer import Trainer, TrainerConfig
-    from elastic_trainer.config_parsing import apply_overrides
+    from elastic_trainer.config.parsing import apply_overrides
     from elastic_trainer.naming import NAMESPACE
 
     raw = demo_config(steps, name, failure={"allow_fault_injection": True}, checkpoint={"memory_every": 10})
@@ -132,8 +132,8 @@ def run_once(steps: int, factor: float, mode: str, slow: bool, name: str, micro_
     result = Trainer(TrainerConfig.model_validate(raw), verbose=False, on_step=on_step).fit()
     h = result.history
     if plot:
-        from elastic_trainer.rank_file import read_rank_figures
-        from elastic_trainer.report import write_report
+        from elastic_trainer.reporting.rank_file import read_rank_figures
+        from elastic_trainer.reporting.report import write_report
 
         write_report(h, result.events, plot, title=f"{factor:g}x straggler on rank 1, steps {start}-{end}, "
                                                     f"balance.mode={mode}",

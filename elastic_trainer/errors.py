@@ -27,3 +27,10 @@ class WorkerError(ElasticTrainerError):
 
 class RunError(ElasticTrainerError):
     """The run stopped: too many failures, too few workers for too long, or no copy of the state left."""
+
+
+def error_line(e: BaseException, limit: int = 200) -> str:
+    """``Type: first line of its message`` (the type alone for an empty message): how a log line
+    or a failure's detail names an error whose traceback would drown the rest."""
+    text = str(e).splitlines()[0][:limit] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

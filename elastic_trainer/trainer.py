@@ -23,8 +23,8 @@ from .models.hf import load_hf_config
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
 from .planning.constants import run_constants
-from .progress import ProgressPrinter
-from .rank_file import RankFile, ranks_path, read_rank_figures
+from .reporting.progress import ProgressPrinter
+from .reporting.rank_file import RankFile, ranks_path, read_rank_figures
 
 
 @dataclass
@@ -158,7 +158,7 @@ class Trainer:
         """Write the run report PNG; a report that cannot be drawn never fails the run."""
         if cfg.run.report_dir is None:
             return
-        from .report import write_report
+        from .reporting.report import write_report
 
         path = os.path.join(os.path.expanduser(cfg.run.report_dir), f"{run_name}.png")
         try:

@@ -35,3 +35,17 @@ def as_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if _BITS_AS.get(dtype) == t.dtype:
         t = t.view(dtype)
     return t
+
+
+_NUMPY: dict = {}
+
+
+def numpy_dtype(dtype: torch.dtype, name: str = "a tensor") -> np.dtype:
+    """The numpy dtype of a torch ``dtype`` that numpy has (a stored dtype: ``bits_dtype``)."""
+    if dtype not in _NUMPY:
+        try:
+            _NUMPY[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError as e:
+            raise TypeError(f"{name}: {dtype} has no numpy equivalent; snapshots hold numpy arrays "
+                            f"(float32, float16, float64, bfloat16 work)") from e
+    return _NUMPY[dtype]

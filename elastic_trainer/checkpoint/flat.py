@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import torch
 
-from .dtypes import bits_dtype
+from .dtypes import bits_dtype, numpy_dtype
 
 _ALIGN = 64  # bytes: every array starts aligned, whatever the dtypes before it
 
@@ -159,7 +159,7 @@ class ShardExporter:
                     bits = bits_dtype(t.dtype)
                     if bits is not t.dtype:  # bfloat16 travels as its bits (see dtypes.py)
                         t = t.detach().view(bits)
-                    dt = _numpy_dtype(t.dtype, name)
+                    dt = numpy_dtype(t.dtype, name)
                     entries.append((name, kind, off, dt.str, tuple(t.shape)))
                     off += -(-t.numel() * dt.itemsize // _ALIGN) * _ALIGN
                     src.append(t)
@@ -176,16 +176,3 @@ class ShardExporter:
                 d.copy_(t, non_blocking=non_blocking)
         return flat_shard({"step": step, "blocks": sorted(blocks), "extra": extra or {}, "comm": comm or {},
                            "comm_meta": comm_meta or {}, "params": params, "optim": optim}, layout)
-
-
-_DTYPES: dict = {}
-
-
-def _numpy_dtype(dtype: torch.dtype, name: str) -> np.dtype:
-    if dtype in _DTYPES:
-        return _DTYPES[dtype]
-    try:
-        return _DTYPES.setdefault(dtype, torch.empty((), dtype=dtype).numpy().dtype)
-    except TypeError as e:
-        raise TypeError(f"{name}: {dtype} has no numpy equivalent; snapshots hold numpy arrays "
-                        f"(float32, float16, float64, bfloat16 work)") from e

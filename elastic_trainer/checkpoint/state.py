@@ -34,12 +34,12 @@ def block_of(name: str) -> int:
 
 def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
                  extra: dict | None = None, comm: dict | None = None, comm_meta: dict | None = None,
-                 copy: bool = True, lease=None) -> dict:
+                 copy: bool = True, loan=None) -> dict:
     """One rank's parameters and optimizer state: copied out of the live tensors, or with
     ``copy=False`` (CPU tensors only) as views of them, valid until they next change, or
-    as views lent by ``lease`` (a ``lease.Lease``), which says when no reader holds them."""
+    as views lent by ``loan`` (a ``tensor_loan.TensorLoan``), which says when no reader holds them."""
     def as_numpy(t):
-        return lease.view(t) if lease is not None else to_numpy(t, copy)
+        return loan.view(t) if loan is not None else to_numpy(t, copy)
 
     params, optim = {}, {}
     for name, p in named_params:

@@ -9,7 +9,7 @@ the record for ``rank_figures`` when it commits, and a rank that turns slow or
 recovers is an event naming its worker and node.
 
 A rank's pace is taken from what its step would take on the equal share of
-micro-batches (``equal_share``: its passes as run plus the calls it did not
+micro-batches (``compute_at_equal_share``: its passes as run plus the calls it did not
 run at their steady cost, and its update), so a rank given fewer
 micro-batches keeps the pace it has, and one that recovers shows it. ``rank_compute_s`` in the record is
 what it did take.
@@ -52,7 +52,7 @@ from collections.abc import Callable
 from ..config import BalanceSection
 from ..planning.balancing import predict_step_s, propose_shares
 from ..planning.recut import propose_recut, stage_work
-from .equal_share import EqualShare
+from .compute_at_equal_share import EqualShare
 from .pace import PaceTracker
 
 Bounds = tuple[tuple[int, int], ...]

@@ -42,9 +42,9 @@ from ..planning.policy import check_start, choose_plan, cut_fits, plan_block_cos
 from .durable_writer import DurableWriter
 from .balance import Balance
 from .benching import Bench
-from .views import ControllerViews
+from .queries import ControllerQueries
 from .evaluation import Evaluator
-from .group_keys import carries_groups, keep_for, plan_keys, sticky_ranks, whole_groups
+from .group_carry import carries_groups, keep_for, plan_keys, sticky_ranks, whole_groups
 from .placement import assign_ranks, fault_tolerance, find_nodes
 from .ps_group import ParameterServers
 from .rank_figures import RankFigures
@@ -63,7 +63,7 @@ __all__ = ["Controller", "RunError", "RunState"]
 log = logging.getLogger(__name__)
 
 
-class Controller(ControllerViews):
+class Controller(ControllerQueries):
     def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None):
         configure_actor_logging()
         self.cfg = TrainerConfig.model_validate(cfg_json)
@@ -282,8 +282,8 @@ class Controller(ControllerViews):
     def apply_plan(self, plan: Plan, restore: tuple | None, ranks: dict[int, int] | None = None,
                    reuse_world: int | None = None, whole: set | None = None) -> dict:
         """Give every rank of ``plan`` a worker, set them up, load ``restore`` = (step, block sources, tiers).
-        ``reuse_world``: the id of the survivors' shrunk world that ``ranks`` keeps (``survivors``).
-        ``whole``: the last plan's groups that can be carried (``group_keys``), as a failure's
+        ``reuse_world``: the id of the survivors' shrunk world that ``ranks`` keeps (``survivor_collectives``).
+        ``whole``: the last plan's groups that can be carried (``group_carry``), as a failure's
         settling found them; None asks the workers (a re-plan between steps)."""
         topo, pool = plan.topology, self.pool
         started = time.perf_counter()

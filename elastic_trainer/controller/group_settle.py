@@ -4,7 +4,7 @@ Two rounds (``settle_groups``). The first cuts the groups a lost member was in:
 never whole, and cutting them ends the collectives survivors wait in on each
 other, so those ranks leave their steps too. Then the survivors' steps are
 given up to ``failure.ping_timeout_s`` to end, no longer than while one could
-still end by itself (``group_keys.stuck``). The second round keeps the groups
+still end by itself (``stuck_steps.stuck``). The second round keeps the groups
 every member holds alike with no step running and cuts the rest, which ends
 what any rank still waits in: on a peer that died, or on one that went silent
 (a frozen node's sockets stay open, so only the cut ends a wait on it).
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from .group_keys import plan_keys, stuck, whole_groups
+from .group_carry import plan_keys, whole_groups
+from .stuck_steps import stuck
 from .workers import ask_all
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ _STEP_END_POLL_S = 0.05
 def settle_groups(pool: "WorkerPool", topo: "Topology", ranks: dict[int, int], out: "StepOutcome",
                   timeout_s: float) -> tuple[set, dict]:
     """Settle the groups of the plan ``topo`` with ``ranks`` (rank -> worker id) after the failed
-    step ``out``. Returns the whole groups' keys (``group_keys``), which every survivor keeps,
+    step ``out``. Returns the whole groups' keys (``group_carry``), which every survivor keeps,
     and how the wait for the survivors' steps went (for the recovery event)."""
     keys = plan_keys(topo, ranks)
     survivors = {r: w for r, w in ranks.items() if w in pool}

@@ -21,12 +21,12 @@ from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
 from ..planning.policy import choose_plan, no_plan_reason
 from .failures import Diagnosis, diagnose
-from .group_keys import carries_groups
+from .group_carry import carries_groups
 from .group_settle import settle_groups
 from .restore_points import RestorePoints
 from .run_state import RunState
 from .stepping import StepOutcome
-from .survivors import ShrunkWorld, end_collectives, shrunk_ranks
+from .survivor_collectives import ShrunkWorld, end_collectives, shrunk_ranks
 from .workers import failed
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class Recovery(RestorePoints):
 
     def _end_collectives(self, lost_ranks: list[int], silent: bool = False) -> None:
         """Survivors end the collectives they wait in (NCCL, or any backend after a silent loss;
-        see ``survivors``), and the world they shrank to, if they did, is kept for the next plan."""
+        see ``survivor_collectives``), and the world they shrank to, if they did, is kept for the next plan."""
         ctl = self.ctl
         self._shrinks += 1
         self.shrunk = end_collectives(

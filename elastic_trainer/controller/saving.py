@@ -27,8 +27,8 @@ import ray
 import torch
 
 from ..checkpoint.weights import WeightsError, save_weights, weights_from_shards
-from ..errors import RunError
-from ..hf_export import recorded_config, write_hf_folder
+from ..errors import RunError, error_line
+from ..checkpoint.hf_export import recorded_config, write_hf_folder
 from .workers import ask_all
 
 if TYPE_CHECKING:
@@ -68,8 +68,7 @@ def take_stages(order: dict[int, list[int]], ask: Callable[[dict[int, int]], dic
             return got, failed
         for s, answer in ask(asks).items():
             if isinstance(answer, BaseException):
-                text = str(answer).splitlines()[0][:200] if str(answer) else ""
-                failed[asks[s]] = f"{type(answer).__name__}: {text}" if text else type(answer).__name__
+                failed[asks[s]] = error_line(answer)
             else:
                 got[s] = (asks[s], answer)
 

@@ -4,12 +4,12 @@ restore it, the blocks built or reused, and how the ranks' groups were formed.""
 from __future__ import annotations
 
 from ..worker.actor import SETUP_PARTS
-from .group_keys import count_groups
+from .group_carry import count_groups
 
 
 def setup_report(outs: dict[int, dict], keys: dict[int, dict[str, list[int]]]) -> tuple[dict, dict]:
     """From every rank's ``setup`` answer (rank -> answer) and the plan's group keys
-    (``group_keys.plan_keys``): (part -> seconds of the slowest rank, the restore's figures)."""
+    (``group_carry.plan_keys``): (part -> seconds of the slowest rank, the restore's figures)."""
     timings = {k: max(o["timings"][k] for o in outs.values()) for k in SETUP_PARTS}
     moved = sum(o["moved"]["bytes"] for o in outs.values())
     fetch_s = max(o["moved"]["seconds"] for o in outs.values())

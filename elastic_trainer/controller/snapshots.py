@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import ray
 
+from ..errors import error_line
+
 
 @dataclass
 class ShardEntry:
@@ -111,7 +113,7 @@ def check_sealed(entries) -> None:
             except ray.exceptions.GetTimeoutError:
                 sealed = False
             except Exception as ex:  # noqa: BLE001 - the writer died or its part failed
-                sealed, error = False, f"{type(ex).__name__}: {str(ex).splitlines()[0][:200] if str(ex) else ''}"
+                sealed, error = False, error_line(ex)
         for e in todo[ref]:
             e.sealed, e.error = sealed, error
 

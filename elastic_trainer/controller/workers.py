@@ -18,7 +18,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import TrainerConfig
-from ..errors import ElasticTrainerError, WorkerError
+from ..errors import ElasticTrainerError, WorkerError, error_line
 from ..naming import NAMESPACE, spare_name
 from ..worker.actor import TrainWorker
 from ..worker.device import SHARE_GPUS_ENV
@@ -100,7 +100,7 @@ def get_all(refs: dict, ranks: dict, timeout: float, what: str) -> dict:
             bad[ranks[r]] = TimeoutError(f"no answer in {timeout:g}s")
     if bad:
         err = WorkerError(f"workers failed to {what}: " + "; ".join(
-            f"worker {w}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            f"worker {w}: {error_line(e)}"
             for w, e in bad.items()))
         err.failed_workers = sorted(bad)
         raise err
@@ -209,8 +209,8 @@ class WorkerPool:
                 info = ray.get(ref)
             except ray.exceptions.RayError as e:
                 log.warning("[%s] worker %d failed to start on node %s: %s", self.run_name, wid, node[:12],
-                            str(e).splitlines()[0][:200])
-                lost.append((wid, node, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                            error_line(e))
+                lost.append((wid, node, error_line(e)))
                 continue
             with self.lock:
                 self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"],

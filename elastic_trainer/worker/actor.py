@@ -22,6 +22,7 @@ import ray
 import torch
 
 from ..config import TrainerConfig
+from ..errors import error_line
 from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
 from .device import bind, current_visible, worker_device
@@ -167,8 +168,8 @@ class TrainWorker(SnapshotServing, GroupControl):
                                    collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world,
                                    group_keys or {}, keep or [])
             except BaseException as e:
-                log.warning("[%s] worker %d: set-up as rank %d of dp=%d x pp=%d failed: %s: %s", self.run_name,
-                            self.worker_id, rank, dp, pp, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                log.warning("[%s] worker %d: set-up as rank %d of dp=%d x pp=%d failed: %s", self.run_name,
+                            self.worker_id, rank, dp, pp, error_line(e))
                 traceback.clear_frames(e.__traceback__)
                 self.reset()
                 raise
@@ -369,8 +370,8 @@ class TrainWorker(SnapshotServing, GroupControl):
     def _abandon(self, e: BaseException, what: str) -> None:
         """Leave the groups after ``what`` failed with ``e``: the traceback's frames hold the
         stage and its groups, so they are cleared first (see reset())."""
-        log.warning("[%s] worker %d: %s failed on rank %s: %s: %s", self.run_name, self.worker_id, what,
-                    self.rank, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        log.warning("[%s] worker %d: %s failed on rank %s: %s", self.run_name, self.worker_id, what,
+                    self.rank, error_line(e))
         traceback.clear_frames(e.__traceback__)
         # gloo: the groups stay until the controller says which the next plan keeps (settle_groups).
         self.reset(hold=self._hold_on_failure and self.groups.backend == "gloo")

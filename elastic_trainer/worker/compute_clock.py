@@ -25,7 +25,7 @@ It also gives what pricing at another count needs: the passes' sum, the
 first and last calls' sum, the steady cost per call (from three calls up)
 and the calls. On one or two calls there is no steady cost to read; the
 controller takes it from the peers' ratio of ends to steady
-(``controller.equal_share``).
+(``controller.compute_at_equal_share``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ is still in flight (``SnapshotTaker.wait``). Two ways to take it:
   pinned buffers. The copy becomes the local copy and, where the rank writes
   some blocks, the object-store part.
 - lend: a rank that writes its whole state into the object store lends the
-  live CPU tensors (``checkpoint.lease.Lease``): Ray's own write into the object
+  live CPU tensors (``checkpoint.tensor_loan.TensorLoan``): Ray's own write into the object
   store, on the actor's snapshot thread, is then the only copy.
 
 One snapshot is in flight at a time, so the extra host memory is one copy of
@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..checkpoint.flat import ShardExporter
-from ..checkpoint.lease import Lease
+from ..checkpoint.tensor_loan import TensorLoan
 from ..checkpoint.state import block_of, export_shard
 
 
@@ -38,30 +38,30 @@ class SnapshotTimeout(RuntimeError):
 
 
 class SnapshotJob:
-    """One snapshot in flight: a copy (``future``) or lent views (``lease`` with ``part``)."""
+    """One snapshot in flight: a copy (``future``) or lent views (``loan`` with ``part``)."""
 
-    def __init__(self, step: int, nbytes: int, future: Future | None = None, lease: Lease | None = None,
+    def __init__(self, step: int, nbytes: int, future: Future | None = None, loan: TensorLoan | None = None,
                  part: dict | None = None):
         self.step, self.nbytes = step, nbytes
-        self.future, self.lease, self._part = future, lease, part
+        self.future, self.loan, self._part = future, loan, part
 
     @property
     def lent(self) -> bool:
-        return self.lease is not None
+        return self.loan is not None
 
     def copied(self, timeout: float | None = None) -> dict:
         """The copy, once made (copy jobs only)."""
         return self.future.result(timeout)
 
     def take_part(self) -> dict:
-        """The lent part, handed over once: the lease ends when the taker lets go of it."""
+        """The lent part, handed over once: the loan ends when the taker lets go of it."""
         part, self._part = self._part, None
         if part is None:
             raise RuntimeError(f"the lent part of step {self.step} was already taken")
         return part
 
     def done(self) -> bool:
-        return self.future.done() if self.future is not None else self.lease.outstanding == 0
+        return self.future.done() if self.future is not None else self.loan.outstanding == 0
 
     def wait(self, timeout: float) -> None:
         """Until the live state may change again; raises ``SnapshotTimeout`` after ``timeout``."""
@@ -71,10 +71,10 @@ class SnapshotJob:
             except TimeoutError:
                 raise SnapshotTimeout(f"snapshot of step {self.step}: the copy of {self.nbytes / 1e6:.0f} MB "
                                       f"is not done after {timeout:g} s") from None
-        elif not self.lease.wait(timeout):
+        elif not self.loan.wait(timeout):
             raise SnapshotTimeout(
                 f"snapshot of step {self.step}: the object store still reads the live state "
-                f"({self.lease.outstanding} arrays) after {timeout:g} s"
+                f"({self.loan.outstanding} arrays) after {timeout:g} s"
                 + ("" if self._part is None else "; nobody took the part"))
 
 
@@ -103,10 +103,10 @@ class SnapshotTaker:
         nbytes = sum(p.nbytes + sum(v.nbytes for v in (optimizer.state.get(p) or {}).values() if torch.is_tensor(v))
                      for _, p in named)
         if lend:
-            lease = Lease()
+            loan = TensorLoan()
             part = export_shard(step, named, optimizer, blocks, extra=extra, comm=comm, comm_meta=comm_meta,
-                                lease=lease)
-            self.job = SnapshotJob(step, nbytes, lease=lease, part=part)
+                                loan=loan)
+            self.job = SnapshotJob(step, nbytes, loan=loan, part=part)
             return self.job
         ready = None
         if self._stream is not None:

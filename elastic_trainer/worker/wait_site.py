@@ -4,7 +4,7 @@ After a failure the controller cuts the groups that lost a member and waits for
 the survivors' steps to end; what it cannot tell from outside is whether a
 survivor still in its step can end by itself. A step blocked in a group whose
 other members have all left their steps, on an operation none of them issued,
-cannot: only a cut ends it (``controller.group_keys.stuck``). This module names
+cannot: only a cut ends it (``controller.stuck_steps.stuck``). This module names
 the waits that happen there: a pipeline stage's point-to-point wait (torch's
 ``_wait_batch_p2p``), the wait for the gradients' all-reduce (``GradSync.finish``
 joining its comm thread), and any blocking collective of torch's on a group

@@ -3,7 +3,7 @@
 import pytest
 
 from elastic_trainer import Trainer
-from elastic_trainer.simulate import freeze_node, kill_pids
+from elastic_trainer.chaos.simulate import freeze_node, kill_pids
 
 from ..helpers import reference_losses
 from .test_recovery import Chaos, assert_contiguous_data, config, node_of_rank, status

@@ -18,7 +18,7 @@ import transformers
 import torch.nn.functional as F
 
 from elastic_trainer import Trainer, TrainerConfig
-from elastic_trainer.cli import main as cli_main
+from elastic_trainer.cli.commands import main as cli_main
 from elastic_trainer.checkpoint.weights import load_weights
 from elastic_trainer.data.splits import make_sampler
 from elastic_trainer.data.splits import open_datasets

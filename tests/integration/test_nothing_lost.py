@@ -16,7 +16,7 @@ from elastic_trainer.data.dataset import TokenDataset
 from elastic_trainer.data.splits import make_sampler
 from elastic_trainer.models.factory import build_blocks
 from elastic_trainer.naming import NAMESPACE
-from elastic_trainer.simulate import object_store_bytes
+from elastic_trainer.chaos.simulate import object_store_bytes
 
 from ..helpers import reference_run
 from .test_recovery import config

@@ -13,7 +13,7 @@ from elastic_trainer.controller.controller import RunError
 from elastic_trainer.planning.policy import choose_plan
 from elastic_trainer.models.factory import block_param_counts
 from elastic_trainer.naming import NAMESPACE
-from elastic_trainer.simulate import freeze_node, kill_pids
+from elastic_trainer.chaos.simulate import freeze_node, kill_pids
 
 from ..conftest import tiny_config
 from ..helpers import reference_losses
@@ -352,7 +352,7 @@ def test_node_added_mid_run_grows_the_plan(fresh_cluster, corpus_dir):
 def test_whole_cluster_lost_then_resume_and_corrupt_checkpoint_fallback(fresh_cluster, corpus_dir, tmp_path):
     import yaml
 
-    from elastic_trainer.cli import main
+    from elastic_trainer.cli.commands import main
 
     c, nodes = fresh_cluster(4)
     storage = tmp_path / "ck"

@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from elastic_trainer import PlacementError, Trainer, TrainerConfig
-from elastic_trainer.cli import main
+from elastic_trainer.cli.commands import main
 
 from ..conftest import tiny_config
 from .conftest import NUM_NODES
@@ -212,7 +212,7 @@ def _story(result) -> str:
 
 def _ranks(result) -> list[dict]:
     """The run's per-rank figures, a step each, from the ranks file beside its report."""
-    from elastic_trainer.rank_file import read_rank_figures
+    from elastic_trainer.reporting.rank_file import read_rank_figures
 
     return read_rank_figures(result.ranks_path, max_steps=10**9) if result.ranks_path else []
 

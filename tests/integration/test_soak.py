@@ -6,7 +6,7 @@ import os
 import pytest
 
 from elastic_trainer import Trainer
-from elastic_trainer.soak import Soak, SoakPlan
+from elastic_trainer.chaos.soak import Soak, SoakPlan
 from elastic_trainer.worker.faults import SETUP_DELAY_ENV, SNAPSHOT_DELAY_ENV
 
 from ..helpers import reference_run

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from elastic_trainer.cli import main
+from elastic_trainer.cli.commands import main
 from elastic_trainer.planning import calibration as bench, cost_model
 from elastic_trainer.planning.constants import load_constants
 from elastic_trainer.planning.planner import predict_candidates

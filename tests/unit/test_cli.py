@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from elastic_trainer.cli import build_parser, main
+from elastic_trainer.cli.commands import build_parser, main
 
 
 @pytest.mark.parametrize("argv", [[], ["run"], ["plan"], ["bench-comm"], ["prepare-data"]])
@@ -34,7 +34,7 @@ def test_prepare_data(tmp_path, capsys):
 
 
 def test_slow_rank_makes_a_straggler_of_one_worker_and_checks_its_arguments():
-    from elastic_trainer.cli import _with_straggler
+    from elastic_trainer.cli.commands import _with_straggler
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.errors import ConfigError
 
@@ -51,7 +51,7 @@ def test_slow_rank_makes_a_straggler_of_one_worker_and_checks_its_arguments():
 
 
 def test_the_straggler_demo_says_when_no_share_can_move():
-    from elastic_trainer.cli import balancing_hint
+    from elastic_trainer.cli.commands import balancing_hint
     from elastic_trainer.config import TrainerConfig
 
     demo = TrainerConfig.from_yaml("jobs/demo.yaml")   # dp=2 x pp=2, 2 micro-batches a replica under 1F1B

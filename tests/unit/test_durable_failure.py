@@ -11,7 +11,7 @@ from elastic_trainer import TrainerConfig
 from elastic_trainer.checkpoint.durable import DurableStore
 from elastic_trainer.controller.durable_writer import DurableWriter
 from elastic_trainer.controller.snapshots import SnapshotStore
-from elastic_trainer.progress import ProgressPrinter
+from elastic_trainer.reporting.progress import ProgressPrinter
 
 from ..conftest import tiny_config
 

@@ -8,7 +8,7 @@ import transformers
 from elastic_trainer.config import ModelSection
 from elastic_trainer.errors import ConfigError, ModelError
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.hf_export import ExportError, hf_state, write_hf_folder
+from elastic_trainer.checkpoint.hf_export import ExportError, hf_state, write_hf_folder
 from elastic_trainer.models.factory import build_blocks, build_blocks_for_shapes
 from elastic_trainer.models.hf import block_ties, build_hf_blocks, hf_name_map
 from elastic_trainer.parallel.topology import Topology
@@ -136,7 +136,7 @@ def test_init_from_a_save_pretrained_folder(tmp_path):
 
 def test_export_sources_that_cannot_be_exported_say_why(tmp_path, capsys):
     from elastic_trainer.checkpoint.weights import save_weights
-    from elastic_trainer.cli import main
+    from elastic_trainer.cli.commands import main
 
     assert main(["export", str(tmp_path / "none"), "--hf", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -154,7 +154,7 @@ def test_export_from_a_durable_checkpoint(tmp_path):
     import numpy as np
 
     from elastic_trainer.checkpoint.durable import DurableStore
-    from elastic_trainer.hf_export import export
+    from elastic_trainer.checkpoint.hf_export import export
 
     model = ModelSection(kind="hf", hf_config=LLAMA)
     blocks, _ = build_blocks(model, seed=2)

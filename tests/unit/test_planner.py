@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from elastic_trainer.cli import main
+from elastic_trainer.cli.commands import main
 from elastic_trainer.planning import cost_model
 from elastic_trainer.comm.compression import CODECS
 from elastic_trainer.planning.constants import DEFAULT_OPTIMIZER_S_PER_PARAM, load_constants

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elastic_trainer.cli import main
+from elastic_trainer.cli.commands import main
 from elastic_trainer.config import DataSection
 from elastic_trainer.data.dataset import TokenDataset
 from elastic_trainer.data.prepare import prepare_tokenized

@@ -3,7 +3,7 @@
 import io
 
 from elastic_trainer import TrainerConfig
-from elastic_trainer.progress import ProgressPrinter
+from elastic_trainer.reporting.progress import ProgressPrinter
 
 from ..conftest import tiny_config
 

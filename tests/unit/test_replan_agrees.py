@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from elastic_trainer.cli import main
+from elastic_trainer.cli.commands import main
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.planning.policy import choose_plan
 

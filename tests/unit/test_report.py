@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from elastic_trainer.report import FAILURE_COLOR, RECOVERY_COLOR, report_figure, write_report
+from elastic_trainer.reporting.report import FAILURE_COLOR, RECOVERY_COLOR, report_figure, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -109,7 +109,7 @@ def test_report_of_a_run_that_failed_before_any_step(tmp_path):
 
 
 def test_report_shows_each_ranks_pace_as_a_heat_strip():
-    from elastic_trainer.report import _pace_grid
+    from elastic_trainer.reporting.report import _pace_grid
 
     history = _history()
     figures = [{"step": r["step"], "rank_compute_s": {"0": 0.1, "1": 0.1 * (3.0 if 5 <= r["step"] <= 8 else 1.0),
@@ -126,7 +126,7 @@ def test_report_shows_each_ranks_pace_as_a_heat_strip():
 
 
 def test_the_ranks_file_keeps_the_last_line_of_each_step_and_thins_a_long_run(tmp_path):
-    from elastic_trainer.rank_file import RankFile, read_rank_figures
+    from elastic_trainer.reporting.rank_file import RankFile, read_rank_figures
 
     f = RankFile(str(tmp_path / "r" / "run.ranks.jsonl"))
     f.write([{"step": s, "pace": {"0": 1.0}} for s in range(1, 6)])

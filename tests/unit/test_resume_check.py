@@ -4,7 +4,7 @@ says so; never the model, data, seed, batch, optimizer or precision. And how it 
 import pytest
 
 from elastic_trainer.checkpoint.compat import ACCEPTABLE, resume_check, resume_request
-from elastic_trainer.cli import build_parser
+from elastic_trainer.cli.commands import build_parser
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.errors import ConfigError
 
@@ -85,7 +85,7 @@ def test_the_command_line_asks_the_same():
 
 
 def test_accepting_a_change_without_resuming_is_an_error_on_the_command_line(capsys):
-    from elastic_trainer.cli import main
+    from elastic_trainer.cli.commands import main
 
     assert main(["run", "jobs/demo.yaml", "--accept-change", "train.lr"]) == 2
     assert "--accept-change train.lr names what a resumed run may change: add --resume" in capsys.readouterr().err

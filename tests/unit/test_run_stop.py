@@ -10,8 +10,8 @@ import pytest
 from elastic_trainer import RunError, TrainerConfig
 from elastic_trainer.controller.controller import Controller
 from elastic_trainer.controller.run_state import TRANSITIONS, RunState, RunStateMachine
-from elastic_trainer.progress import ProgressPrinter
-from elastic_trainer.status import format_status
+from elastic_trainer.reporting.progress import ProgressPrinter
+from elastic_trainer.cli.status import format_status
 from elastic_trainer.trainer import ControllerActor, Result
 
 from ..conftest import tiny_config

@@ -1,4 +1,4 @@
-"""Snapshots off the critical path: a copy or a lease that overlaps the next step and still holds step N."""
+"""Snapshots off the critical path: a copy or a tensor loan that overlaps the next step and still holds step N."""
 
 import pickle
 import threading
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_trainer.checkpoint.lease import LEND_MIN_BYTES, Lease
+from elastic_trainer.checkpoint.tensor_loan import LEND_MIN_BYTES, TensorLoan
 from elastic_trainer.checkpoint.state import merge_shards
 from elastic_trainer.worker.snapshot_taker import SnapshotTaker, SnapshotTimeout
 
@@ -45,33 +45,33 @@ def _assert_holds(shard, named, expected):
 
 def test_a_lease_ends_when_the_last_view_or_pickle_buffer_is_gone():
     t = torch.arange(LEND_MIN_BYTES // 4, dtype=torch.float32)
-    lease = Lease()
-    view = lease.view(t)
+    loan = TensorLoan()
+    view = loan.view(t)
     assert np.array_equal(view, t.numpy()) and not view.flags.writeable
     buffers = []
     pickle.dumps({"a": view}, protocol=5, buffer_callback=buffers.append)
     sub = view[10:20]
     del view
-    assert not lease.wait(0.01) and lease.outstanding == 1
+    assert not loan.wait(0.01) and loan.outstanding == 1
     del sub
-    assert not lease.wait(0.01)  # the pickle buffers still read the tensor
+    assert not loan.wait(0.01)  # the pickle buffers still read the tensor
     del buffers
-    assert lease.wait(1.0) and lease.outstanding == 0
+    assert loan.wait(1.0) and loan.outstanding == 0
 
 
 def test_a_lease_keeps_its_tensor_alive_and_lends_bf16_as_bits():
-    lease = Lease()
+    loan = TensorLoan()
     t = torch.randn(LEND_MIN_BYTES).to(torch.bfloat16)
     expect = t.view(torch.int16).clone()
-    view = lease.view(t)
-    del t  # the view's memory is the tensor's: the lease holds it
+    view = loan.view(t)
+    del t  # the view's memory is the tensor's: the loan holds it
     assert view.dtype == np.int16 and np.array_equal(view, expect.numpy())
     with pytest.raises(ValueError, match="contiguous CPU"):
-        lease.view(torch.randn(256, 256).t())
+        loan.view(torch.randn(256, 256).t())
     small = torch.ones(3)
-    copied = lease.view(small)  # small tensors are copied, not lent
+    copied = loan.view(small)  # small tensors are copied, not lent
     small.add_(1)
-    assert copied.tolist() == [1.0, 1.0, 1.0] and lease.outstanding == 1
+    assert copied.tolist() == [1.0, 1.0, 1.0] and loan.outstanding == 1
 
 
 def test_a_copy_that_overlaps_the_next_backward_holds_the_state_of_its_step():

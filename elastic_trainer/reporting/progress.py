@@ -6,7 +6,7 @@ import collections
 import statistics
 from typing import TextIO
 
-from .config import TrainerConfig
+from ..config import TrainerConfig
 
 
 class ProgressPrinter:

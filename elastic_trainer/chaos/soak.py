@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from .naming import NAMESPACE, controller_name
+from ..naming import NAMESPACE, controller_name
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from .naming import NAMESPACE, is_controller
+from ..errors import error_line
+from ..naming import NAMESPACE, is_controller
 
 _ANSWER_TIMEOUT_S = 10.0
 
@@ -28,7 +29,7 @@ def live_statuses(run: str | None = None) -> list[dict]:
             out.append(ray.get(ref, timeout=_ANSWER_TIMEOUT_S))
         except Exception as e:  # a controller that died or is stuck still belongs in the list
             out.append({"run": name[: -len("-controller")], "state": "UNREACHABLE",
-                        "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+                        "error": error_line(e)})
     return out
 
 

@@ -1,7 +1,7 @@
 """Run configuration: the whole run's pydantic model, its cross-section rules, and YAML loading.
 
-The sections are in ``config_training`` (what is trained) and
-``config_runtime`` (how it runs), and are importable from here. Every
+The sections are in ``config.training`` (what is trained) and
+``config.runtime`` (how it runs), and are importable from here. Every
 cross-field rule is checked before any worker starts, and each error names
 every factor involved (``dp(2) * pp(3) = 6 != num_workers(4)``).
 """
@@ -14,13 +14,13 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from .config_base import Strict as _Strict
-from .config_parsing import apply_overrides, format_validation_error
-from .config_runtime import (BalanceSection, CheckpointSection, CommSection, ControlSection,  # noqa: F401
+from .base import Strict as _Strict
+from .parsing import apply_overrides, format_validation_error
+from .runtime import (BalanceSection, CheckpointSection, CommSection, ControlSection,  # noqa: F401
                              FailureSection, ScalingSection)
-from .config_training import (DataSection, EvalSection, ModelSection, ParallelSection,  # noqa: F401
+from .training import (DataSection, EvalSection, ModelSection, ParallelSection,  # noqa: F401
                               RunSection, TrainSection)
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class TrainerConfig(_Strict):

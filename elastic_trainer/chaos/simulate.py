@@ -12,8 +12,8 @@ import signal
 
 import ray
 
-from .config import TrainerConfig
-from .naming import NAMESPACE
+from ..config import TrainerConfig
+from ..naming import NAMESPACE
 
 
 def object_store_bytes() -> int:

@@ -18,12 +18,12 @@ import pyarrow.fs as pafs
 import torch
 from safetensors.torch import save as st_save
 
-from .checkpoint.durable import MANIFEST, DurableStore
-from .checkpoint.weights import WEIGHTS, load_weights, read_metadata, weights_from_shards
-from .config import ModelSection
-from .data.dataset import resolve_filesystem
-from .errors import ConfigError, ElasticTrainerError
-from .models.hf import build_hf_blocks, hf_config_dict, hf_name_map, load_hf_config
+from ..config import ModelSection
+from ..data.dataset import resolve_filesystem
+from ..errors import ConfigError, ElasticTrainerError
+from ..models.hf import build_hf_blocks, hf_config_dict, hf_name_map, load_hf_config
+from .durable import MANIFEST, DurableStore
+from .weights import WEIGHTS, load_weights, read_metadata, weights_from_shards
 
 
 class ExportError(ElasticTrainerError):

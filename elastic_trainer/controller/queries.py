@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 
-class ControllerViews:
+class ControllerQueries:
     """Mixed into ``Controller``: it provides the attributes read here."""
 
     def progress(self, since: int, events_since: int = 0, ranks_since: int | None = None) -> dict:

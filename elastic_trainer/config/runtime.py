@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from .config_base import Strict as _Strict
+from .base import Strict as _Strict
 
 
 class ScalingSection(_Strict):

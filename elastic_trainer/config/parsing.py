@@ -8,8 +8,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .config_base import YAML_BOOL_WORDS
-from .errors import ConfigError
+from .base import YAML_BOOL_WORDS
+from ..errors import ConfigError
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

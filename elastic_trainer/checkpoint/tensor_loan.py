@@ -4,10 +4,10 @@ A rank that writes its whole state into the object store need not copy it
 first: the part it hands to Ray can hold views of the live parameters and
 optimizer moments, and Ray's write into the object store is then the only
 copy. Those tensors must not change until that write is over, and Ray says
-nothing when it is. A ``Lease`` makes the views itself, each backed by a
+nothing when it is. A ``TensorLoan`` makes the views itself, each backed by a
 small buffer object of its own; every array, view or pickle buffer derived
 from a view keeps that object alive, so when the last of them goes the
-reader is done, and ``wait`` returns. The lease also keeps the tensors
+reader is done, and ``wait`` returns. The loan also keeps the tensors
 alive until then (the views do not own their memory).
 """
 
@@ -20,22 +20,14 @@ import weakref
 import numpy as np
 import torch
 
-from .dtypes import bits_dtype
+from .dtypes import bits_dtype, numpy_dtype
 
 
 # Tensors smaller than this are copied at once instead of lent.
 LEND_MIN_BYTES = 64 << 10
 
-_NUMPY: dict = {}
 
-
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    if dtype not in _NUMPY:
-        _NUMPY[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
-    return _NUMPY[dtype]
-
-
-class Lease:
+class TensorLoan:
     """Views of live CPU tensors, and a wait for the moment none is referenced any more."""
 
     def __init__(self):
@@ -48,7 +40,7 @@ class Lease:
         """A read-only numpy view of CPU tensor ``t`` (bfloat16 as its bits, like ``dtypes.to_numpy``)."""
         t = t.detach()
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"a lease lends contiguous CPU tensors only, not {t.device} "
+            raise ValueError(f"a tensor loan lends contiguous CPU tensors only, not {t.device} "
                              f"{'contiguous' if t.is_contiguous() else 'strided'} ones")
         bits = bits_dtype(t.dtype)
         if bits is not t.dtype:
@@ -62,7 +54,7 @@ class Lease:
             self._out += 1
             self._free.clear()
         weakref.finalize(holder, self._returned, t)  # holds t until the last view goes
-        arr = np.frombuffer(holder, dtype=_numpy_dtype(t.dtype)).reshape(t.shape)
+        arr = np.frombuffer(holder, dtype=numpy_dtype(t.dtype)).reshape(t.shape)
         arr.flags.writeable = False
         return arr
 

@@ -6,14 +6,14 @@ import argparse
 import json
 import sys
 
-from .checkpoint.compat import ACCEPTABLE
-from .config import TrainerConfig
-from .errors import ConfigError, ElasticTrainerError
+from ..checkpoint.compat import ACCEPTABLE
+from ..config import TrainerConfig
+from ..errors import ConfigError, ElasticTrainerError
 
 
 def _with_straggler(cfg: TrainerConfig, rank: int, factor: float) -> TrainerConfig:
     """``cfg`` whose worker that starts as ``rank`` computes ``factor`` times slower (a demo straggler)."""
-    from .worker.faults import SLOW_FACTOR_ENV, SLOW_RANK_ENV
+    from ..worker.faults import SLOW_FACTOR_ENV, SLOW_RANK_ENV
 
     world = cfg.parallel.dp * cfg.parallel.pp
     if not 0 <= rank < world:
@@ -29,7 +29,7 @@ def _with_straggler(cfg: TrainerConfig, rank: int, factor: float) -> TrainerConf
 
 def balancing_hint(cfg: TrainerConfig) -> str | None:
     """What a user making a straggler should know when balancing cannot move shares on ``cfg``."""
-    from .planning.balancing import share_quantum
+    from ..planning.balancing import share_quantum
 
     p, t = cfg.parallel, cfg.train
     if cfg.balance.mode != "act" or p.dp < 2 or cfg.comm.sync != "allreduce":
@@ -45,7 +45,7 @@ def balancing_hint(cfg: TrainerConfig) -> str | None:
 
 
 def _cmd_run(args) -> int:
-    from .trainer import Trainer
+    from ..trainer import Trainer
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
     if args.slow_rank is not None:
@@ -62,7 +62,7 @@ def _cmd_run(args) -> int:
     if args.simulate_nodes:
         import time
 
-        from .simulate import simulated_cluster
+        from ..chaos.simulate import simulated_cluster
 
         if cfg.run.name is None:  # the killer finds the run's controller by name
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("et-%Y%m%d-%H%M%S")})})
@@ -77,10 +77,10 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from .planning.constants import load_constants
-    from .planning.plan import make_plan
-    from .planning.planner import format_candidates, predict_candidates, recommend
-    from .planning.policy import replan_row
+    from ..planning.constants import load_constants
+    from ..planning.plan import make_plan
+    from ..planning.planner import format_candidates, predict_candidates, recommend
+    from ..planning.policy import replan_row
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
     plan = make_plan(cfg)
@@ -132,8 +132,8 @@ def _cmd_bench_comm(args) -> int:
 
     import torch.multiprocessing as mp
 
-    from .planning import calibration as bench
-    from .planning.cost_model import size_range
+    from ..planning import calibration as bench
+    from ..planning.cost_model import size_range
 
     try:
         lo, hi = bench.parse_size(args.min), bench.parse_size(args.max)
@@ -205,7 +205,7 @@ def _connect(args) -> str:
 
     import ray
 
-    from .naming import NAMESPACE
+    from ..naming import NAMESPACE
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
     _check_reachable(address)
@@ -256,13 +256,13 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_prepare(args) -> int:
-    from .errors import DataError
+    from ..errors import DataError
 
     if args.tokenizer is None:
         if args.input is not None:
             raise DataError(f"--input({args.input!r}) is tokenized with --tokenizer FILE; none was given "
                             "(without --tokenizer, prepare-data writes the stdlib byte corpus)")
-        from .data.corpus import prepare_stdlib_corpus
+        from ..data.corpus import prepare_stdlib_corpus
 
         rows = prepare_stdlib_corpus(args.out, args.seq_len, int(args.max_mb * (1 << 20)))
         print(f"wrote {rows} rows of {args.seq_len + 1} byte tokens to {args.out}")
@@ -270,7 +270,7 @@ def _cmd_prepare(args) -> int:
     if args.input is None:
         raise DataError(f"--tokenizer({args.tokenizer!r}) needs --input PATH: the Parquet, .txt or .jsonl "
                         "text to tokenize")
-    from .data.prepare import prepare_tokenized
+    from ..data.prepare import prepare_tokenized
 
     res = prepare_tokenized(args.input, args.out, args.tokenizer, column=args.column, out_column=args.out_column,
                             eos=not args.no_eos, eos_token=args.eos_token)
@@ -281,7 +281,7 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from .hf_export import export
+    from ..checkpoint.hf_export import export
 
     out = export(args.source, args.hf)
     print(f"wrote a Hugging Face folder to {out} (AutoModelForCausalLM.from_pretrained loads it)")
