@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .checkpoint.compat import resume_request
 from .config import TrainerConfig
-from .controller.controller import Controller
+from .controller.controller import ControllerActor
 from .controller.saving import SaveError
 from .data.dataset import ensure_prepared
 from .data.splits import data_order, open_datasets
@@ -68,54 +68,6 @@ class Result:
     @property
     def final_loss(self) -> float | None:
         return self.history[-1]["loss"] if self.history else None
-
-
-class ControllerActor:
-    """The run's controller as the cluster reaches it (``ray.get_actor("<run>-controller")``).
-
-    Ray lets any driver connected to the cluster call every method of a named actor's class,
-    private ones included, so the actor is this narrow class: the :class:`Controller` it holds,
-    with its internals that move the run (``transition``, ``apply_plan``, ``event``, ...), is
-    out of a client's reach. What is left: ``run`` (once: the driver that made the actor calls
-    it), ``stop`` (ends the run STOPPED, with what it has saved), the read-only ``progress``,
-    ``status`` and ``unsaved_state``, and two chaos hooks, ``inject_fault`` and
-    ``worker_handles``, refused unless the run's config sets ``failure.allow_fault_injection``.
-    """
-
-    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None):
-        self._ctl = Controller(cfg_json, run_name, data)
-
-    def run(self, *args, **kwargs) -> dict:
-        """``Controller.run``: the whole run; a second call is refused."""
-        return self._ctl.run(*args, **kwargs)
-
-    def stop(self, reason: str = "") -> bool:
-        """``Controller.stop``: end the run after the steps in flight, saved, STOPPED."""
-        return self._ctl.stop(reason)
-
-    def progress(self, since: int, events_since: int = 0, ranks_since: int | None = None) -> dict:
-        """Step records, events and per-rank figures since the given indices (read-only)."""
-        return self._ctl.progress(since, events_since, ranks_since)
-
-    def status(self) -> dict:
-        """What ``elastic-trainer status`` shows (read-only)."""
-        return self._ctl.status()
-
-    def unsaved_state(self) -> dict | None:
-        """The weights of a run whose final save failed (read-only; the weights themselves)."""
-        return self._ctl.unsaved_state()
-
-    def inject_fault(self, *args, **kwargs) -> None:
-        """``Controller.inject_fault``; only with ``failure.allow_fault_injection``."""
-        return self._ctl.inject_fault(*args, **kwargs)
-
-    def worker_handles(self) -> list:
-        """The live workers' actors, for chaos tools that inject faults into them: only with
-        ``failure.allow_fault_injection``, as those faults are."""
-        if not self._ctl.cfg.failure.allow_fault_injection:
-            raise PermissionError(f"worker handles are for fault injection, which is off in run "
-                                  f"{self._ctl.run_name!r}: set failure.allow_fault_injection true in its config")
-        return self._ctl.worker_handles()
 
 
 class Trainer:

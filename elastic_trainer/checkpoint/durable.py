@@ -32,14 +32,13 @@ import io
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.fs as pafs
 import torch
 
 from ..data.dataset import resolve_filesystem
-from ..errors import DataError, ElasticTrainerError
+from ..errors import ElasticTrainerError
 from ..retry import StorageError, with_retries
 
 FORMAT = 1

@@ -27,7 +27,7 @@ With ``balance.mode: act``, cheapest first:
   at again every ``window`` steps while a straggler lasts, and go back to
   equal once every rank they were for has recovered;
 - in a pipeline, where no share helps, a clear and lasting straggler's stage
-  is given fewer blocks (``cut_request``, a live re-plan with every rank on
+  is given fewer blocks (``Moves.cut``, a live re-plan with every rank on
   its worker): the cut that minimises the slowest stage under the measured
   stage paces (``planning.recut``), when that repays two re-plans (there
   and back) within ``payback_steps``. The balanced cut comes back once every
@@ -35,7 +35,7 @@ With ``balance.mode: act``, cheapest first:
   rank's compute scaled by its stage's modelled work there over now), so the
   re-cut rank still reads slow until it is not;
 - where neither helps, a clear and lasting straggler is left out as a spare
-  (``bench_request``, carried out by ``controller.benching``) when the
+  (``Moves.bench``, carried out by ``controller.benching``) when the
   policy's plan without it repays two re-plans within ``payback_steps``.
 
 A new plan starts on equal shares. The same workers on the same layout (a
@@ -65,6 +65,16 @@ _CALIBRATION_STEPS = 4
 _MODEL_ERROR = 2.5
 
 
+class Moves(list):
+    """One step's ``rebalance`` events (a list), and the re-plan they ask the step loop to take:
+    ``bench`` = (rank, pace) to leave out as a spare, ``cut`` = the stage bounds to re-cut to.
+    A decision handed back as a value: nothing is left on ``Balance`` for the loop to poll."""
+
+    def __init__(self, events=(), bench: tuple[int, float] | None = None, cut: "Bounds | None" = None):
+        super().__init__(events)
+        self.bench, self.cut = bench, cut
+
+
 class Balance:
     def __init__(self, cfg: BalanceSection, sync: str = "allreduce",
                  spare_plan: Callable[[], object | None] | None = None,
@@ -78,8 +88,8 @@ class Balance:
         self.acts = cfg.mode == "act"
         self.shares_ok = sync == "allreduce"   # the other sync modes average models, not gradients
         self._spare_plan, self._replan_cost_s, self._cut_fits = spare_plan, replan_cost_s, cut_fits
-        self.bench_request: tuple[int, float] | None = None   # (rank, pace) to leave out, for the controller
-        self.cut_request: Bounds | None = None                 # stage bounds to re-plan to, for the controller
+        self._bench_pending: tuple[int, float] | None = None   # (rank, pace) left out, its re-plan not yet taken
+        self._decided: tuple | None = None                       # what this act() asks the loop for: (bench, cut)
         self._bounds: Bounds | None = None       # the plan's stage cut
         self._balanced: Bounds | None = None     # the cut the policy chose for this layout
         self._awaiting: Bounds | None = None     # a re-cut asked for, not yet taken
@@ -114,14 +124,14 @@ class Balance:
         ``costs_fn`` each block's modelled work (each asked for once, when a straggler first
         needs pricing); ``bounds``: its stage cut; ``workers``: rank -> worker id. Paces start
         again, except where the same workers run the same layout, cut as it was or as asked
-        (``cut_request``): then each rank keeps its pace, read at the balanced cut."""
+        (``Moves.cut``): then each rank keeps its pace, read at the balanced cut."""
         bounds = tuple(tuple(b) for b in bounds) if bounds is not None else None
         same = (self._topo is not None and (topo.dp, topo.pp) == (self._topo.dp, self._topo.pp)
                 and workers is not None and workers == self._workers and bounds is not None
                 and bounds in (self._bounds, self._awaiting))
         self._topo, self._equal, self._row_fn, self._row = topo, equal_micro_batches, row_fn, None
         self._workers, self._virtual = dict(workers) if workers is not None else None, virtual
-        before, self._bounds, self._awaiting, self.cut_request = self._bounds, bounds, None, None
+        before, self._bounds, self._awaiting = self._bounds, bounds, None
         self._calib = None
         if same and bounds == before:
             pass   # a retry in place: the scales (calibrated ones too) stand
@@ -142,7 +152,7 @@ class Balance:
             self._unproven.clear()
             self._actual = {r: collections.deque(maxlen=self.cfg.window) for r in range(topo.world_size)}
         self.shares, self._for = None, set()
-        self.bench_request = None
+        self._bench_pending = None
         self._worker_s.clear()
         self._decided_at = 0
 
@@ -215,9 +225,22 @@ class Balance:
             self._calib = None
         return {r: p for r in compute if (p := self.tracker.pace_of(r)) is not None}
 
-    def act(self, step: int, named: bool) -> list[dict]:
-        """After ``observe``: move the shares, or leave the straggler out, if that repays
-        (``named``: a straggler was named this step); returns the ``rebalance`` events."""
+    @property
+    def cut_pending(self) -> Bounds | None:
+        """The stage cut a re-cut asked for, until the plan that takes it (``new_plan``)."""
+        return self._awaiting
+
+    def act(self, step: int, named: bool) -> "Moves":
+        """After ``observe``: move the shares, re-cut the stages or leave the straggler out, where
+        that repays (``named``: a straggler was named this step). Returns the ``rebalance``
+        events, carrying the re-plan they ask the loop for (``Moves.bench``, ``Moves.cut``)."""
+        self._decided = None
+        events = self._act(step, named)
+        bench, cut = self._decided or (None, None)
+        self._decided = None
+        return Moves(events, bench, cut)
+
+    def _act(self, step: int, named: bool) -> list[dict]:
         if not self.acts or self._topo is None:
             return []
         slow = self.tracker.stragglers
@@ -225,7 +248,7 @@ class Balance:
             before, self.shares, self._for = self.shares, None, set()
             return [{"kind": "rebalance", "step": step, "action": "equal shares", "shares": None,
                      "shares_before": before, "reason": "the ranks it was for recovered"}]
-        if self._awaiting is not None or self.bench_request is not None:
+        if self._awaiting is not None or self._bench_pending is not None:
             return []   # a re-plan is on its way
         if self._bounds != self._balanced:
             expired = step - self._cut_at >= self.cfg.payback_steps
@@ -239,7 +262,8 @@ class Balance:
             if (recovered and not others) or expired:
                 # Back when its ranks recovered; and after payback_steps in any case, to be
                 # measured again at the balanced cut (a pace read on a re-cut may drift).
-                self.cut_request = self._awaiting = self._balanced
+                self._awaiting = self._balanced
+                self._decided = (None, self._balanced)
                 return [{"kind": "rebalance", "step": step, "action": "balanced cut",
                          "stages": [list(b) for b in self._balanced], "stages_before": [list(b) for b in self._bounds],
                          "reason": "balance.payback_steps on the re-cut: measured again at the balanced cut"
@@ -329,7 +353,8 @@ class Balance:
                              min_gain=self.cfg.threshold / 2)
         if prop is None or (self._cut_fits is not None and not self._cut_fits(tuple(prop.bounds))):
             return []
-        self.cut_request = self._awaiting = tuple(tuple(b) for b in prop.bounds)
+        self._awaiting = tuple(tuple(b) for b in prop.bounds)
+        self._decided = (None, self._awaiting)
         # For the lasting stragglers: a rank a little slow besides neither shows in the event
         # nor keeps the cut once they recover.
         self._cut_for, self._cut_at = self._paces_now(lasting), step
@@ -368,7 +393,8 @@ class Balance:
             return []
         rank = max(lasting, key=lambda r: self.tracker.compute_median(r) or 0.0)
         pace = self.tracker.pace_of(rank) or 1.0
-        self.bench_request = (rank, pace)
+        self._bench_pending = (rank, pace)
+        self._decided = ((rank, pace), None)
         return [{"kind": "rebalance", "step": step, "action": "spare", "rank": rank, "pace": round(pace, 3),
                  "plan_after": {"dp": choice.dp, "pp": choice.pp}, "predicted_step_s": round(after, 6),
                  "step_s_before": round(measured, 6), "cost_s": round(cost, 6),

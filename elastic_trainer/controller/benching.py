@@ -23,12 +23,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ray
 
-if TYPE_CHECKING:
-    from .controller import Controller
+from ..config import TrainerConfig
+from .run_record import RunRecord
+from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ _MAX_FAILED_PROBES = 2
 
 
 class Bench:
-    def __init__(self, ctl: "Controller"):
-        self.ctl = ctl
+    def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool):
+        self.cfg, self.run, self.pool = cfg, run, pool
         self.benched: dict[int, Benched] = {}
         self._lock = threading.Lock()   # status() reads it from another thread
         self._probed_at = 0
@@ -62,32 +62,33 @@ class Bench:
         """The live workers a plan may use: all but the benched."""
         with self._lock:
             benched = set(self.benched)
-        return sorted(w for w in self.ctl.pool.workers if w not in benched)
+        return sorted(w for w in self.pool.workers if w not in benched)
 
     def bench(self, rank: int, pace: float, step: int) -> int | None:
-        """Leave out the worker of ``rank`` and ask for the re-plan without it; its id, or None
-        when it cannot be left out (its worker is gone)."""
-        wid = self.ctl.ranks.get(rank)
-        if wid is None or wid not in self.ctl.pool:
+        """Leave out the worker of ``rank``; its id, for the caller to re-plan without it (a
+        ``straggler`` re-plan), or None when it cannot be left out (its worker is gone)."""
+        wid = self.run.ranks.get(rank)
+        if wid is None or wid not in self.pool:
             return None
         with self._lock:
             self.benched[wid] = Benched(wid, rank, pace, step)
-        self.ctl.recovery.request_replan("straggler")
         return wid
 
     def readmit_all(self, why: str) -> list[dict]:
         """Let every benched worker back in at once (no plan fits without them); their events."""
         with self._lock:
             back, self.benched = list(self.benched.values()), {}
-        return [{"kind": "rebalance", "step": self.ctl.step, "action": "readmit", "worker": b.wid,
-                 "rank_before": b.rank, "benched_steps": self.ctl.step - b.step, "reason": why} for b in back]
+        step = self.run.step
+        return [{"kind": "rebalance", "step": step, "action": "readmit", "worker": b.wid,
+                 "rank_before": b.rank, "benched_steps": step - b.step, "reason": why} for b in back]
 
-    def after_replan(self, step: int) -> None:
+    def after_replan(self, step: int, reset_refs: dict) -> None:
         """Take the slow baseline of each newly benched worker, now that it runs no steps (once
-        its reset has ended, which would otherwise share its device with the probe)."""
+        its reset has ended, which would otherwise share its device with the probe; ``reset_refs``:
+        worker id -> its last reset)."""
         self._drop_gone()
         fresh = [b for b in self.benched.values() if b.probe_s is None]
-        resets = [self.ctl.reset_refs[b.wid] for b in fresh if b.wid in self.ctl.reset_refs]
+        resets = [reset_refs[b.wid] for b in fresh if b.wid in reset_refs]
         if resets:
             ray.wait(resets, num_returns=len(resets), timeout=_RESET_WAIT_S)
         self._baseline(fresh)
@@ -103,19 +104,19 @@ class Bench:
         """Every ``balance.window`` steps, probe the benched workers; returns the ``rebalance``
         events of those let back in."""
         self._drop_gone()
-        if not self.benched or step - self._probed_at < self.ctl.cfg.balance.window:
+        if not self.benched or step - self._probed_at < self.cfg.balance.window:
             return []
         self._probed_at = step
         self._baseline([b for b in self.benched.values() if b.probe_s is None])   # a baseline that failed
         ready = [b for b in self.benched.values() if b.probe_s is not None]
         events = []
-        faster = 1 + self.ctl.cfg.balance.threshold
+        faster = 1 + self.cfg.balance.threshold
         for b, got in zip(ready, self._probe([(b.wid, b.products) for b in ready])):
             if got is None:
                 continue
             s = b.last_probe_s = got[0]
             now = b.pace * s / b.probe_s   # its pace now, as far as the probe tells
-            expired = step - b.step >= self.ctl.cfg.balance.payback_steps
+            expired = step - b.step >= self.cfg.balance.payback_steps
             if s * faster < b.probe_s or expired:
                 with self._lock:
                     del self.benched[b.wid]
@@ -125,18 +126,18 @@ class Bench:
                                "reason": "benched for balance.payback_steps: tried again" if expired
                                and s * faster >= b.probe_s else "its probe is faster"})
                 log.info("[%s] worker %d probes %.1fx faster than when benched, after %d steps: it may be "
-                         "grown onto", self.ctl.run_name, b.wid, b.probe_s / s, step - b.step)
+                         "grown onto", self.run.name, b.wid, b.probe_s / s, step - b.step)
         return events
 
     def _drop_gone(self) -> None:
         with self._lock:
-            for wid in [w for w in self.benched if w not in self.ctl.pool]:
+            for wid in [w for w in self.benched if w not in self.pool]:
                 del self.benched[wid]   # died while benched
 
     def _probe(self, asks: list[tuple[int, int | None]]) -> list[tuple[float, int] | None]:
         """(seconds, products) per worker in ``asks`` ((worker, products)), all probed at once; None
         where a probe failed. A dead worker is dropped from the pool (and so from the bench)."""
-        pool = self.ctl.pool
+        pool = self.pool
         refs = {w: pool[w].actor.probe.remote(n) for w, n in asks if w in pool}
         if refs:
             ray.wait(list(refs.values()), num_returns=len(refs), timeout=_PROBE_TIMEOUT_S)
@@ -157,7 +158,7 @@ class Bench:
                     gone.add(w)   # alive but its probes hang or fail: it is no use as a spare either
         if gone:
             log.warning("[%s] letting benched worker(s) %s go: dead, or their probes failed %d times",
-                        self.ctl.run_name, sorted(gone), _MAX_FAILED_PROBES)
+                        self.run.name, sorted(gone), _MAX_FAILED_PROBES)
             pool.drop(sorted(gone))
             self._drop_gone()
         return out

@@ -11,21 +11,22 @@ metrics, and into the events (``eval``) the progress lines print.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .controller import Controller
+from ..config import TrainerConfig
+from .run_record import RunRecord
+from .stepping import StepDriver, StepOutcome
+from .workers import WorkerPool
 
 
 class Evaluator:
-    def __init__(self, ctl: "Controller"):
-        self.ctl = ctl
-        self.ev = ctl.cfg.eval
+    def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, driver: StepDriver):
+        self.cfg, self.run, self.pool, self.driver = cfg, run, pool, driver
+        self.ev = cfg.eval
         self.done: dict[int, float] = {}   # step -> eval loss, for steps not rolled back
 
     def due(self) -> bool:
         """Whether the evaluation after the last committed step is still to run."""
-        return self.due_after(self.ctl.step)
+        return self.due_after(self.run.step)
 
     def due_after(self, step: int) -> bool:
         """Whether an evaluation is to run after ``step`` once it is committed (a lease issued
@@ -33,30 +34,22 @@ class Evaluator:
         ev = self.ev
         if not ev.enabled or step == 0 or step in self.done:
             return False
-        return step % ev.every == 0 or step == self.ctl.cfg.train.steps
+        return step % ev.every == 0 or step == self.cfg.train.steps
 
-    def run(self) -> None:
-        """Evaluate after the last committed step; a failure goes to recovery, and ``due`` stays true."""
-        ctl = self.ctl
-        step = ctl.step
-        out = ctl.driver.evaluate(step, {w: ctl.pool[w].actor for w in ctl.ranks.values()}, self.ev.batches)
+    def run_after_step(self) -> StepOutcome:
+        """Evaluate after the last committed step and record the result; the outcome, which the
+        loop hands to recovery when it failed (``due`` then stays true)."""
+        run = self.run
+        step = run.step
+        out = self.driver.evaluate(step, {w: self.pool[w].actor for w in run.ranks.values()}, self.ev.batches)
         if not out.ok:
-            ctl.recovery.recover(out)
-            return
+            return out
         losses = [o["loss"] for o in out.results.values() if o["loss"] is not None]
         # Every replica's last stage evaluates an equal share of the same windows.
         loss = sum(losses) / len(losses)
-        seconds = time.perf_counter() - out.started
         self.done[step] = loss
-        with ctl._lock:
-            for rec in reversed(ctl.history):
-                if rec["step"] == step:
-                    rec["eval_loss"] = loss
-                    rec["eval_s"] = seconds
-                    break
-        ctl.metrics.record_step({"eval_loss": loss})
-        topo = ctl.plan.topology
-        ctl.event("eval", step=step, loss=loss, seconds=seconds, dp=topo.dp, pp=topo.pp)
+        run.record_eval(step, loss, time.perf_counter() - out.started)
+        return out
 
     def rolled_back(self, restored: int) -> None:
         """Steps after ``restored`` will run again, and so will their evaluations."""

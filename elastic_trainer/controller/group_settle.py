@@ -13,25 +13,22 @@ what any rank still waits in: on a peer that died, or on one that went silent
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import ray
 
+from ..parallel.topology import Topology
 from .group_carry import plan_keys, whole_groups
+from .stepping import StepOutcome
 from .stuck_steps import stuck
-from .workers import ask_all
+from .workers import WorkerPool, ask_all
 
-if TYPE_CHECKING:
-    from ..parallel.topology import Topology
-    from .stepping import StepOutcome
-    from .workers import WorkerPool
 
 # How often, while survivors' steps end after the first cut, to look whether those still in
 # theirs can only be ended by a cut.
 _STEP_END_POLL_S = 0.05
 
 
-def settle_groups(pool: "WorkerPool", topo: "Topology", ranks: dict[int, int], out: "StepOutcome",
+def settle_groups(pool: WorkerPool, topo: Topology, ranks: dict[int, int], out: StepOutcome,
                   timeout_s: float) -> tuple[set, dict]:
     """Settle the groups of the plan ``topo`` with ``ranks`` (rank -> worker id) after the failed
     step ``out``. Returns the whole groups' keys (``group_carry``), which every survivor keeps,
@@ -50,7 +47,7 @@ def settle_groups(pool: "WorkerPool", topo: "Topology", ranks: dict[int, int], o
     return whole, waited
 
 
-def _await_steps_ending(pool: "WorkerPool", out: "StepOutcome", survivors: list[int], timeout_s: float) -> dict:
+def _await_steps_ending(pool: WorkerPool, out: StepOutcome, survivors: list[int], timeout_s: float) -> dict:
     """Up to ``timeout_s`` for the survivors' steps to end after the first cut (a busy host can
     take most of a second: 0.25 s left one busy in CI), but no longer than while one of them
     could still end by itself: once each still in its step is blocked where only a cut ends

@@ -12,9 +12,19 @@ from __future__ import annotations
 
 import statistics
 
+from .balance import Balance
+from .benching import Bench
+from .run_record import RunRecord
+from .snapshot_schedule import SnapshotSchedule
+from .workers import WorkerPool
+
 
 class ControllerQueries:
-    """Mixed into ``Controller``: it provides the attributes read here."""
+    """The read-only answers of a running controller, from the parts it is given."""
+
+    def __init__(self, run: RunRecord, pool: WorkerPool, schedule: SnapshotSchedule, balance: Balance,
+                 bench: Bench):
+        self.run, self.pool, self.schedule, self.balance, self.bench = run, pool, schedule, balance, bench
 
     def progress(self, since: int, events_since: int = 0, ranks_since: int | None = None) -> dict:
         """Step records from index ``since`` of the history and events from ``events_since``;
@@ -24,33 +34,35 @@ class ControllerQueries:
         After a rollback the history is shorter than before; ``length`` tells the
         caller where it stands now.
         """
-        with self._lock:
-            out = {"state": self.state.value, "records": self.history[since:], "length": len(self.history),
-                   "events": [dict(e) for e in self.events[events_since:]], "n_events": len(self.events),
-                   "plan": self.plan.describe() if self.plan else None}
+        run = self.run
+        with run.lock:
+            out = {"state": run.state.value, "records": run.history[since:], "length": len(run.history),
+                   "events": [dict(e) for e in run.events[events_since:]], "n_events": len(run.events),
+                   "plan": run.plan.describe() if run.plan else None}
             if ranks_since is not None:
-                out["ranks"], out["ranks_dropped"] = self.rank_figures.since(ranks_since)
+                out["ranks"], out["ranks_dropped"] = run.rank_figures.since(ranks_since)
             return out
 
     def status(self) -> dict:
         """What ``elastic-trainer status`` shows: plan, step, throughput, recent failures."""
-        with self._lock:
-            recent = self.history[-10:]
-            return {"run": self.run_name, "state": self.state.value, "step": self.step,
-                    "steps": self.cfg.train.steps, "last": self.history[-1] if self.history else None,
+        run = self.run
+        with run.lock:
+            recent = run.history[-10:]
+            return {"run": run.name, "state": run.state.value, "step": run.step,
+                    "steps": run.cfg.train.steps, "last": run.history[-1] if run.history else None,
                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recent) if recent else None,
                     "step_time_s": statistics.median(r["step_time_s"] for r in recent) if recent else None,
-                    "plan": self.plan.describe() if self.plan else None,
-                    "setting_up": self.setting_up,
+                    "plan": run.plan.describe() if run.plan else None,
+                    "setting_up": run.setting_up,
                     "snapshots": self.schedule.describe(),
                     "workers": self.pool.table(),
-                    "failures": [dict(e) for e in [e for e in self.events if e["kind"] == "failure"][-5:]],
-                    "recoveries": sum(1 for e in self.events if e["kind"] == "recovery"),
-                    "eval": _copy(next((e for e in reversed(self.events) if e["kind"] == "eval"), None)),
+                    "failures": [dict(e) for e in [e for e in run.events if e["kind"] == "failure"][-5:]],
+                    "recoveries": sum(1 for e in run.events if e["kind"] == "recovery"),
+                    "eval": _copy(next((e for e in reversed(run.events) if e["kind"] == "eval"), None)),
                     # A stop asked and not yet taken (the run ends after the steps in flight).
-                    "stopping": _copy(next((e for e in reversed(self.events) if e["kind"] == "stop_requested"),
+                    "stopping": _copy(next((e for e in reversed(run.events) if e["kind"] == "stop_requested"),
                                            None)),
-                    "pace": self.rank_figures.last().get("pace") or {},
+                    "pace": run.rank_figures.last().get("pace") or {},
                     "stragglers": self.balance.tracker.stragglers,
                     "shares": list(self.balance.shares) if self.balance.shares else self.balance.shares,
                     "benched": self.bench.describe()}

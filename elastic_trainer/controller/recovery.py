@@ -5,66 +5,73 @@ keep their processes: they are told a new plan and load each of their blocks
 from the best source there is (``restore``). A failure during any of it counts
 as one more failure and the re-plan starts over, up to ``failure.max_failures``.
 
-``Recovery`` works on its controller's state (workers, plan, snapshots, the
-step); what it owns is the failure count and the recovery event in progress.
+``Recovery`` reads the run's record and changes it only through the record's
+operations; it sets plans up through ``PlanSetup`` and finds where to restore
+from through ``RestorePoints``, both given to it. What it owns is the failure
+count, the re-plan asked for, and the recovery event in progress.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import ray
 
+from ..config import TrainerConfig
 from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
-from ..planning.policy import choose_plan, no_plan_reason
+from ..planning.policy import choose_plan, memory_bound, no_plan_reason
+from .benching import Bench
 from .failures import Diagnosis, diagnose
 from .group_carry import carries_groups
 from .group_settle import settle_groups
+from .plan_setup import PlanSetup
+from .ps_group import ParameterServers
 from .restore_points import RestorePoints
+from .run_record import RunRecord
 from .run_state import RunState
+from .snapshot_schedule import SnapshotSchedule
 from .stepping import StepOutcome
 from .survivor_collectives import ShrunkWorld, end_collectives, shrunk_ranks
-from .workers import failed
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from .workers import WorkerPool, failed
 
 log = logging.getLogger(__name__)
 
 
-class Recovery(RestorePoints):
-    def __init__(self, ctl: "Controller"):
-        self.ctl = ctl
-        self.cfg = ctl.cfg
+class Recovery:
+    def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, bench: Bench, setup: PlanSetup,
+                 points: RestorePoints, schedule: SnapshotSchedule, ps: Callable[[], ParameterServers | None],
+                 emergency: Callable[[str], str | None]):
+        self.cfg, self.run, self.pool, self.bench, self.setup, self.points, self.schedule = (
+            cfg, run, pool, bench, setup, points, schedule)
+        self._ps = ps
+        self._emergency = emergency   # saves the newest committed snapshot on the way out; its path
         self.failures = 0
         self.retries_left = self.cfg.failure.retries
         self.pending_event: dict | None = None   # the recovery event, completed at the next step
-        self._durable_refs: dict = {}             # shard index -> ref of a loaded durable checkpoint
-        self.durable_manifest: dict = {}
         self._last_grow_check = time.monotonic()
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
         self._replan_reason: str | None = None   # a re-plan asked for (a straggler benched), likewise
         self._cut: tuple | None = None           # the stage cut a re-plan asked for keeps (a re-cut)
         self._abandoned: list = []  # calls of failed steps (their parts too), read once they end (else Ray logs them)
         self.shrunk: ShrunkWorld | None = None  # the survivors' shrunk world, for the next plan to keep
-        self.holder_reads = 0   # snapshot parts the last restore read from a holder's pinned copy
-        self.relayed_reads = 0  # and those it read through their live writer
         self._shrinks = 0
         self.whole: set | None = None   # the groups a failure left whole, for the next plan to carry
         self.settle_wait: dict = {}     # how the settle round's wait for survivors' steps ended
 
     # -- detect ----------------------------------------------------------------------------
     def recover(self, out: StepOutcome) -> None:
-        ctl = self.ctl
-        ctl.transition(RunState.RECOVERING, step=out.step)
-        diag = diagnose(out, {w: h.actor for w, h in ctl.pool.workers.items()}, self.cfg.failure.ping_timeout_s,
+        """A step (or an evaluation) failed: detect, then re-plan and restore; raises ``RunError``
+        past the run's limits."""
+        run, pool = self.run, self.pool
+        run.transition(RunState.RECOVERING, step=out.step)
+        diag = diagnose(out, {w: h.actor for w, h in pool.workers.items()}, self.cfg.failure.ping_timeout_s,
                         self.cfg.failure.heartbeat_timeout_s)
         self._suspect_node_mates(diag)
         detected = time.perf_counter()
-        plan_before = ctl.plan.describe() if ctl.plan else None
+        plan_before = run.plan.describe() if run.plan else None
         self._record_failure(out.step, diag)
         # A collective that failed while every worker lived is retried first;
         # only when the retries are spent does it count as a failure.
@@ -74,17 +81,18 @@ class Recovery(RestorePoints):
             self.failures += 1
         # A silent worker may be a frozen process on a live node: killed as a hung one is (on a
         # frozen node the kill waits, and nothing waits on it).
-        ctl.pool.kill_hung(diag.hung + diag.silent)
+        pool.kill_hung(diag.hung + diag.silent)
         self._abandoned += [ref for ref in out.shard_refs.values() if ref is not None]
         # The calls still running end in errors too (a cut group, a lease refused behind this one).
         self._abandoned += list(out.inflight)
-        lost_ranks = [r for r, w in ctl.ranks.items() if w in diag.lost]
-        ctl.pool.drop(diag.lost)
-        if ctl.ps:
-            ctl.ps.abandon_step()
+        lost_ranks = [r for r, w in run.ranks.items() if w in diag.lost]
+        pool.drop(diag.lost)
+        ps = self._ps()
+        if ps:
+            ps.abandon_step()
         # Where groups are carried, the settle round cuts just the groups a lost member was in,
         # which ends whatever waits on a silent peer too; else a silent loss cuts every group.
-        carry = carries_groups(self.cfg) and ctl.plan is not None
+        carry = carries_groups(self.cfg) and run.plan is not None
         self._end_collectives(lost_ranks, silent=bool(diag.silent) and not carry)
         self.whole = self._settle_groups(out) if carry else set()
         self._quiesce(out)
@@ -94,7 +102,7 @@ class Recovery(RestorePoints):
     def _suspect_node_mates(self, diag: Diagnosis) -> None:
         """A silent worker's node may be frozen whole: its other workers (one that had already
         returned its step, say) are silent too unless they answer a ping now."""
-        pool = self.ctl.pool
+        pool = self.pool
         nodes = {pool[w].node for w in diag.silent if w in pool}
         mates = [w for w, h in pool.workers.items() if h.node in nodes and w not in diag.lost]
         if mates:
@@ -107,13 +115,13 @@ class Recovery(RestorePoints):
     def start_failed(self, err: WorkerError) -> None:
         """A worker failed to start, or the first set-up failed (a node lost before the first
         step): one more failure, then the re-plan and restore of any recovery."""
-        ctl, pool = self.ctl, self.ctl.pool
-        ctl.transition(RunState.RECOVERING, step=ctl.step + 1)
+        run, pool = self.run, self.pool
+        run.transition(RunState.RECOVERING, step=run.step + 1)
         detected = time.perf_counter()
         failed_workers = getattr(err, "failed_workers", [])
-        ctl.event("failure", failure="startup", worker=failed_workers, rank=None, node=None,
-                  step=ctl.step + 1, detail=str(err))
-        log.warning("[%s] start-up failed: %s", ctl.run_name, err)
+        run.event("failure", failure="startup", worker=failed_workers, rank=None, node=None,
+                  step=run.step + 1, detail=str(err))
+        log.warning("[%s] start-up failed: %s", run.name, err)
         dead = pool.dead_among(list(pool.workers))
         if not dead and all(w in pool for w in failed_workers):
             # Every worker lives: the set-up raised on its own (a bug, a model that does not
@@ -122,7 +130,7 @@ class Recovery(RestorePoints):
         self.failures += 1
         self._check_limits(Diagnosis([], [], [], "startup", str(err)))
         pool.drop(dead)
-        ctl.abort_setups()
+        self.setup.abort()
         pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth
         self.replan_and_restore(None, detected, None, reason="startup")
 
@@ -143,44 +151,44 @@ class Recovery(RestorePoints):
             ev["total_s"] = ev["detect_s"] + ev["replan_s"] + ev["restore_s"] + ev["first_step_s"]
             ev["resumed_at"] = time.time()
             log.info("[%s] recovered in %.2f s (detect %.2f, re-plan %.2f, restore %.2f, first step %.2f)",
-                     self.ctl.run_name, ev["total_s"], ev["detect_s"], ev["replan_s"], ev["restore_s"],
+                     self.run.name, ev["total_s"], ev["detect_s"], ev["replan_s"], ev["restore_s"],
                      ev["first_step_s"])
-            self.ctl.metrics.record_event(ev)
+            self.run.metrics.record_event(ev)
 
     def _record_failure(self, step: int, diag: Diagnosis) -> None:
-        workers = self.ctl.pool.workers
+        workers, run = self.pool.workers, self.run
         for kind, wids in (("death", diag.dead), ("silent", diag.silent), ("hang", diag.hung),
                            ("exception", diag.raised)):
             for w in wids:
                 h = workers.get(w)
-                self.ctl.event("failure", failure=kind, worker=w, rank=h.rank if h else None,
-                               node=h.node if h else None, step=step, detail=diag.detail)
+                run.event("failure", failure=kind, worker=w, rank=h.rank if h else None,
+                          node=h.node if h else None, step=step, detail=diag.detail)
         if diag.kind == "collective":
-            self.ctl.event("failure", failure="collective", worker=None, rank=None, node=None, step=step,
-                           detail=diag.detail)
-        log.warning("[%s] step %d failed (%s): %s", self.ctl.run_name, step, diag.kind, diag.detail)
+            run.event("failure", failure="collective", worker=None, rank=None, node=None, step=step,
+                      detail=diag.detail)
+        log.warning("[%s] step %d failed (%s): %s", run.name, step, diag.kind, diag.detail)
 
     def _end_collectives(self, lost_ranks: list[int], silent: bool = False) -> None:
         """Survivors end the collectives they wait in (NCCL, or any backend after a silent loss;
         see ``survivor_collectives``), and the world they shrank to, if they did, is kept for the next plan."""
-        ctl = self.ctl
+        run = self.run
         self._shrinks += 1
         self.shrunk = end_collectives(
-            ctl.pool, self.cfg.scaling.resolved_backend(), ctl.plan.topology if ctl.plan else None, dict(ctl.ranks),
-            lost_ranks, ctl.plan.stage_bounds if ctl.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s,
+            self.pool, self.cfg.scaling.resolved_backend(), run.plan.topology if run.plan else None, dict(run.ranks),
+            lost_ranks, run.plan.stage_bounds if run.plan else None, self._shrinks, self.cfg.failure.rendezvous_timeout_s,
             silent=silent)
 
     def _settle_groups(self, out: StepOutcome) -> set:
         """gloo: the groups of the failed plan that are whole, which the survivors keep for the
         next plan to carry (``group_settle``); the rest are cut."""
-        whole, self.settle_wait = settle_groups(self.ctl.pool, self.ctl.plan.topology, dict(self.ctl.ranks), out,
+        whole, self.settle_wait = settle_groups(self.pool, self.run.plan.topology, dict(self.run.ranks), out,
                                                 self.cfg.failure.ping_timeout_s)
         return whole
 
     def _quiesce(self, out: StepOutcome) -> None:
         """Let survivors abandon the failed step: with the lost workers killed, their
         collectives fail at once; any survivor still inside one after a bound is dropped."""
-        pool = self.ctl.pool
+        pool = self.pool
         pending = {ref: w for ref, w in out.inflight.items() if w in pool}
         if pending:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.cfg.failure.min_step_timeout_s)
@@ -190,7 +198,7 @@ class Recovery(RestorePoints):
                 # snapshot parts they wrote there stay readable (a restore may need them).
                 answers = pool.ask("ping", stuck, self.cfg.failure.ping_timeout_s)
                 answered = [w for w, a in answers.items() if not failed(a)]
-                self.ctl.event("failure", failure="hang", worker=None, rank=None, node=None, step=out.step,
+                self.run.event("failure", failure="hang", worker=None, rank=None, node=None, step=out.step,
                                detail=f"workers {stuck} stayed inside the failed step"
                                       + (f" ({answered} still answered a ping)" if answered else ""))
                 pool.drop(answered, answered=True)
@@ -199,20 +207,15 @@ class Recovery(RestorePoints):
     def _check_limits(self, diag: Diagnosis) -> None:
         f = self.cfg.failure
         if self.failures > f.max_failures:
-            path = self.ctl.emergency_durable()
+            path = self._emergency("the run is stopping after failures")
             raise RunError(f"stopped after {self.failures} failures (failure.max_failures={f.max_failures}); "
                            f"last: {diag.kind}: {diag.detail}" + (f"; durable checkpoint at {path}" if path else ""))
-
-    def failure_summary(self) -> str:
-        return "; ".join(f"{e['failure']} of worker {e['worker']} at step {e['step']}"
-                         + (f" ({e['detail'][:160]})" if e.get("detail") else "")
-                         for e in self.ctl.events if e["kind"] == "failure") or "no failures"
 
     # -- re-plan ---------------------------------------------------------------------------
     def replan_and_restore(self, out: StepOutcome | None, detected: float, plan_before: dict | None,
                            reason: str) -> None:
         """Re-plan on the live workers and restore; a failure during this counts and loops."""
-        ctl, pool = self.ctl, self.ctl.pool
+        run, pool = self.run, self.pool
         attempts, retry_s = 0, 0.0
         while True:
             t0 = time.perf_counter()
@@ -222,56 +225,57 @@ class Recovery(RestorePoints):
             plan, ranks, why = self._next_plan(keep=out is not None)
             reuse = None
             kept = shrunk_ranks(self.shrunk, plan, pool) if ranks is None else None
-            if kept is not None and any(w in ctl.bench.benched for w in kept.values()):
+            if kept is not None and any(w in self.bench.benched for w in kept.values()):
                 kept = None   # a benched straggler holds no rank, in a shrunk world or any other
             if kept is not None:
                 ranks, reuse = kept, self.shrunk.id
                 why += "; the survivors keep their shrunk world (no rendezvous)"
             self.shrunk = None   # a failed attempt below leaves it in no known state
             t1 = time.perf_counter()
-            restore = self.restore_point()
+            restore = self.points.restore_point()
             whole, self.whole = (self.whole or set()) if out is not None else None, None
             try:
-                desc = ctl.apply_plan(plan, restore, ranks, reuse_world=reuse, whole=whole)
+                desc = self.setup.apply(plan, restore, self.points.sources, self.points.durable_refs, ranks,
+                                        reuse_world=reuse, whole=whole)
             except WorkerError as e:
                 failed_workers = getattr(e, "failed_workers", [])
-                ctl.event("failure", failure="during_recovery", worker=failed_workers, rank=None, node=None,
-                          step=out.step if out else ctl.step + 1, detail=str(e))
-                log.warning("[%s] set-up of the new plan failed: %s", ctl.run_name, e)
+                run.event("failure", failure="during_recovery", worker=failed_workers, rank=None, node=None,
+                          step=out.step if out else run.step + 1, detail=str(e))
+                log.warning("[%s] set-up of the new plan failed: %s", run.name, e)
                 self.failures += 1
                 self._check_limits(Diagnosis([], [], [], "during_recovery", str(e)))
                 # Drop whoever died. A live worker that failed is not at fault: it waited at
                 # a rendezvous for a member that died. Abort the set-ups still waiting and let
                 # them end before the next try, which would otherwise queue behind them.
                 pool.drop(pool.dead_among(list(pool.workers)))
-                ctl.abort_setups()
+                self.setup.abort()
                 retry_s += time.perf_counter() - t0
                 continue
             t2 = time.perf_counter()
-            failed_step = out.step if out else ctl.step + 1
+            failed_step = out.step if out else run.step + 1
             restored = restore[0] if restore else 0
-            self.pending_event = ctl.event(
+            self.pending_event = run.event(
                 "recovery", reason=reason, failed_step=failed_step, restored_step=restored,
                 steps_redone=failed_step - restored - (0 if out else 1),
-                steps_rolled_back=ctl.rolled_back,
+                steps_rolled_back=run.rolled_back,
                 plan_before=_plan_summary(plan_before), plan_after=_plan_summary(desc), policy=why,
                 sources=restore[2] if restore else {}, detect_s=detected - (out.started if out else detected),
                 replan_s=t1 - detected - retry_s, restore_s=t2 - t1, attempts=attempts, failed_attempts_s=retry_s,
                 _resumed=t2,
-                restore_parts=dict(ctl.setup_timings), parts_from_holders=self.holder_reads,
-                parts_relayed=self.relayed_reads,
-                **ctl.restore_moved, **self.settle_wait,
+                restore_parts=dict(self.setup.setup_timings), parts_from_holders=self.points.holder_reads,
+                parts_relayed=self.points.relayed_reads,
+                **self.setup.restore_moved, **self.settle_wait,
                 # Leases granted behind the failed one (control.renew_early), dropped before they ran.
                 leases_dropped=[list(d) for d in out.dropped] if out else [],
                 first_signal_at=(time.time() - (time.perf_counter() - out.first_signal)) if out and out.first_signal else None,
                 detected_at=time.time() - (time.perf_counter() - detected))
             self.settle_wait = {}
             self._replan_reason = self._cut = None   # this plan already leaves every benched worker out
-            ctl.bench.after_replan(ctl.step)
+            self.bench.after_replan(run.step, self.setup.reset_refs)
             log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",
-                     ctl.run_name, reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size, len(pool),
+                     run.name, reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size, len(pool),
                      restored, restore[2] if restore else "the seed")
-            ctl.transition(RunState.RUNNING)
+            run.transition(RunState.RUNNING)
             return
 
     def _next_plan(self, keep: bool) -> tuple:
@@ -283,34 +287,34 @@ class Recovery(RestorePoints):
         (``request_replan(cut=...)``) likewise keeps every rank on its worker, with the new
         stage bounds. Otherwise the policy chooses, by the planner's calibrated model.
         """
-        ctl = self.ctl
-        usable_ids = set(ctl.bench.usable())
-        intact = ctl.plan is not None and all(w in usable_ids for w in ctl.ranks.values())
-        if self._cut is not None and intact and len(self._cut) == len(ctl.plan.stage_bounds):
-            topo = ctl.plan.topology
-            plan = plan_for(self.cfg, topo.dp, topo.pp, self._cut, ctl.counts)
-            return plan, dict(ctl.ranks), f"re-cut: stages {[list(b) for b in self._cut]}, each rank on its worker"
+        run, bench, bound = self.run, self.bench, memory_bound(self.cfg)
+        usable_ids = set(bench.usable())
+        intact = run.plan is not None and all(w in usable_ids for w in run.ranks.values())
+        if self._cut is not None and intact and len(self._cut) == len(run.plan.stage_bounds):
+            topo = run.plan.topology
+            plan = plan_for(self.cfg, topo.dp, topo.pp, self._cut, run.counts)
+            return plan, dict(run.ranks), f"re-cut: stages {[list(b) for b in self._cut]}, each rank on its worker"
         if keep and intact:
-            topo = ctl.plan.topology
-            plan = plan_for(self.cfg, topo.dp, topo.pp, ctl.plan.stage_bounds, ctl.counts)
-            return plan, dict(ctl.ranks), "kept: every worker of the plan is alive"
+            topo = run.plan.topology
+            plan = plan_for(self.cfg, topo.dp, topo.pp, run.plan.stage_bounds, run.counts)
+            return plan, dict(run.ranks), "kept: every worker of the plan is alive"
         usable = len(usable_ids)
-        choice = choose_plan(self.cfg, usable, ctl.worker_memory())
-        if (choice is None or usable < self.cfg.scaling.min_workers) and ctl.bench.benched:
+        choice = choose_plan(self.cfg, usable, bound)
+        if (choice is None or usable < self.cfg.scaling.min_workers) and bench.benched:
             # A slow worker beats none: take the benched back before giving up or waiting.
-            for ev in ctl.bench.readmit_all("no plan fits the workers that are not benched"):
-                ctl.event(ev.pop("kind"), **ev)
-            usable = len(ctl.bench.usable())
-            choice = choose_plan(self.cfg, usable, ctl.worker_memory())
+            for ev in bench.readmit_all("no plan fits the workers that are not benched"):
+                run.event(ev.pop("kind"), **ev)
+            usable = len(bench.usable())
+            choice = choose_plan(self.cfg, usable, bound)
         if choice is None:
-            raise RunError(no_plan_reason(self.cfg, usable, ctl.worker_memory()) or f"no dp x pp fits {usable} workers")
-        return plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, ctl.counts), None, choice.reason
+            raise RunError(no_plan_reason(self.cfg, usable, bound) or f"no dp x pp fits {usable} workers")
+        return plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, run.counts), None, choice.reason
 
     def _wait_for_min_workers(self) -> None:
-        pool, need = self.ctl.pool, self.cfg.scaling.min_workers
+        pool, need = self.pool, self.cfg.scaling.min_workers
         if len(pool) >= need:
             return
-        self.ctl.event("waiting_for_nodes", have=len(pool), need=need, wait_s=self.cfg.failure.wait_for_nodes_s)
+        self.run.event("waiting_for_nodes", have=len(pool), need=need, wait_s=self.cfg.failure.wait_for_nodes_s)
         deadline = time.monotonic() + self.cfg.failure.wait_for_nodes_s
         while time.monotonic() < deadline:
             pool.spawn_on_free_nodes()
@@ -318,7 +322,7 @@ class Recovery(RestorePoints):
             if len(pool) >= need:
                 return
             time.sleep(0.5)
-        path = self.ctl.emergency_durable()
+        path = self._emergency("the run is stopping after failures")
         raise RunError(f"{len(pool)} workers alive, below scaling.min_workers({need}), and no nodes joined "
                        f"within failure.wait_for_nodes_s({self.cfg.failure.wait_for_nodes_s:g})"
                        + (f"; durable checkpoint at {path}" if path else ""))
@@ -346,8 +350,8 @@ class Recovery(RestorePoints):
         if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
             return False
         self._last_grow_check = now
-        self.ctl.pool.spawn_on_free_nodes()
-        self.ctl.pool.await_joining(0, required=False)
+        self.pool.spawn_on_free_nodes()
+        self.pool.await_joining(0, required=False)
         self._grow_wanted = self._larger_plan()
         return self._grow_wanted
 
@@ -355,11 +359,11 @@ class Recovery(RestorePoints):
         """Re-plan onto workers that joined if the policy prefers a larger plan, or as
         ``request_replan`` asked: right after a snapshot step (nothing is redone), asking the
         schedule for one if none was just taken."""
-        ctl = self.ctl
+        run = self.run
         if self._replan_reason is None and not self._grow_wanted and not self._look_for_growth():
             return
-        if ctl.schedule.last_taken != ctl.step:
-            ctl.schedule.request()  # the next step takes a snapshot; re-plan from it
+        if self.schedule.last_taken != run.step:
+            self.schedule.request()  # the next step takes a snapshot; re-plan from it
             return
         reason = self._replan_reason
         if reason is None:
@@ -367,17 +371,17 @@ class Recovery(RestorePoints):
             if not self._larger_plan():  # still: a worker may have gone meanwhile
                 return
             reason = "grow"
-        ctl.transition(RunState.RESIZING, workers=len(ctl.bench.usable()))
-        self.replan_and_restore(None, time.perf_counter(), ctl.plan.describe(), reason=reason)
+        run.transition(RunState.RESIZING, workers=len(self.bench.usable()))
+        self.replan_and_restore(None, time.perf_counter(), run.plan.describe(), reason=reason)
 
     def _larger_plan(self) -> bool:
         """Whether spare workers would let the policy choose a plan larger than the current one."""
-        ctl, pool = self.ctl, self.ctl.pool
-        usable = ctl.bench.usable()
+        pool = self.pool
+        usable = self.bench.usable()
         if not any(pool[w].rank is None for w in usable):
             return False
-        choice = choose_plan(self.cfg, len(usable), ctl.worker_memory())
-        topo = ctl.plan.topology
+        choice = choose_plan(self.cfg, len(usable), memory_bound(self.cfg))
+        topo = self.run.plan.topology
         return not (choice is None or (choice.dp, choice.pp) == (topo.dp, topo.pp)
                     or choice.world_size <= topo.world_size)
 

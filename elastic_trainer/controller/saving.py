@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import ray
 import torch
 
-from ..checkpoint.weights import WeightsError, save_weights, weights_from_shards
-from ..errors import RunError, error_line
+from ..checkpoint.durable import DurableStore
 from ..checkpoint.hf_export import recorded_config, write_hf_folder
-from .workers import ask_all
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from ..checkpoint.weights import WeightsError, save_weights, weights_from_shards
+from ..config import TrainerConfig
+from ..errors import RunError, error_line
+from .durable_writer import DurableWriter
+from .ps_group import ParameterServers
+from .run_record import RunRecord
+from .snapshots import SnapshotStore
+from .workers import WorkerPool, ask_all
 
 log = logging.getLogger(__name__)
 
@@ -113,17 +116,20 @@ def _spans(blocks: list[int]) -> str:
 
 
 class RunSaver:
-    def __init__(self, ctl: "Controller"):
-        self.ctl = ctl
+    def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, snapshots: SnapshotStore,
+                 durable: DurableStore | None, writer: Callable[[], DurableWriter | None],
+                 ps: Callable[[], ParameterServers | None]):
+        self.cfg, self.run, self.pool, self.snapshots, self.durable = cfg, run, pool, snapshots, durable
+        self._writer, self._ps = writer, ps
         self.unsaved: dict | None = None   # weights gathered for a save that failed, for the driver
         self.emergency_done = False
         # kind hf: the resolved transformers config, recorded with the weights for the export.
-        self.hf_config = recorded_config(ctl.cfg.model)
+        self.hf_config = recorded_config(cfg.model)
 
     def _meta(self, step: int) -> dict:
-        ctl = self.ctl
-        meta = {"run": ctl.run_name, "run_id": ctl.run_id, "step": step, "format": "elastic_trainer",
-                "model": ctl.cfg.model.model_dump(mode="json")}
+        run = self.run
+        meta = {"run": run.name, "run_id": run.run_id, "step": step, "format": "elastic_trainer",
+                "model": self.cfg.model.model_dump(mode="json")}
         if self.hf_config is not None:
             meta["hf_config"] = self.hf_config
         return meta
@@ -133,20 +139,20 @@ class RunSaver:
         replica holds the same weights), else from the snapshot of the step. Workers found gone
         are dropped (the durable and emergency saves then read only what lives). Raises
         :class:`RunError` naming each stage none of which is left."""
-        ctl = self.ctl
-        topo, wids = ctl.plan.topology, sorted(set(ctl.ranks.values()))
-        gone = {w: "no longer in the pool" for w in wids if w not in ctl.pool}
+        run = self.run
+        topo, wids = run.plan.topology, sorted(set(run.ranks.values()))
+        gone = {w: "no longer in the pool" for w in wids if w not in self.pool}
         # A ping first, so a worker lost with its node does not hold a stage for comm.timeout_s
         # while another replica could answer; one that missed it is still asked, last.
-        late = frozenset(ctl.pool.dead_among([w for w in wids if w not in gone]))
-        order = stage_replicas(topo, ctl.ranks, set(wids) - set(gone), late)
+        late = frozenset(self.pool.dead_among([w for w in wids if w not in gone]))
+        order = stage_replicas(topo, run.ranks, set(wids) - set(gone), late)
         got, failed = take_stages(order, lambda asks: ask_all(
-            {s: ctl.pool[w].actor.state_dict.remote() for s, w in asks.items()}, ctl.cfg.comm.timeout_s))
+            {s: self.pool[w].actor.state_dict.remote() for s, w in asks.items()}, self.cfg.comm.timeout_s))
         used = {w for w, _ in got.values()}
         gone.update({w: "did not answer a ping" for w in late - used})
         gone.update(failed)
         if gone:
-            ctl.pool.drop([w for w in gone if w in ctl.pool])
+            self.pool.drop([w for w in gone if w in self.pool])
         out = {}
         for _, part in got.values():
             out.update(part)
@@ -160,19 +166,19 @@ class RunSaver:
                 from_snapshot.append(s)
         if gone:
             moved = [f"stage {s} from worker {w}" for s, (w, _) in sorted(got.items())
-                     if w != ctl.ranks[topo.rank(0, s)]]
+                     if w != run.ranks[topo.rank(0, s)]]
             detail = ("worker(s) gone at the end: " + "; ".join(f"{w} ({why})" for w, why in sorted(gone.items()))
                       + (f"; final weights of {', '.join(moved)}" if moved else "")
-                      + (f"; stage(s) {', '.join(map(str, from_snapshot))} from the snapshot of step {ctl.step}"
+                      + (f"; stage(s) {', '.join(map(str, from_snapshot))} from the snapshot of step {run.step}"
                          if from_snapshot else ""))
-            ctl.event("checkpoint_problem", step=ctl.step, detail=detail)
-            log.warning("[%s] %s", ctl.run_name, detail)
+            run.event("checkpoint_problem", step=run.step, detail=detail)
+            log.warning("[%s] %s", run.name, detail)
         if left:
-            lost = {s: [(d, ctl.ranks[topo.rank(d, s)], gone.get(ctl.ranks[topo.rank(d, s)], "gave no answer"))
+            lost = {s: [(d, run.ranks[topo.rank(d, s)], gone.get(run.ranks[topo.rank(d, s)], "gave no answer"))
                         for d in range(topo.dp)] for s in left}
-            committed = ctl.snapshots.committed_steps()
-            raise lost_stages_error(ctl.run_name, ctl.step, lost,
-                                    {s: ctl.plan.blocks_of(topo.rank(0, s)) for s in left},
+            committed = self.snapshots.committed_steps()
+            raise lost_stages_error(run.name, run.step, lost,
+                                    {s: run.plan.blocks_of(topo.rank(0, s)) for s in left},
                                     committed[-1] if committed else None)
         return out
 
@@ -180,19 +186,19 @@ class RunSaver:
         """Stage ``stage``'s weights from the snapshot of the last step, where its parts sit on
         live nodes (None otherwise, or if reading them fails): the same step as the live
         replicas', so the model stays one step's."""
-        ctl = self.ctl
-        snap = ctl.snapshots.snaps.get(ctl.step)
+        run = self.run
+        snap = self.snapshots.snaps.get(run.step)
         if snap is None:
             return None
         parts = {r: (e.blocks, e.node) for r, e in snap.shards.items()}
-        picked = snapshot_cover(parts, set(ctl.plan.blocks_of(ctl.plan.topology.rank(0, stage))), ctl.pool.nodes())
+        picked = snapshot_cover(parts, set(run.plan.blocks_of(run.plan.topology.rank(0, stage))), self.pool.nodes())
         if picked is None:
             return None
         try:
-            shards = ray.get([snap.shards[r].ref for r in picked], timeout=ctl.cfg.comm.timeout_s)
+            shards = ray.get([snap.shards[r].ref for r in picked], timeout=self.cfg.comm.timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("[%s] the snapshot of step %d could not stand in for stage %d: %s", ctl.run_name,
-                        ctl.step, stage, e)
+            log.warning("[%s] the snapshot of step %d could not stand in for stage %d: %s", run.name,
+                        run.step, stage, e)
             return None
         # A bf16 parameter is stored as its bits (int16); no parameter is an int16 of its own.
         bits = {n: torch.bfloat16 for sh in shards for n, a in sh["params"].items() if a.dtype == np.int16}
@@ -203,103 +209,103 @@ class RunSaver:
         from the live workers) to ``run.output_dir``; ``{"durable_path", "model_path"}``.
 
         Raises :class:`SaveError` naming what was not saved."""
-        ctl = self.ctl
+        run = self.run
         missing, out = [], {"durable_path": None, "model_path": None, "hf_path": None}
-        if ctl.writer:
+        if self._writer():
             try:
                 out["durable_path"] = self._final_durable()
             except Exception as e:  # noqa: BLE001 - named in the SaveError below
-                missing.append(f"the final durable checkpoint of step {ctl.step} in "
-                               f"{ctl.cfg.checkpoint.storage} ({type(e).__name__}: {e})")
-        where = ctl.cfg.run.output_dir
+                missing.append(f"the final durable checkpoint of step {run.step} in "
+                               f"{self.cfg.checkpoint.storage} ({type(e).__name__}: {e})")
+        where = self.cfg.run.output_dir
         try:
             t0 = time.perf_counter()
-            out["model_path"] = save_weights(where, state, self._meta(ctl.step), ctl.cfg.failure.storage_retries)
-            ctl.event("weights_saved", step=ctl.step, path=out["model_path"], seconds=time.perf_counter() - t0,
+            out["model_path"] = save_weights(where, state, self._meta(run.step), self.cfg.failure.storage_retries)
+            run.event("weights_saved", step=run.step, path=out["model_path"], seconds=time.perf_counter() - t0,
                       tensors=len(state))
-            log.info("[%s] weights of step %d saved to %s", ctl.run_name, ctl.step, out["model_path"])
+            log.info("[%s] weights of step %d saved to %s", run.name, run.step, out["model_path"])
         except WeightsError as e:
             missing.append(f"the weights ({e})")
-        if ctl.cfg.model.kind == "hf" and not missing:
+        if self.cfg.model.kind == "hf" and not missing:
             out["hf_path"] = self._hf_folder(state, where)
         if missing:
             self.unsaved = state
-            raise SaveError(f"run {ctl.run_name} trained {ctl.step} steps but did not save " + "; ".join(missing)
+            raise SaveError(f"run {run.name} trained {run.step} steps but did not save " + "; ".join(missing)
                             + ". The driver keeps the weights it could gather (error.model_state).")
         return out
 
     def _hf_folder(self, state: dict, where: str) -> str | None:
         """The Hugging Face folder beside the weights (``<output_dir>/hf``). Not a condition of
         FINISHED: the weights file holds the same tensors and ``export --hf`` makes it again."""
-        ctl = self.ctl
+        run = self.run
         try:
-            path = write_hf_folder(state, ctl.cfg.model, f"{where.rstrip('/')}/hf", self.hf_config)
+            path = write_hf_folder(state, self.cfg.model, f"{where.rstrip('/')}/hf", self.hf_config)
         except Exception as e:  # noqa: BLE001 - reported; the weights file is saved
-            ctl.event("checkpoint_problem", step=ctl.step, detail=f"the Hugging Face folder was not written: "
+            run.event("checkpoint_problem", step=run.step, detail=f"the Hugging Face folder was not written: "
                                                                  f"{type(e).__name__}: {e}")
             return None
-        log.info("[%s] Hugging Face folder at %s", ctl.run_name, path)
+        log.info("[%s] Hugging Face folder at %s", run.name, path)
         return path
 
     def _final_durable(self) -> str:
-        ctl = self.ctl
-        ctl.writer.wait()
-        topo = ctl.plan.topology
-        live = {r: w for r, w in ctl.ranks.items() if w in ctl.pool}
-        whole = len(live) == len(ctl.ranks)
+        run = self.run
+        self._writer().wait()
+        topo = run.plan.topology
+        live = {r: w for r, w in run.ranks.items() if w in self.pool}
+        whole = len(live) == len(run.ranks)
         # With a worker gone (gather_state dropped it), only parts with a copy that lives are read.
-        refs = (ctl.writer.shards(ctl.step) if whole
-                else ctl.writer.shards(ctl.step, ctl.pool.nodes(), set(live.values())))
+        refs = (self._writer().shards(run.step) if whole
+                else self._writer().shards(run.step, self.pool.nodes(), set(live.values())))
         if not refs:
             # The last step has no snapshot kept (none due, or dropped): export one from every
             # live rank, and write each stage's first live replica's part, whatever becomes of
             # their copies.
-            exported = {w: ctl.pool[w].actor.export_snapshot.remote(ctl.step) for w in live.values()}
+            exported = {w: self.pool[w].actor.export_snapshot.remote(run.step) for w in live.values()}
             if whole:
-                ctl.snapshots.take_step(ctl.step, {r: ctl.pool[w] for r, w in live.items()}, exported, full=True)
-            if ctl.ps:
-                ctl.ps.snapshot(ctl.step)
-            order = stage_replicas(topo, ctl.ranks, set(live.values()))
-            refs = ((ctl.writer.shards(ctl.step) if whole or ctl.ps else [])
+                self.snapshots.take_step(run.step, {r: self.pool[w] for r, w in live.items()}, exported, full=True)
+            if self._ps():
+                self._ps().snapshot(run.step)
+            order = stage_replicas(topo, run.ranks, set(live.values()))
+            refs = ((self._writer().shards(run.step) if whole or self._ps() else [])
                     or ([exported[ws[0]] for ws in order.values()] if all(order.values()) else []))
         if not refs:
-            raise RuntimeError(f"no snapshot of step {ctl.step} covers every block")
-        path = ctl.writer.write(ctl.step, refs, list(ctl.history), ctl.plan.describe(), raise_errors=True)
+            raise RuntimeError(f"no snapshot of step {run.step} covers every block")
+        path = self._writer().write(run.step, refs, list(run.history), run.plan.describe(), raise_errors=True)
         # Read back: the files verify against the manifest's checksums.
-        ctl.durable.load(ctl.step)
+        self.durable.load(run.step)
         return path
 
     def emergency(self, why: str) -> str | None:
         """On the way out of a failed run: save the newest committed snapshot that survives, as a
         durable checkpoint (with storage) or as weights in ``run.output_dir``. Never raises: the
         run's own error is what the user must see."""
-        ctl = self.ctl
+        run = self.run
         if self.emergency_done:
             return None
         self.emergency_done = True
         try:
-            if ctl.writer:
-                path = ctl.writer.emergency(ctl.pool.nodes(), set(ctl.pool.workers), ctl.history,
-                                            ctl.plan.describe() if ctl.plan else {})
+            if self._writer():
+                path = self._writer().emergency(self.pool.nodes(), set(self.pool.workers), run.history,
+                                            run.plan.describe() if run.plan else {})
             else:
                 path = self._emergency_weights()
         except Exception as e:  # noqa: BLE001 - see the docstring
-            log.error("[%s] emergency checkpoint failed: %s: %s", ctl.run_name, type(e).__name__, e)
-            ctl.event("checkpoint_problem", detail=f"emergency checkpoint failed: {type(e).__name__}: {e}")
+            log.error("[%s] emergency checkpoint failed: %s: %s", run.name, type(e).__name__, e)
+            run.event("checkpoint_problem", detail=f"emergency checkpoint failed: {type(e).__name__}: {e}")
             return None
         if path:
-            ctl.event("emergency_checkpoint", path=path, reason=why[:300])
-            log.warning("[%s] emergency checkpoint at %s (%s)", ctl.run_name, path, why[:200])
+            run.event("emergency_checkpoint", path=path, reason=why[:300])
+            log.warning("[%s] emergency checkpoint at %s (%s)", run.name, path, why[:200])
         return path
 
     def _emergency_weights(self) -> str | None:
-        ctl = self.ctl
-        alive_nodes, alive_workers = ctl.pool.nodes(), set(ctl.pool.workers)
-        for step in reversed(ctl.snapshots.committed_steps()):
-            refs = ctl.snapshots.covering(step, len(ctl.counts), alive_nodes, alive_workers)
+        run = self.run
+        alive_nodes, alive_workers = self.pool.nodes(), set(self.pool.workers)
+        for step in reversed(self.snapshots.committed_steps()):
+            refs = self.snapshots.covering(step, len(run.counts), alive_nodes, alive_workers)
             if refs:
-                shards = ray.get(refs, timeout=ctl.cfg.comm.timeout_s)
+                shards = ray.get(refs, timeout=self.cfg.comm.timeout_s)
                 state = weights_from_shards(shards)
-                return save_weights(ctl.cfg.run.output_dir, state, self._meta(step), ctl.cfg.failure.storage_retries,
+                return save_weights(self.cfg.run.output_dir, state, self._meta(step), self.cfg.failure.storage_retries,
                                     name=f"model-step-{step:08d}.safetensors")
         return None

@@ -16,44 +16,63 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
+from ..config import TrainerConfig
+from .balance import Balance
+from .benching import Bench
+from .durable_writer import DurableWriter
+from .evaluation import Evaluator
 from .leases import lease_length, schedule_after
+from .ps_group import ParameterServers
 from .rank_figures import split_rank_figures
-from .stepping import StepOutcome
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from .recovery import Recovery
+from .run_record import RunRecord
+from .snapshot_schedule import SnapshotSchedule
+from .snapshots import SnapshotStore
+from .stepping import StepDriver, StepOutcome
+from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 
 class StepLoop:
-    def __init__(self, ctl: "Controller"):
-        self.ctl = ctl
+    """The one loop that carries the parts' decisions out, in this order each turn: an evaluation
+    due, the last step reached or a stop, growth or a re-plan asked for, then the next step or
+    lease; what completed is recorded (``commit``), what failed goes to ``Recovery.recover``."""
 
-    def run(self) -> None:
+    def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, driver: StepDriver,
+                 balance: Balance, bench: Bench, snapshots: SnapshotStore, schedule: SnapshotSchedule,
+                 recovery: Recovery, evaluator: Evaluator, writer: DurableWriter | None,
+                 ps: Callable[[], ParameterServers | None]):
+        self.cfg, self.run, self.pool, self.driver = cfg, run, pool, driver
+        self.balance, self.bench, self.snapshots, self.schedule = balance, bench, snapshots, schedule
+        self.recovery, self.evaluator, self.writer, self._ps = recovery, evaluator, writer, ps
+
+    def loop(self) -> None:
         """Until the last step, a stop or an error: issue, wait, record; a failure goes to recovery."""
-        ctl = self.ctl
+        run, driver = self.run, self.driver
         granted: collections.deque[StepOutcome] = collections.deque()   # the running lease, then one queued behind
-        while granted or not ctl._stop.is_set():
+        while granted or not run.stopping:
             if not granted:
-                if ctl.evaluator.due():
-                    ctl.evaluator.run()
+                if self.evaluator.due():
+                    done = self.evaluator.run_after_step()
+                    if not done.ok:
+                        self.recovery.recover(done)
                     continue
-                if ctl.step >= ctl.cfg.train.steps:
+                if run.step >= self.cfg.train.steps:
                     break
-                ctl.recovery.maybe_grow()
-                step = ctl.step + 1
-                if ctl._error_at is not None and ctl._error_at in (step, 0):
+                self.recovery.maybe_grow()
+                step = run.step + 1
+                if run.error_due(step):
                     raise RuntimeError(f"injected controller error at step {step}")
                 count = self.lease_at(step)
                 granted.append(self._issue(step, count))
-            if len(granted) == 1 and ctl.cfg.control.renew_early:
+            if len(granted) == 1 and self.cfg.control.renew_early:
                 renewal = self._renew(granted[0], running=True)
                 if renewal is not None:
                     granted.append(renewal)
-            out = ctl.driver.finish(granted.popleft())
+            out = driver.finish(granted.popleft())
             if not out.ok:
                 for queued in granted:
                     # Refused at once where ``out`` failed; where it completed, blocked in its first
@@ -61,11 +80,11 @@ class StepLoop:
                     out.inflight.update(queued.calls[0])
                     out.dropped.append((queued.step, queued.step + queued.count - 1))
                 granted.clear()
-                ctl.recovery.recover(out)
+                self.recovery.recover(out)
                 continue
-            steps = ctl.driver.split(out)
+            steps = driver.split(out)
             if granted:
-                ctl.driver.running(granted[0])
+                driver.running(granted[0])
             else:
                 renewal = self._renew(out, running=False)
                 if renewal is not None:
@@ -77,12 +96,12 @@ class StepLoop:
                snapshot_step: int | None = None) -> StepOutcome:
         """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``);
         ``snapshot_step``: that of a snapshot granted before it and not yet recorded."""
-        ctl = self.ctl
-        snap = schedule_after(ctl.schedule, snapshot_step).due(step + count - 1)
-        writers = ctl.snapshots.writers(snapshots_pending)
-        return ctl.driver.start(step, {w: ctl.pool[w].actor for w in ctl.ranks.values()}, snap,
-                                {w: writers[r] for r, w in ctl.ranks.items()} if snap else None,
-                                ctl.balance.shares, count=count, after=after)
+        ranks = self.run.ranks
+        snap = schedule_after(self.schedule, snapshot_step).due(step + count - 1)
+        writers = self.snapshots.writers(snapshots_pending)
+        return self.driver.start(step, {w: self.pool[w].actor for w in ranks.values()}, snap,
+                                 {w: writers[r] for r, w in ranks.items()} if snap else None,
+                                 self.balance.shares, count=count, after=after)
 
     def _renew(self, lease: StepOutcome, running: bool) -> StepOutcome | None:
         """The lease after ``lease``, granted before ``lease``'s steps are recorded: with
@@ -94,11 +113,10 @@ class StepLoop:
         no evaluation, stop, re-plan or look for joined workers due, and not step by step (a
         lease of one keeps today's driving). What the steps before it decide (shares, a re-plan)
         takes effect a lease later."""
-        ctl = self.ctl
         first = lease.step + lease.count
-        if (lease.count <= 1 or first > ctl.cfg.train.steps or ctl._stop.is_set()
-                or ctl.evaluator.due_after(first - 1)
-                or self.one_step_at_a_time() or not ctl.recovery.quiet() or ctl.schedule.requested):
+        if (lease.count <= 1 or first > self.cfg.train.steps or self.run.stopping
+                or self.evaluator.due_after(first - 1)
+                or self.one_step_at_a_time() or not self.recovery.quiet() or self.schedule.requested):
             return None
         # ``lease``'s snapshot is not yet recorded: the next snapshot step counts from it, and
         # the snapshot parts asked for are those of the turn after it.
@@ -114,80 +132,70 @@ class StepLoop:
         ``lease_steps: auto``, as many as fit about a second at the step time measured under
         the plan in force. ``snapshot_pending``: the step of a snapshot granted and not yet
         recorded (a lease granted ahead)."""
-        ctl = self.ctl
-        return lease_length(ctl.cfg, first, ctl.schedule, self.one_step_at_a_time(), ctl.driver.median_step_s(),
+        return lease_length(self.cfg, first, self.schedule, self.one_step_at_a_time(), self.driver.median_step_s(),
                             snapshot_pending)
 
     def one_step_at_a_time(self) -> bool:
         """Whether the next steps must run without a lease: during warm-up (its step times set
         the timeouts), with a parameter server (it keeps per-step state of its own), with a
         controller fault armed, and while a re-plan waits for its snapshot step."""
-        ctl = self.ctl
-        return (ctl.ps is not None or ctl._error_at is not None or ctl.recovery.replan_pending()
-                or ctl.driver.steps_since_setup < ctl.cfg.failure.warmup_steps)
+        return (self._ps() is not None or self.run.error_at is not None or self.recovery.replan_pending()
+                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps)
 
     def commit(self, out: StepOutcome) -> None:
         """Record a step that completed on every rank: its record, pace and balancing, metrics,
         snapshot and durable checkpoint."""
-        ctl = self.ctl
-        cfg, step = ctl.cfg, out.step
-        record = ctl.driver.record(out, ctl.plan.topology, len(ctl.plans) - 1)
-        where = {r: (w, ctl.pool[w].node if w in ctl.pool else None) for r, w in ctl.ranks.items()}
+        run, cfg, step, pool = self.run, self.cfg, out.step, self.pool
+        record = self.driver.record(out, run.plan.topology, len(run.plans) - 1)
+        where = {r: (w, pool[w].node if w in pool else None) for r, w in run.ranks.items()}
         named = False
-        for ev in ctl.balance.observe(step, out.results, record, where, out.shares):
+        for ev in self.balance.observe(step, out.results, record, where, out.shares):
             named = named or ev["kind"] == "straggler"
-            ctl.event(ev.pop("kind"), **ev)
+            run.event(ev.pop("kind"), **ev)
         try:
-            for ev in ctl.balance.act(step, named) + ctl.bench.poll(step):
-                ctl.event(ev.pop("kind"), **ev)
-            if ctl.balance.bench_request:
-                rank, pace = ctl.balance.bench_request
-                ctl.balance.bench_request = None
-                ctl.bench.bench(rank, pace, step)
-            if ctl.balance.cut_request:
+            moves = self.balance.act(step, named)
+            for ev in list(moves) + self.bench.poll(step):
+                run.event(ev.pop("kind"), **ev)
+            if moves.bench is not None and self.bench.bench(*moves.bench, step) is not None:
+                self.recovery.request_replan("straggler")
+            if moves.cut is not None:
                 # A re-plan already asked for (a straggler benched) goes first; it changes the
                 # workers, and with them the balancing starts again.
-                if not ctl.recovery.replan_pending():
-                    ctl.recovery.request_replan("recut", cut=ctl.balance.cut_request)
-                ctl.balance.cut_request = None
+                if not self.recovery.replan_pending():
+                    self.recovery.request_replan("recut", cut=moves.cut)
         except Exception as e:  # noqa: BLE001 - working around a straggler must never end the run
-            log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", ctl.run_name, step, e,
+            log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", run.name, step, e,
                         exc_info=True)
-            ctl.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
+            run.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
         # What driving the run has cost so far, in actor calls (this step's snapshot pins, issued
         # below, count in the next record).
-        record["actor_calls"] = ctl.driver.calls + ctl.snapshots.calls
+        record["actor_calls"] = self.driver.calls + self.snapshots.calls
         # The controller process's CPU seconds so far (Ray's threads sending and taking its calls
         # included): what driving costs where its wall time also waits for a core.
         record["controller_cpu_s"] = time.process_time()
-        record["heartbeats"] = ctl.driver.heartbeats
-        figures = split_rank_figures(record)
-        with ctl._lock:
-            ctl.history.append(record)
-            ctl.rank_figures.append(figures)
-            ctl.step = step
-        ctl.recovery.step_committed()
-        ctl.metrics.record_step({**record, **figures})
-        choice = ctl.schedule.observe(step, record["step_time_s"])
+        record["heartbeats"] = self.driver.heartbeats
+        run.commit_step(record, split_rank_figures(record))
+        self.recovery.step_committed()
+        choice = self.schedule.observe(step, record["step_time_s"])
         if choice:
-            ctl.event("snapshot_interval", **choice)
+            run.event("snapshot_interval", **choice)
+        ps = self._ps()
         if out.snapshot:
-            ctl.schedule.taken(step)
-            ranks = {r: ctl.pool[w] for r, w in ctl.ranks.items()}
-            ctl.snapshots.take_step(step, ranks, out.shard_refs,
-                                    nbytes=sum(o.get("snapshot_bytes", 0) for o in out.results.values()),
-                                    results=out.results)
-            if ctl.ps:
-                ctl.ps.snapshot(step)
-        for snap in ctl.snapshots.poll():
+            self.schedule.taken(step)
+            self.snapshots.take_step(step, {r: pool[w] for r, w in run.ranks.items()}, out.shard_refs,
+                                     nbytes=sum(o.get("snapshot_bytes", 0) for o in out.results.values()),
+                                     results=out.results)
+            if ps:
+                ps.snapshot(step)
+        for snap in self.snapshots.poll():
             # Not a result event (one per step would drown the others): a metric only.
-            ctl.metrics.record_event({"kind": "snapshot", "step": snap.step, "bytes": snap.nbytes,
+            run.metrics.record_event({"kind": "snapshot", "step": snap.step, "bytes": snap.nbytes,
                                       "seconds": snap.committed_at - snap.started})
-        for snap in ctl.snapshots.take_dropped():
-            ctl.event("snapshot_dropped", step=snap.step, reason=snap.dropped)
-        ctl.snapshots.prune()
-        if ctl.ps:
-            ctl.ps.retain(ctl.snapshots.steps())
-        if ctl.writer and cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 \
+        for snap in self.snapshots.take_dropped():
+            run.event("snapshot_dropped", step=snap.step, reason=snap.dropped)
+        self.snapshots.prune()
+        if ps:
+            ps.retain(self.snapshots.steps())
+        if self.writer and cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 \
                 and step < cfg.train.steps:
-            ctl.writer.start(step, list(ctl.history), ctl.plan.describe())
+            self.writer.start(step, list(run.history), run.plan.describe())

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..parallel.topology import Topology
+from ..planning.plan import Plan
 from ..worker.group_failure import abort_needed
-
-if TYPE_CHECKING:
-    from ..planning.plan import Plan
-    from .workers import WorkerPool
+from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +48,7 @@ def exclusion(topo: Topology, ranks: dict[int, int], lost_ranks: list[int]) -> t
     return dropped, spares
 
 
-def end_collectives(pool: "WorkerPool", backend: str, topo: Topology | None, ranks: dict[int, int],
+def end_collectives(pool: WorkerPool, backend: str, topo: Topology | None, ranks: dict[int, int],
                     lost: list[int], plan_bounds: list | None, shrink_id: int, timeout_s: float,
                     silent: bool = False) -> ShrunkWorld | None:
     """Tell the survivors of the failed plan to end their collectives (see the module docstring).
@@ -81,7 +78,7 @@ def end_collectives(pool: "WorkerPool", backend: str, topo: Topology | None, ran
     return ShrunkWorld(shrink_id, kept, topo.pp, list(plan_bounds or []))
 
 
-def shrunk_ranks(shrunk: ShrunkWorld | None, plan: "Plan", alive) -> dict[int, int] | None:
+def shrunk_ranks(shrunk: ShrunkWorld | None, plan: Plan, alive) -> dict[int, int] | None:
     """rank -> worker id of ``plan`` in the shrunk world, where ``plan`` is that world as it is
     (its size, its pp, its stage bounds) and every worker of it is still ``alive``; else None."""
     if shrunk is None or not all(w in alive for w in shrunk.ranks):

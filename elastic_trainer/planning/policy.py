@@ -128,6 +128,12 @@ def cut_fits(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, worker_memory_b
     return max(map(sum, _rank_needs(cfg, _layout(cfg, dp, pp, stage_bounds)))) <= worker_memory_bytes
 
 
+def memory_bound(cfg: TrainerConfig) -> float | None:
+    """``scaling.worker_memory_gb`` in bytes, the bound plans are held to; None: no bound."""
+    gb = cfg.scaling.worker_memory_gb
+    return gb * (1 << 30) if gb else None
+
+
 def check_start(cfg: TrainerConfig, plan: Plan) -> None:
     """Raise a ``ConfigError`` where ``plan``, the layout a run starts on (``parallel.dp x pp`` and
     its stage cut), does not fit ``scaling.worker_memory_gb`` by the memory model a re-plan is held

@@ -139,13 +139,18 @@ def test_a_straggler_no_share_can_help_is_benched_only_when_that_repays():
         b.new_plan(Topology(2, 1), 1, lambda: row)
         return b
 
+    asked: list = []   # the spare each run's act() asked the loop for (Moves.bench)
+
     def run(b: Balance):
         events = []
+        asked.clear()
         for step in range(1, 30):
             res = {r: result(r, c, 1) for r, c in {0: 0.01, 1: 0.03}.items()}
             evs = b.observe(step, res, {"worker_s": 0.03}, {})
-            events += evs + b.act(step, any(e["kind"] == "straggler" for e in evs))
-            if b.bench_request:
+            moves = b.act(step, any(e["kind"] == "straggler" for e in evs))
+            events += evs + moves
+            if moves.bench:
+                asked.append(moves.bench)
                 break
         return events
 
@@ -157,9 +162,9 @@ def test_a_straggler_no_share_can_help_is_benched_only_when_that_repays():
     # priced at two set-ups.
     assert [e["action"] for e in spare] == ["spare"]
     assert named[0]["since_step"] + 10 <= spare[0]["step"] <= named[0]["since_step"] + 15
-    assert b.bench_request[0] == 1 and b.bench_request[1] > 2
+    assert asked[0][0] == 1 and asked[0][1] > 2
     assert spare[0]["cost_s"] == pytest.approx(2 * (0.2 + 2 * 0.03))
     assert spare[0]["plan_after"] == {"dp": 1, "pp": 1} and spare[0]["predicted_step_s"] < 0.03
     # The same straggler, where two re-plans would not repay within 5 steps: it stays.
     b = make_one_micro(payback=5)
-    assert not [e for e in run(b) if e["kind"] == "rebalance"] and b.bench_request is None
+    assert not [e for e in run(b) if e["kind"] == "rebalance"] and not asked

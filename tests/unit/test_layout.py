@@ -69,3 +69,39 @@ def test_the_layers_below_never_import_those_above():
 def test_the_scan_sees_a_circle_where_there_is_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _module_imports(package: Path) -> dict[str, set[str]]:
+    """Module of ``package`` -> the modules of the same package it imports (relative imports)."""
+    edges: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                found.add(node.module.split(".")[0])
+        edges[path.stem] = found
+    return edges
+
+
+def test_only_the_assembling_module_knows_the_controller_and_its_parts_form_no_circle():
+    controller = ROOT / "controller"
+    users = []
+    for path in ROOT.rglob("*.py"):
+        if path == controller / "controller.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "Controller" for a in node.names):
+                users.append(str(path.relative_to(ROOT)))
+            # A part given the controller itself (a parameter named or typed so) would be one too.
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args:
+                    hint = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                    if arg.arg == "ctl" or "Controller" in hint.replace("ControllerQueries", ""):
+                        users.append(f"{path.relative_to(ROOT)}:{node.name}({arg.arg})")
+    assert not users, users
+    edges = _module_imports(controller)
+    assert {"recovery", "step_loop", "run_record", "plan_setup"} <= set(edges)
+    assert _cycle(edges) is None, " -> ".join(_cycle(edges))
+    # Nothing hides a circle behind TYPE_CHECKING.
+    hidden = [p.name for p in controller.glob("*.py") if "TYPE_CHECKING" in p.read_text()]
+    assert not hidden, hidden

@@ -28,9 +28,16 @@ def _ctl(steps=40, lease=16, memory_every=8, warm=10, step_s=0.01, **sections):
                            recovery=SimpleNamespace(replan_pending=lambda: False), driver=driver)
 
 
+def _loop(ctl) -> StepLoop:
+    # The loop with the parts lease_at reads: the run's armed fault, the driver, the schedule,
+    # the recovery's pending re-plan, the parameter server.
+    return StepLoop(ctl.cfg, SimpleNamespace(error_at=ctl._error_at), None, ctl.driver, None, None, None,
+                    ctl.schedule, ctl.recovery, None, None, lambda: ctl.ps)
+
+
 def lease(ctl, first):
     # What the controller's loop asks, from its state.
-    return StepLoop(ctl).lease_at(first)
+    return _loop(ctl).lease_at(first)
 
 
 def test_a_lease_runs_up_to_the_next_snapshot_step_and_the_last_step():
@@ -123,7 +130,7 @@ def test_a_lease_granted_ahead_of_an_unrecorded_snapshot_counts_the_next_from_it
             schedule.taken(step)
         schedule.observe(step, 0.012 if step <= 8 else 0.010)
     assert schedule.choice["interval"] == 4 and schedule.last_taken == 8
-    loop = StepLoop(ctl)
+    loop = _loop(ctl)
     assert loop.lease_at(15) == 1                       # 15 is due: 7 steps past the last
     schedule.taken(15)
     assert loop.lease_at(16) == 4                       # 16..19, its last step takes a snapshot

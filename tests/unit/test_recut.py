@@ -97,7 +97,7 @@ def _run(b: Balance, steps, compute_of):
         c = compute_of(step)
         evs = b.observe(step, {r: _result(r, v) for r, v in c.items()}, {"worker_s": max(c.values())}, {})
         events += evs + b.act(step, any(e["kind"] == "straggler" for e in evs))
-        if b.cut_request:
+        if b.cut_pending:
             return events
     return events
 
@@ -122,13 +122,13 @@ def test_a_lasting_straggler_in_a_pipeline_gets_a_recut_and_the_balanced_cut_bac
     assert recut["action"] == "recut" and recut["ranks"] == [1]
     # Lasting first: a window past its onset (a spare waits two).
     assert named[0]["since_step"] + 5 <= recut["step"] < named[0]["since_step"] + 10
-    new = b.cut_request
+    new = b.cut_pending
     assert new[1][1] - new[1][0] < balanced[1][1] - balanced[1][0]
     # Measured time over modelled work: 3x, and more where the head costs more than modelled.
     assert recut["stage_pace"][1] == pytest.approx(3.0 * work[1] / stage_work(costs, balanced)[1], rel=0.02)
     # The controller re-plans: the same workers on the new cut keep their paces.
     b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
-    assert b.cut_request is None and 1 in b.tracker.stragglers
+    assert b.cut_pending is None and 1 in b.tracker.stragglers
     step0 = recut["step"] + 1
     still = _run(b, range(step0, step0 + 20), lambda s: actual(s, cut=new))
     assert not [e for e in still if e["kind"] in ("rebalance", "straggler_recovered")]
@@ -138,7 +138,7 @@ def test_a_lasting_straggler_in_a_pipeline_gets_a_recut_and_the_balanced_cut_bac
     # the new cut set each rank's scale from what it computed just before).
     back = _run(b, range(step0 + 20, step0 + 60), lambda s: actual(s, slow_to=0, cut=new))
     assert [e["kind"] for e in back if e["kind"] != "straggler"] == ["straggler_recovered", "rebalance"]
-    assert back[-1]["action"] == "balanced cut" and b.cut_request == balanced
+    assert back[-1]["action"] == "balanced cut" and b.cut_pending == balanced
 
 
 def test_a_new_layout_or_other_workers_start_paces_again():
@@ -163,7 +163,7 @@ def _slow_then(b, costs, balanced, well_after_recut: bool, until: int):
 
     events = _run(b, range(1, 60), lambda s: actual(balanced, 3.0 if s >= 6 else 1.0))
     [recut] = [e for e in events if e["kind"] == "rebalance"]
-    new = b.cut_request
+    new = b.cut_pending
     b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
     return _run(b, range(recut["step"] + 1, until), lambda s: actual(new, 1.0 if well_after_recut else 3.0))
 
@@ -174,14 +174,14 @@ def test_a_rank_that_recovers_during_the_recut_is_not_calibrated_into_reading_sl
     after = _slow_then(b, costs, balanced, well_after_recut=True, until=200)
     kinds = [(e["kind"], e.get("action")) for e in after]
     assert kinds[:2] == [("straggler_recovered", None), ("rebalance", "balanced cut")], kinds
-    assert b.cut_request == balanced
+    assert b.cut_pending == balanced
 
 
 def test_a_recut_is_measured_again_at_the_balanced_cut_after_payback_steps():
     b, balanced, costs = _pp2_balance(payback=40, replan_s=0.001)
     after = _slow_then(b, costs, balanced, well_after_recut=False, until=200)
     [back] = [e for e in after if e.get("action") == "balanced cut"]
-    assert "payback_steps" in back["reason"] and b.cut_request == balanced
+    assert "payback_steps" in back["reason"] and b.cut_pending == balanced
     assert not [e for e in after if e["kind"] == "straggler_recovered"]
 
 
@@ -199,12 +199,12 @@ def test_a_rank_a_little_slow_besides_neither_joins_nor_holds_the_cut():
     assert {e["rank"] for e in events if e["kind"] == "straggler"} == {0, 1}
     [recut] = [e for e in events if e["kind"] == "rebalance"]
     assert recut["action"] == "recut" and recut["ranks"] == [1]
-    new = b.cut_request
+    new = b.cut_pending
     b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
     step0 = recut["step"] + 1
     back = _run(b, range(step0, step0 + 60), lambda s: actual(s, new, slow_to=step0 + 10))
     assert 0 in b.tracker.stragglers   # still a little slow, and the cut goes back all the same
-    assert back[-1]["action"] == "balanced cut" and b.cut_request == balanced
+    assert back[-1]["action"] == "balanced cut" and b.cut_pending == balanced
     assert back[-1]["reason"] == "the ranks it was for recovered"
 
 
@@ -221,11 +221,11 @@ def test_a_straggler_that_came_most_of_the_way_back_is_measured_again_at_the_bal
     events = _run(b, range(1, 60), lambda s: actual(s, balanced, 3.0))
     [recut] = [e for e in events if e["kind"] == "rebalance"]
     assert recut["action"] == "recut" and recut["ranks"] == [1]
-    new = b.cut_request
+    new = b.cut_pending
     b.new_plan(Topology(1, 2), 8, lambda: None, new, {0: 10, 1: 11}, lambda: costs)
     step0 = recut["step"] + 1
     back = _run(b, range(step0, step0 + 60), lambda s: actual(s, new, 3.0 if s < step0 + 10 else 1.4))
     assert 1 in b.tracker.stragglers and b.tracker.pace_of(1) > 1 + 2 * 0.15
     moves = [e for e in back if e["kind"] == "rebalance"]
-    assert [m["action"] for m in moves] == ["balanced cut"] and b.cut_request == balanced
+    assert [m["action"] for m in moves] == ["balanced cut"] and b.cut_pending == balanced
     assert "half-way" in moves[0]["reason"]

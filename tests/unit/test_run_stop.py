@@ -12,7 +12,8 @@ from elastic_trainer.controller.controller import Controller
 from elastic_trainer.controller.run_state import TRANSITIONS, RunState, RunStateMachine
 from elastic_trainer.reporting.progress import ProgressPrinter
 from elastic_trainer.cli.status import format_status
-from elastic_trainer.trainer import ControllerActor, Result
+from elastic_trainer.controller.controller import ControllerActor
+from elastic_trainer.trainer import Result
 
 from ..conftest import tiny_config
 
@@ -38,24 +39,24 @@ def test_a_stop_ends_a_running_run_in_a_final_state_of_its_own():
 
 def test_stop_is_recorded_once_with_the_step_and_not_after_the_end():
     ctl = Controller(tiny_config("/nonexistent"), "stopme")
-    ctl.step = 7
+    ctl.record.step = 7
     assert ctl.stop("operator asked") is True
     assert ctl.stop() is False   # already asked: the first request stands
-    asked = [e for e in ctl.events if e["kind"] == "stop_requested"]
+    asked = [e for e in ctl.record.events if e["kind"] == "stop_requested"]
     assert len(asked) == 1 and asked[0]["step"] == 7 and asked[0]["reason"] == "operator asked"
-    assert ctl.status()["stopping"]["step"] == 7
+    assert ctl.status()["stopping"]["step"] == 7 and ctl.record.stopping
     ended = Controller(tiny_config("/nonexistent"), "ended")
-    ended.machine = RunStateMachine(RunState.FINISHED)
-    assert ended.stop() is False and not ended.events
+    ended.record.machine = RunStateMachine(RunState.FINISHED)
+    assert ended.stop() is False and not ended.record.events
 
 
 def test_a_second_run_call_is_refused_and_leaves_the_running_run_alone():
     # Before: a second run() tried RUNNING -> PLACING, failed the run and tore its workers down.
     ctl = Controller(tiny_config("/nonexistent"), "twice")
-    ctl.machine = RunStateMachine(RunState.RUNNING)
+    ctl.record.machine = RunStateMachine(RunState.RUNNING)
     with pytest.raises(RunError, match=r"run\(\) was already called on run 'twice' \(state RUNNING\)"):
         ctl.run()
-    assert ctl.state is RunState.RUNNING and not ctl.events
+    assert ctl.state is RunState.RUNNING and not ctl.record.events
 
 
 def test_a_client_of_the_cluster_reaches_only_the_controllers_narrow_surface():
