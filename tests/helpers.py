@@ -1,5 +1,9 @@
 """A user model factory for tests: a tiny token MLP as blocks (imported by path from configs)."""
 
+import sys
+import threading
+import time
+
 from torch import nn
 
 from elastic_trainer.models.gpt import TokenCrossEntropy
@@ -70,3 +74,18 @@ def reference_run(cfg, steps: int, micro_batches: int = 1):
 
 def reference_losses(cfg, steps: int) -> list[float]:
     return reference_run(cfg, steps)[0]
+
+
+def blocked_in_wait(thread: threading.Thread, wait_s: float = 30.0) -> bool:
+    """Whether ``thread`` is blocked in a condition's wait (its innermost frame is
+    ``threading``'s ``wait``), polled until it is or ``wait_s`` has passed: the event a test
+    acts on, instead of a guess at how long the thread takes to get there."""
+    deadline = time.monotonic() + wait_s
+    while thread.is_alive():
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return False

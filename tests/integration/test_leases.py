@@ -62,18 +62,22 @@ def test_auto_leases_are_the_default_and_train_exactly_as_step_by_step(cluster, 
         [r["actor_calls"] for r in leased.history]
 
 
+def _slow_rank0_raising_at(step: int, run: str):
+    """A chaos action: rank 0 of ``run`` computes 3x slower from now (so the fault is armed, and
+    the next lease granted, well before it gets there) and raises in ``step``."""
+    def fault():
+        actor = ray.get_actor(f"{run}-rank0-r0s0", namespace=NAMESPACE)
+        ray.get(actor.inject_fault.remote("slow_compute", seconds=3.0))
+        ray.get(actor.inject_fault.remote("raise", step=step))
+    return fault
+
+
 def test_a_failure_inside_an_auto_lease_rolls_back_as_step_by_step(cluster, corpus_dir):
     # Leases 4..8, 9..16, 17..24 after the warm-up, their length the default's (auto). Rank 0
     # raises in step 15: back to the snapshot of step 8, steps 9..15 redone, as step by step.
     cfg = _cfg(corpus_dir, "auto-fail", None, failure={"allow_fault_injection": True}, balance={"mode": "off"})
 
-    def fault():
-        actor = ray.get_actor("auto-fail-rank0-r0s0", namespace=NAMESPACE)
-        # Slower steps: the fault is armed well before rank 0 reaches step 15.
-        ray.get(actor.inject_fault.remote("slow_compute", seconds=3.0))
-        ray.get(actor.inject_fault.remote("raise", step=15))
-
-    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, fault)).fit()
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, _slow_rank0_raising_at(15, "auto-fail"))).fit()
     assert_contiguous_data(result, cfg)
     assert [f["failure"] for f in result.failures] == ["exception"]
     [rec] = result.recoveries
@@ -92,13 +96,8 @@ def test_a_failure_with_the_next_lease_queued_drops_it_and_rolls_back(cluster, c
     # on every rank, where it must not run (refused where 9..16 failed, cut where it blocked).
     cfg = _cfg(corpus_dir, "lease-queued", 8, failure={"allow_fault_injection": True})
 
-    def fault():
-        actor = ray.get_actor("lease-queued-rank0-r0s0", namespace=NAMESPACE)
-        # Slower steps: the controller grants 17..24 well before rank 0 reaches step 15.
-        ray.get(actor.inject_fault.remote("slow_compute", seconds=3.0))
-        ray.get(actor.inject_fault.remote("raise", step=15))
-
-    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, fault)).fit()
+    # Slower steps: the controller grants 17..24 well before rank 0 reaches step 15.
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(1, _slow_rank0_raising_at(15, "lease-queued"))).fit()
     assert_contiguous_data(result, cfg)
     assert [f["failure"] for f in result.failures] == ["exception"]
     [rec] = result.recoveries

@@ -1,12 +1,13 @@
 """A lease granted behind another waits for it on the worker, and runs only if it completed."""
 
-import sys
 import threading
 import time
 
 import pytest
 
 from elastic_trainer.worker.lease_order import LeaseOrder, LeaseRefused
+
+from ..helpers import blocked_in_wait
 
 
 def _queued(order: LeaseOrder, after: int, got: list) -> threading.Thread:
@@ -21,24 +22,10 @@ def _queued(order: LeaseOrder, after: int, got: list) -> threading.Thread:
     return t
 
 
-def _waiting(thread: threading.Thread, wait_s: float = 30.0) -> bool:
-    """Whether ``thread`` is blocked in a condition's wait (its innermost frame is
-    ``threading``'s ``wait``), polled until it is or ``wait_s`` has passed."""
-    deadline = time.monotonic() + wait_s
-    while thread.is_alive():
-        frame = sys._current_frames().get(thread.ident)
-        if frame is not None and frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return False
-
-
 def test_a_lease_that_arrives_first_waits_for_the_one_it_follows():
     order, got = LeaseOrder("worker 3"), []
     t = _queued(order, after=7, got=got)
-    assert _waiting(t) and got == []   # lease 7 has not ended here: the one behind it waits
+    assert blocked_in_wait(t) and got == []   # lease 7 has not ended here: the one behind it waits
     ended = time.perf_counter()
     order.ended(7, completed=True)
     t.join(5)

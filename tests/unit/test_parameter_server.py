@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -14,6 +12,8 @@ import torch
 from elastic_trainer.checkpoint.state import export_shard
 from elastic_trainer.comm.stats import CommStats
 from elastic_trainer.comm.parameter_server import ParameterServerShard, PSClient, assign_shards
+
+from ..helpers import blocked_in_wait
 
 TRAIN = {"lr": 0.05, "weight_decay": 0.1, "betas": (0.8, 0.95), "eps": 1e-6}
 SHAPES = {"blocks.0.weight": (3, 4), "blocks.0.bias": (3,), "blocks.1.weight": (2, 3)}
@@ -133,28 +133,13 @@ def test_pull_timeout_names_the_missing_replicas():
         shard.pull(3, STAGE1, timeout_s=0.1)
 
 
-def _waiting(thread: threading.Thread, wait_s: float = 30.0) -> bool:
-    """Whether ``thread`` is blocked in a condition's wait (its innermost frame is
-    ``threading``'s ``wait``), polled until it is or ``wait_s`` has passed: the event a test
-    acts on, instead of a guess at how long the thread takes to get there."""
-    deadline = time.monotonic() + wait_s
-    while thread.is_alive():
-        frame = sys._current_frames().get(thread.ident)
-        if frame is not None and frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return False
-
-
 def test_pull_waits_for_the_last_push():
     shard = ParameterServerShard(_init_params(), TRAIN, n_workers=2, timeout_s=30)
     shard.push(1, 0, _grads(1, 0))
     result: Future = Future()
     t = threading.Thread(target=lambda: result.set_result(shard.pull(1)))
     t.start()
-    assert _waiting(t) and not result.done(), "pull returned before replica 1 pushed"
+    assert blocked_in_wait(t) and not result.done(), "pull returned before replica 1 pushed"
     shard.push(1, 1, _grads(1, 1))
     t.join(10)
     ref = Reference(_init_params())
@@ -296,7 +281,7 @@ def test_dropping_pending_pushes_ends_a_waiting_pull_at_once():
 
     t = threading.Thread(target=pull)
     t.start()
-    assert _waiting(t)   # the pull waits on the pushes of step 1
+    assert blocked_in_wait(t)   # the pull waits on the pushes of step 1
     shard.reset_pending()
     # It ends on the reset, not at its 30 s timeout (which would raise TimeoutError, not this).
     t.join(20)
