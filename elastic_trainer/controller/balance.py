@@ -230,6 +230,10 @@ class Balance:
         """The stage cut a re-cut asked for, until the plan that takes it (``new_plan``)."""
         return self._awaiting
 
+    def bench_refused(self) -> None:
+        """The spare asked for cannot be left out (its worker is gone): no re-plan is coming for it."""
+        self._bench_pending = None
+
     def act(self, step: int, named: bool) -> "Moves":
         """After ``observe``: move the shares, re-cut the stages or leave the straggler out, where
         that repays (``named``: a straggler was named this step). Returns the ``rebalance``

@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from ..config import TrainerConfig
-from .balance import Balance
+from .balance import Balance, Moves
 from .benching import Bench
 from .durable_writer import DurableWriter
 from .evaluation import Evaluator
@@ -142,6 +142,27 @@ class StepLoop:
         return (self._ps() is not None or self.run.error_at is not None or self.recovery.replan_pending()
                 or self.driver.steps_since_setup < self.cfg.failure.warmup_steps)
 
+    def _carry_out(self, moves: Moves, step: int) -> None:
+        """Ask recovery for the re-plan a balancing decision calls for: without the straggler
+        left out as a spare, or onto a re-cut."""
+        try:
+            if moves.bench is not None:
+                if self.bench.bench(*moves.bench, step) is not None:
+                    self.recovery.request_replan("straggler")
+                else:
+                    self.balance.bench_refused()   # its worker is gone: nothing to leave out
+            if moves.cut is not None and not self.recovery.replan_pending():
+                # A re-plan already asked for (a straggler benched) goes first; it changes the
+                # workers, and with them the balancing starts again.
+                self.recovery.request_replan("recut", cut=moves.cut)
+        except Exception as e:  # noqa: BLE001 - as in commit
+            self._balance_failed(step, e)
+
+    def _balance_failed(self, step: int, e: Exception) -> None:
+        log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", self.run.name, step, e,
+                    exc_info=True)
+        self.run.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
+
     def commit(self, out: StepOutcome) -> None:
         """Record a step that completed on every rank: its record, pace and balancing, metrics,
         snapshot and durable checkpoint."""
@@ -152,21 +173,17 @@ class StepLoop:
         for ev in self.balance.observe(step, out.results, record, where, out.shares):
             named = named or ev["kind"] == "straggler"
             run.event(ev.pop("kind"), **ev)
+        moves = Moves()
         try:
             moves = self.balance.act(step, named)
             for ev in list(moves) + self.bench.poll(step):
                 run.event(ev.pop("kind"), **ev)
-            if moves.bench is not None and self.bench.bench(*moves.bench, step) is not None:
-                self.recovery.request_replan("straggler")
-            if moves.cut is not None:
-                # A re-plan already asked for (a straggler benched) goes first; it changes the
-                # workers, and with them the balancing starts again.
-                if not self.recovery.replan_pending():
-                    self.recovery.request_replan("recut", cut=moves.cut)
         except Exception as e:  # noqa: BLE001 - working around a straggler must never end the run
-            log.warning("[%s] balancing failed at step %d, the run goes on without it: %s", run.name, step, e,
-                        exc_info=True)
-            run.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
+            self._balance_failed(step, e)
+        finally:
+            # Balance counts on its decision being taken (it waits for the re-plan): taken even
+            # where recording the events around it failed.
+            self._carry_out(moves, step)
         # What driving the run has cost so far, in actor calls (this step's snapshot pins, issued
         # below, count in the next record).
         record["actor_calls"] = self.driver.calls + self.snapshots.calls
