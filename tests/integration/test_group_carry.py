@@ -1,8 +1,13 @@
 """A re-plan carries the process groups that stay the same (gloo, ``failure.keep_groups``)."""
 
+import json
+import time
+
 import pytest
+import ray
 
 from elastic_trainer import Trainer
+from elastic_trainer.naming import NAMESPACE
 from elastic_trainer.chaos.simulate import freeze_node, kill_pids
 
 from ..helpers import reference_losses
@@ -15,18 +20,45 @@ PAIRS = {"workers_per_node": 2, "replica_placement": "spread", "resources_per_wo
          "worker_memory_gb": 0.0016}
 
 
+def worker(name, rank):
+    return ray.get_actor(f"{name}-rank{rank}-r{rank // 2}s{rank % 2}", namespace=NAMESPACE)
+
+
+def slow_down_replica_1(name):
+    # Replica 1 computes 20x slower (a sleep: the numbers stay), so replica 0 spends most of each
+    # step waiting for it in the gradients' all-reduce: the window the loss is made to land in.
+    ray.get([worker(name, r).inject_fault.remote("slow_compute", seconds=20.0) for r in (2, 3)])
+
+
+def await_replica_0_in_its_all_reduce(name):
+    # The loss lands where the test means it to: both of replica 0's ranks have ended their
+    # pipeline's part of the step and wait in the DP all-reduce. A loss a moment earlier can find
+    # stage 1 past its all-reduce and waiting for stage 0 in the gradient norm's: then the
+    # pipeline group is not whole, rightly built again, and not what this test is about.
+    survivors = [worker(name, r) for r in (0, 1)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = ray.get([a.group_state.remote() for a in survivors])
+        if all(s["busy"] and s.get("waiting") == "dp" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"replica 0 never waited in its all-reduce: {states}")
+
+
 @pytest.mark.parametrize("loss", ["kill", "freeze"])
 def test_a_replica_lost_whole_leaves_the_surviving_pipeline_its_group(fresh_cluster, corpus_dir, loss):
     # Two one-CPU nodes of two workers: replica 0 on one, replica 1 on the other. The node is
     # killed (seen as a death, or as silence where the heartbeat comes first) or frozen whole
-    # (SIGSTOP: no socket closes, only the heartbeat tells); either way the settle round cuts
-    # just the groups the lost replica was in.
+    # (SIGSTOP: no socket closes, only the heartbeat tells) while replica 0 waits for it in the
+    # all-reduce; either way the settle round cuts just the groups the lost replica was in.
     c, nodes = fresh_cluster(2)
     name = f"carry-{loss}"
-    cfg = config(corpus_dir, name, parallel={"dp": 2, "pp": 2}, scaling=PAIRS)
+    # Balancing off: the slowed replica is the test's clock, not a straggler to move work off.
+    cfg = config(corpus_dir, name, parallel={"dp": 2, "pp": 2}, scaling=PAIRS, balance={"mode": "off"})
     seen, frozen, lost = {}, [], []
 
     def lose():
+        await_replica_0_in_its_all_reduce(name)
         seen.update({w["rank"]: w["worker_id"] for w in status(name)["workers"] if w["rank"] is not None})
         node = node_of_rank(name, 3, nodes)
         lost.append(node)
@@ -36,7 +68,7 @@ def test_a_replica_lost_whole_leaves_the_surviving_pipeline_its_group(fresh_clus
             c.remove_node(node, allow_graceful=False)
 
     try:
-        result = Trainer(cfg, verbose=False, on_step=Chaos().at(4, lose)).fit()
+        result = Trainer(cfg, verbose=False, on_step=Chaos().at(2, lambda: slow_down_replica_1(name)).at(4, lose)).fit()
     finally:
         kill_pids(frozen)
         if loss == "freeze":
@@ -52,6 +84,6 @@ def test_a_replica_lost_whole_leaves_the_surviving_pipeline_its_group(fresh_clus
     assert (after[0], after[1]) == (seen[0], seen[1])
     # Replica 0's pipeline group is whole (neither rank waits in it when the dead replica's
     # all-reduce fails): carried. The two one-rank DP groups are new.
-    assert (rec["groups_carried"], rec["groups_built"]) == (1, 2), rec
+    assert (rec["groups_carried"], rec["groups_built"]) == (1, 2), json.dumps(rec, default=str)
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
