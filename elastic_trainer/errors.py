@@ -31,6 +31,10 @@ class RunError(ElasticTrainerError):
 
 def error_line(e: BaseException, limit: int = 200) -> str:
     """``Type: first line of its message`` (the type alone for an empty message): how a log line
-    or a failure's detail names an error whose traceback would drown the rest."""
+    or a failure's detail names an error whose traceback would drown the rest. A remote task's
+    error (Ray's ``RayTaskError``, whose own first line is only where it ran) is named by its cause."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and type(e).__name__.startswith("RayTaskError"):
+        e = cause
     text = str(e).splitlines()[0][:limit] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__

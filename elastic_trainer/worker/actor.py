@@ -28,6 +28,7 @@ from ..parallel.topology import Topology
 from .device import bind, current_visible, worker_device
 from .probe import probe_compute
 from .faults import FaultHooks
+from .group_address import bind_groups_to
 from .group_control import GroupControl
 from .group_keeper import GroupKeeper
 from .heartbeat_relay import relay_pings
@@ -97,6 +98,8 @@ class TrainWorker(SnapshotServing, GroupControl):
         self.groups = GroupKeeper(f"[{run_name}] worker {worker_id}")
         # A worker ends with its node (node_fate).
         self._raylet_watch = watch_raylet(f"[{run_name}] worker {worker_id}")
+        # Groups bind to the interface of Ray's address for this node, not the host name's.
+        self._group_iface = bind_groups_to(ray.util.get_node_ip_address())
         # Everything imported so far lives as long as the process: keep it out of
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()
@@ -111,6 +114,7 @@ class TrainWorker(SnapshotServing, GroupControl):
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
+            "group_iface": os.environ.get("GLOO_SOCKET_IFNAME"),
             "gpu_ids": ray.get_gpu_ids(),
         }
 
