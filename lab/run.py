@@ -35,14 +35,17 @@ class LabRun:
             time.sleep(0.05)
         raise AssertionError(f"step {step} not reached in {timeout_s:g} s; progress {self.lines()[-3:]}")
 
-    def await_new_plan(self, timeout_s: float = 60) -> dict:
-        """Wait until the run steps on a plan other than the one it stepped on last; that plan's
-        rank -> host address."""
-        first = self.lines()[-1]["plan"]
+    def plan(self) -> int | None:
+        """The index of the plan the last step seen ran on."""
+        lines = self.lines()
+        return lines[-1]["plan"] if lines else None
+
+    def await_new_plan(self, than: int, timeout_s: float = 60) -> dict:
+        """Wait until the run steps on a plan other than ``than``; that plan's rank -> host address."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             lines = self.lines()
-            if lines and lines[-1]["plan"] != first and "ranks" in next(x for x in reversed(lines) if x["plan"] != first):
+            if lines and lines[-1]["plan"] != than:
                 return {int(r): a for r, a in next(x["ranks"] for x in reversed(lines) if "ranks" in x).items()}
             if self.proc.poll() is not None:
                 raise AssertionError(f"the driver ended before a re-plan: {self.result()}")

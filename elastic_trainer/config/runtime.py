@@ -26,7 +26,12 @@ class ScalingSection(_Strict):
         "strict_spread: wait (up to placement_timeout_s) for one node per worker rather than pack; "
         "pack: a stage's replicas share a node (gradient all-reduce stays on the node).",
     )
-    placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the cluster to fit the workers.")
+    placement_timeout_s: float = Field(120.0, gt=0, description="How long to wait for the cluster to fit the workers "
+                                                                "(at the start, min_workers of them).")
+    start_wait_s: float = Field(
+        10.0, ge=0, description="At the start, wait this long for room for every worker of dp x pp; then start on "
+                                "the workers that fit (at least min_workers, waited for up to placement_timeout_s), "
+                                "on the layout the re-plan policy picks for them, and grow as nodes join.")
     torch_threads: int | None = Field(1, ge=1, description="torch.set_num_threads in CPU workers; None leaves torch's default.")
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables of the worker processes (NCCL_*, CUDA_*, ...), "
@@ -167,6 +172,10 @@ class FailureSection(_Strict):
         16, ge=2, description="Past this many nodes a heartbeat round, the controller asks one worker per this "
                               "many nodes to ask them and answer for them all, instead of asking each node "
                               "itself: its questions a round grow as nodes / fanout.")
+    fence_timeout_s: float = Field(
+        300.0, gt=0, description="A rank lost for silence is fenced out of the plan, not killed, and let back in as "
+                                 "a spare when it answers again (a long pause, a loaded host, a slow link); one "
+                                 "still silent this long after is killed.")
     keep_groups: bool = Field(
         True, description="gloo: a re-plan carries each DP and PP group whose members are the same, in the "
                           "same order, and which every member holds unbroken, instead of building it again; "

@@ -47,7 +47,9 @@ from .balance import Balance
 from .benching import Bench
 from .durable_writer import DurableWriter
 from .evaluation import Evaluator
-from .placement import assign_ranks, fault_tolerance, find_nodes
+from .fences import Fences
+from .first_placement import place_first
+from .placement import assign_ranks, fault_tolerance
 from .plan_setup import PlanSetup
 from .ps_group import ParameterServers
 from .queries import ControllerQueries
@@ -93,8 +95,9 @@ class Controller:
         self.setup = PlanSetup(cfg, run, self.pool, self.driver, self.bench, self.balance, self.snapshots,
                                self.schedule, self.evaluator, ps)
         self.points = RestorePoints(cfg, cfg_json, self.data, run, self.pool, self.snapshots, self.durable, ps)
+        self.fences = Fences(self.pool, cfg.failure.fence_timeout_s, self.run_name)
         self.recovery = Recovery(cfg, run, self.pool, self.bench, self.setup, self.points, self.schedule, ps,
-                                 self.saver.emergency)
+                                 self.saver.emergency, self.fences)
         self.queries = ControllerQueries(run, self.pool, self.schedule, self.balance, self.bench)
         self._run_called = False
 
@@ -191,6 +194,7 @@ class Controller:
         finally:
             if self.ps:
                 self.ps.kill()
+            self.fences.clear()
             self.pool.teardown()
 
     def _start(self, resume: bool | dict) -> None:
@@ -199,8 +203,14 @@ class Controller:
         run, cfg = self.record, self.cfg
         plan = make_plan(cfg)
         check_start(cfg, plan)   # as a re-plan is held to scaling.worker_memory_gb, before any worker is placed
+        placed = place_first(cfg, plan, run.counts)
+        plan, nodes = placed.plan, placed.nodes
         topo = plan.topology
-        nodes = find_nodes(cfg.scaling, topo.world_size, {}, cfg.scaling.placement_timeout_s)
+        if placed.smaller:
+            run.event("start_smaller", **placed.smaller)
+            log.warning("[%s] room for %d of %d workers after %gs: starting on dp=%d x pp=%d, growing as nodes join",
+                        self.run_name, placed.smaller["room"], placed.smaller["plan_before"]["world_size"],
+                        placed.smaller["waited_s"], topo.dp, topo.pp)
         slot_of_rank = assign_ranks(topo, nodes, cfg.scaling.replica_placement)
         rank_nodes = {r: nodes[slot_of_rank[r]] for r in range(topo.world_size)}
         line = fault_tolerance(topo, rank_nodes, cfg.checkpoint.replicas)

@@ -35,6 +35,7 @@ from .run_state import RunState
 from .snapshot_schedule import SnapshotSchedule
 from .stepping import StepOutcome
 from .survivor_collectives import ShrunkWorld, end_collectives, shrunk_ranks
+from .fences import Fences
 from .workers import WorkerPool, failed
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ log = logging.getLogger(__name__)
 class Recovery:
     def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, bench: Bench, setup: PlanSetup,
                  points: RestorePoints, schedule: SnapshotSchedule, ps: Callable[[], ParameterServers | None],
-                 emergency: Callable[[str], str | None]):
+                 emergency: Callable[[str], str | None], fences: Fences):
         self.cfg, self.run, self.pool, self.bench, self.setup, self.points, self.schedule = (
             cfg, run, pool, bench, setup, points, schedule)
+        self.fences = fences
         self._ps = ps
         self._emergency = emergency   # saves the newest committed snapshot on the way out; its path
         self.failures = 0
@@ -79,14 +81,16 @@ class Recovery:
             self.retries_left -= 1
         else:
             self.failures += 1
-        # A silent worker may be a frozen process on a live node: killed as a hung one is (on a
-        # frozen node the kill waits, and nothing waits on it).
-        pool.kill_hung(diag.hung + diag.silent)
+        # A hung worker answers pings but not its step: SIGKILLed from its node. A silent one
+        # may be paused (a GC pause, a loaded host, a slow link) rather than gone: fenced out of
+        # the plan, not killed, and let back in as a spare if it answers again (``fences``).
+        pool.kill_hung(diag.hung)
         self._abandoned += [ref for ref in out.shard_refs.values() if ref is not None]
         # The calls still running end in errors too (a cut group, a lease refused behind this one).
         self._abandoned += list(out.inflight)
         lost_ranks = [r for r, w in run.ranks.items() if w in diag.lost]
-        pool.drop(diag.lost)
+        self.fences.fence(diag.silent)
+        pool.drop(diag.dead + diag.hung)
         ps = self._ps()
         if ps:
             ps.abandon_step()
@@ -122,14 +126,15 @@ class Recovery:
         run.event("failure", failure="startup", worker=failed_workers, rank=None, node=None,
                   step=run.step + 1, detail=str(err))
         log.warning("[%s] start-up failed: %s", run.name, err)
-        dead = pool.dead_among(list(pool.workers))
-        if not dead and all(w in pool for w in failed_workers):
+        dead, silent = pool.dead_or_silent(list(pool.workers))
+        if not dead and not silent and all(w in pool for w in failed_workers):
             # Every worker lives: the set-up raised on its own (a bug, a model that does not
             # build), which another plan would only hide. Not a loss.
             raise RunError(f"the first set-up failed on live workers (no worker or node was lost): {err}")
         self.failures += 1
         self._check_limits(Diagnosis([], [], [], "startup", str(err)))
         pool.drop(dead)
+        self.fences.fence(silent)
         self.setup.abort()
         pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth
         self.replan_and_restore(None, detected, None, reason="startup")
@@ -247,7 +252,9 @@ class Recovery:
                 # Drop whoever died. A live worker that failed is not at fault: it waited at
                 # a rendezvous for a member that died. Abort the set-ups still waiting and let
                 # them end before the next try, which would otherwise queue behind them.
-                pool.drop(pool.dead_among(list(pool.workers)))
+                dead, silent = pool.dead_or_silent(list(pool.workers))
+                pool.drop(dead)
+                self.fences.fence(silent)
                 self.setup.abort()
                 retry_s += time.perf_counter() - t0
                 continue
@@ -350,6 +357,8 @@ class Recovery:
         if now - self._last_grow_check < self.cfg.scaling.grow_check_s:
             return False
         self._last_grow_check = now
+        for ev in self.fences.poll():
+            self.run.event(ev.pop("kind"), **ev)
         self.pool.spawn_on_free_nodes()
         self.pool.await_joining(0, required=False)
         self._grow_wanted = self._larger_plan()

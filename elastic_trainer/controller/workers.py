@@ -220,7 +220,7 @@ class WorkerPool:
         if required:
             for wid, (actor, _, node) in list(self.joining.items()):
                 lost.append((wid, node, f"did not start within {timeout:g}s"))
-                _kill(actor)
+                kill_actor(actor)
             self.joining = {}
         return lost
 
@@ -234,6 +234,13 @@ class WorkerPool:
         """``{wid: answer}`` of ``method(*args)`` on each live worker of ``wids`` (see :func:`ask_all`)."""
         return ask_all({w: getattr(self.workers[w].actor, method).remote(*args)
                         for w in wids if w in self.workers}, timeout)
+
+    def dead_or_silent(self, wids) -> tuple[list[int], list[int]]:
+        """Those of ``wids`` whose ping failed (dead), and those that did not answer it within
+        ``failure.ping_timeout_s`` (silent: paused, or cut off; see ``fences``)."""
+        answers = self.ask("ping", wids, self.cfg.failure.ping_timeout_s)
+        silent = [w for w, a in answers.items() if isinstance(a, TimeoutError)]
+        return [w for w, a in answers.items() if failed(a) and w not in silent], silent
 
     def dead_among(self, wids) -> list[int]:
         """Those of ``wids`` that do not answer a ping within ``failure.ping_timeout_s``."""
@@ -259,7 +266,23 @@ class WorkerPool:
                     self.bare_nodes.add(w.node)
             if w is not None:
                 log.info("[%s] dropping worker %d (rank %s, node %s)", self.run_name, wid, w.rank, w.node[:12])
-                _kill(w.actor)
+                kill_actor(w.actor)
+
+    def take(self, wids) -> list[WorkerHandle]:
+        """Take workers out of the pool without killing them (``fences``); their handles."""
+        out = []
+        with self.lock:
+            for wid in wids:
+                w = self.workers.pop(wid, None)
+                if w is not None:
+                    out.append(w)
+        return out
+
+    def readmit(self, handle: WorkerHandle) -> None:
+        """Take a worker back into the pool, as a spare (no rank)."""
+        handle.rank = None
+        with self.lock:
+            self.workers[handle.wid] = handle
 
     def forget_dead_nodes(self, dead: set[str]) -> None:
         """Nodes Ray has declared dead no longer count as alive (``nodes``)."""
@@ -270,13 +293,14 @@ class WorkerPool:
         with self.lock:
             workers, self.workers = self.workers, {}
         for w in workers.values():
-            _kill(w.actor)
+            kill_actor(w.actor)
         for actor, _, _ in self.joining.values():
-            _kill(actor)
+            kill_actor(actor)
         self.joining = {}
 
 
-def _kill(actor) -> None:
+def kill_actor(actor) -> None:
+    """``ray.kill`` without restart; nothing where it is gone, or where Ray is not running."""
     if not ray.is_initialized():
         return   # no cluster, no actor to kill (and ray.kill would start or join a Ray to find out)
     try:

@@ -79,6 +79,13 @@ class ProgressPrinter:
                        f"dp={ev['dp']} pp={ev['pp']})")
         elif kind == "placement":
             self._line(f"placement: {ev['detail']}")
+        elif kind == "fence":
+            self._line(f"{'->' if ev['outcome'] == 'readmitted' else '!!'} worker {ev['worker']}, fenced out for "
+                       f"silence {ev['fenced_s']:.1f}s ago: {ev['outcome']} ({ev['detail']})")
+        elif kind == "start_smaller":
+            a, b = ev["plan_after"], ev["plan_before"]
+            self._line(f"!! room for {ev['room']} of {b['world_size']} workers after {ev['waited_s']:g}s: started on "
+                       f"dp={a['dp']} x pp={a['pp']}, growing as nodes join ({ev['policy']})")
         elif kind == "snapshot_dropped":
             self._line(f"!! snapshot of step {ev['step']} dropped: {ev['reason']}")
         elif kind == "emergency_checkpoint":

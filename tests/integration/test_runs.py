@@ -127,12 +127,21 @@ def test_a_factory_module_that_reads_a_tensor_at_import_trains(cluster, corpus_d
 @pytest.mark.timeout(120)
 def test_fewer_nodes_than_workers_fails_after_a_bounded_wait(cluster, corpus_dir):
     n = NUM_NODES + 1
+    # Every worker is needed (scaling.min_workers = dp): no smaller start.
     cfg = TrainerConfig.from_dict(tiny_config(
         corpus_dir, parallel={"dp": n}, train={"global_batch_size": n, "micro_batch_size": 1},
-        scaling={"placement_timeout_s": 3}))
+        scaling={"placement_timeout_s": 3, "min_workers": n}))
     # It gives up at scaling.placement_timeout_s, which the error names.
     with pytest.raises(PlacementError, match=rf"could not place {n} workers .* within 3s: room for {NUM_NODES} "
                                              rf"on the cluster's {NUM_NODES + 1} alive nodes"):
+        Trainer(cfg, verbose=False).fit()
+    # A smaller start allowed, but not as small as the room there is: past scaling.start_wait_s
+    # it waits out placement_timeout_s for min_workers, and the error says so.
+    cfg = TrainerConfig.from_dict(tiny_config(
+        corpus_dir, parallel={"dp": n + 1}, train={"global_batch_size": n + 1, "micro_batch_size": 1},
+        scaling={"placement_timeout_s": 3, "start_wait_s": 1, "min_workers": n}))
+    with pytest.raises(PlacementError, match=rf"within 1s: room for {NUM_NODES} .* Starting on fewer needs room "
+                                             rf"for scaling.min_workers\({n}\) workers; there was room for {NUM_NODES}"):
         Trainer(cfg, verbose=False).fit()
     # Nothing is left holding the cluster's resources.
     deadline = time.monotonic() + 20
