@@ -8,9 +8,16 @@ policy and the grow check count only the workers that are not benched.
 
 A benched worker runs no steps, so its pace is read from a probe instead
 (``worker.probe``): right after the re-plan (its slow baseline), and every
-``balance.window`` steps after. Once its probe runs faster than that baseline
-by more than ``balance.threshold`` it is let back in, and the grow check
-re-plans onto it when the policy prefers the larger plan; if it is still slow
+``balance.window`` steps after, each time beside the same probe on a running
+worker (rank 0's), and read against it: a host whose load changes for
+everyone (the probe's own host, on a shared machine) moves both alike, and
+only the benched worker's own recovery moves the ratio. It is let back in
+once it has won back at least half its slowdown against the peer (on a log
+scale: 2x of a 4x slowdown) and more than ``balance.threshold``: read alone,
+a probe taken as a burst of load ended ran 15% faster than its baseline while
+the worker was still 20 times slower, and beside a busy peer on this shared
+host the ratio moved 1.3x from noise alone; each time it was let back in too
+soon. Once let back in, the grow check re-plans onto it when the policy prefers the larger plan; if it is still slow
 there, it is named and priced again like any straggler. (Its pace when
 benched is not the yardstick: read on fewer micro-batches it can overstate
 the slowdown, 3.25 for a 2x straggler in the benchmark, and a worker back to
@@ -21,6 +28,7 @@ dropped like any other.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass
 
@@ -45,6 +53,7 @@ class Benched:
     probe_s: float | None = None   # its probe once it ran no steps (the slow baseline)
     products: int | None = None    # the probe's size, fixed at the baseline
     last_probe_s: float | None = None
+    peer_s: float | None = None    # a running peer's probe beside the baseline (None: read alone)
     failed_probes: int = 0         # in a row; a worker that fails _MAX_FAILED_PROBES is let go
 
 
@@ -97,8 +106,30 @@ class Bench:
     def _baseline(self, fresh: list[Benched]) -> None:
         for b, got in zip(fresh, self._probe([(b.wid, None) for b in fresh])):
             if got is not None:
-                b.probe_s, b.products = got
+                b.probe_s, b.products = got   # sized alone; then timed beside the peer
                 b.last_probe_s = b.probe_s
+                pair = self._beside_peer(b)
+                if pair is not None:
+                    b.probe_s, b.peer_s = pair
+                    b.last_probe_s = b.probe_s
+
+    def _peer(self) -> int | None:
+        """A running worker to probe beside a benched one: rank 0's, else the lowest rank's."""
+        with self._lock:
+            benched = set(self.benched)
+        ranked = sorted((r, w) for r, w in self.run.ranks.items() if w in self.pool and w not in benched)
+        return ranked[0][1] if ranked else None
+
+    def _beside_peer(self, b: Benched) -> tuple[float, float] | None:
+        """(the benched worker's probe, a running peer's) timed at once, on the same workload;
+        None where there is no peer or either probe failed."""
+        peer = self._peer()
+        if peer is None:
+            return None
+        mine, theirs = self._probe([(b.wid, b.products), (peer, b.products)])
+        if mine is None or theirs is None:
+            return None
+        return mine[0], theirs[0]
 
     def poll(self, step: int) -> list[dict]:
         """Every ``balance.window`` steps, probe the benched workers; returns the ``rebalance``
@@ -111,22 +142,38 @@ class Bench:
         ready = [b for b in self.benched.values() if b.probe_s is not None]
         events = []
         faster = 1 + self.cfg.balance.threshold
-        for b, got in zip(ready, self._probe([(b.wid, b.products) for b in ready])):
-            if got is None:
-                continue
-            s = b.last_probe_s = got[0]
-            now = b.pace * s / b.probe_s   # its pace now, as far as the probe tells
+        for b in ready:
+            pair = self._beside_peer(b) if b.peer_s is not None else None
+            if pair is None:
+                got = self._probe([(b.wid, b.products)])[0]
+                if got is None:
+                    continue
+                s, peer_s = got[0], None
+                speedup, need = b.probe_s / s, faster
+            else:
+                s, peer_s = pair
+                slowdown = b.probe_s / b.peer_s   # how much slower than the peer it was benched
+                speedup = slowdown / (s / peer_s)
+                # At least half its slowdown won back (on a log scale), and the threshold: a probe
+                # read beside a busy peer on a shared host moved 1.3x from noise alone.
+                need = max(faster, math.sqrt(max(slowdown, 1.0)))
+            b.last_probe_s = s
+            now = b.pace / speedup   # its pace now, as far as the probe tells
             expired = step - b.step >= self.cfg.balance.payback_steps
-            if s * faster < b.probe_s or expired:
+            if speedup >= need or expired:
                 with self._lock:
                     del self.benched[b.wid]
                 events.append({"kind": "rebalance", "step": step, "action": "readmit", "worker": b.wid,
                                "rank_before": b.rank, "benched_steps": step - b.step, "pace": round(now, 3),
                                "probe_s": round(s, 6), "probe_s_benched": round(b.probe_s, 6),
+                               "peer_probe_s": round(peer_s, 6) if peer_s is not None else None,
+                               "peer_probe_s_benched": round(b.peer_s, 6) if peer_s is not None else None,
+                               "speedup": round(speedup, 3), "speedup_needed": round(need, 3),
                                "reason": "benched for balance.payback_steps: tried again" if expired
-                               and s * faster >= b.probe_s else "its probe is faster"})
-                log.info("[%s] worker %d probes %.1fx faster than when benched, after %d steps: it may be "
-                         "grown onto", self.run.name, b.wid, b.probe_s / s, step - b.step)
+                               and speedup < need else "its probe is faster"})
+                log.info("[%s] worker %d probes %.1fx faster than when benched%s (%.1fx needed), after %d steps: "
+                         "it may be grown onto", self.run.name, b.wid, speedup,
+                         " against a running peer" if peer_s is not None else "", need, step - b.step)
         return events
 
     def _drop_gone(self) -> None:
