@@ -50,10 +50,6 @@ class Fences:
                         h.node[:12], self.timeout_s)
         return out
 
-    def nodes(self) -> list[str]:
-        """The nodes the fenced workers hold a place on."""
-        return [f.handle.node for f in self.fenced.values()]
-
     def poll(self) -> list[dict]:
         """Without waiting: let back in, as spares, the fenced workers whose ping answered; forget
         those that died; kill those silent past the timeout. Their ``fence`` events."""
