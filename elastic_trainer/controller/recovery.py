@@ -25,6 +25,7 @@ from ..planning.plan import plan_for
 from ..planning.policy import choose_plan, memory_bound, no_plan_reason
 from .benching import Bench
 from .failures import Diagnosis, diagnose
+from .fences import Fences
 from .group_carry import carries_groups
 from .group_settle import settle_groups
 from .plan_setup import PlanSetup
@@ -35,7 +36,6 @@ from .run_state import RunState
 from .snapshot_schedule import SnapshotSchedule
 from .stepping import StepOutcome
 from .survivor_collectives import ShrunkWorld, end_collectives, shrunk_ranks
-from .fences import Fences
 from .workers import WorkerPool, failed
 
 log = logging.getLogger(__name__)

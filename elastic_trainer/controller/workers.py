@@ -244,8 +244,8 @@ class WorkerPool:
 
     def dead_among(self, wids) -> list[int]:
         """Those of ``wids`` that do not answer a ping within ``failure.ping_timeout_s``."""
-        answers = self.ask("ping", wids, self.cfg.failure.ping_timeout_s)
-        return [w for w, a in answers.items() if failed(a)]
+        dead, silent = self.dead_or_silent(wids)
+        return dead + silent
 
     def kill_hung(self, wids) -> None:
         """SIGKILL hung workers from their own nodes: a hung process does not answer Ray's
