@@ -49,6 +49,7 @@ class HostGroup:
 
     def set_cpus(self, cpus: float) -> None:
         """A CFS quota of ``cpus`` cores (1.5: 150 ms of CPU every 100 ms)."""
+        self.cpus = cpus
         quota = max(1000, int(cpus * _PERIOD_US))
         if self.v == 1:
             (ROOT / "cpu" / self.path / "cpu.cfs_period_us").write_text(str(_PERIOD_US))

@@ -31,6 +31,7 @@ are told a new plan and load the last committed state from the best source.
 from __future__ import annotations
 
 import logging
+import threading
 
 import ray
 
@@ -41,6 +42,7 @@ from ..logs import configure_actor_logging
 from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
+from ..planning.model_shape import model_shape
 from ..planning.plan import make_plan
 from ..planning.policy import check_start, choose_plan, cut_fits, memory_bound
 from .balance import Balance
@@ -219,6 +221,9 @@ class Controller:
         # Worker i starts as rank i, named after it (replica, stage) for the dashboard.
         self.pool.spawn([rank_nodes[r] for r in range(topo.world_size)],
                         [worker_name(self.run_name, r, *topo.coords(r)) for r in range(topo.world_size)])
+        # The re-plan after a failure reads the model's measured shape: measured now, beside the
+        # workers' start, not on the recovery path (nor before the first worker was placed).
+        threading.Thread(target=model_shape, args=(cfg,), name="model-shape", daemon=True).start()
         lost = self.pool.await_joining(cfg.scaling.placement_timeout_s, required=True)
         run.transition(RunState.STARTING)
         if cfg.comm.sync == "parameter_server":

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..config import ModelSection
 from ..errors import ModelError
@@ -66,6 +67,27 @@ def build_blocks(model: ModelSection, seed: int) -> tuple[list[nn.Module], Calla
     return blocks, loss_fn
 
 
+# In-place initialisers that give a meta tensor nothing but its own shape back.
+_INIT_METHODS = frozenset(getattr(torch.Tensor, n) for n in (
+    "normal_", "uniform_", "erfinv_", "log_normal_", "exponential_", "cauchy_", "geometric_", "bernoulli_",
+    "random_"))
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """Skips initialisers on meta tensors. Random ones (``normal_``, as every ``nn.Embedding``
+    and GPT-2-style init calls) run torch's Python reference kernels there, and their first call
+    imports ``torch._dynamo``: 1.2 s of the controller's start, before any worker was placed,
+    to count parameters that are the same without them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INIT_METHODS or getattr(func, "__module__", None) == "torch.nn.init":
+            t = args[0] if args else kwargs.get("tensor")   # torch.nn.init passes it by name
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
 def build_blocks_for_shapes(model: ModelSection, seed: int = 0) -> tuple[list[nn.Module], Callable, bool]:
     """The blocks, for their shapes (or for a restore to fill): ``(blocks, loss_fn, on_meta)``.
 
@@ -76,7 +98,7 @@ def build_blocks_for_shapes(model: ModelSection, seed: int = 0) -> tuple[list[nn
     """
     resolve_factory(model)  # imports the user's module, outside the meta device
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _NoInitOnMeta():
             blocks, loss_fn = build_blocks(model, seed)
         return blocks, loss_fn, True
     except ModelError as e:

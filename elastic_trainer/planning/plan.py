@@ -8,7 +8,7 @@ from ..config import TrainerConfig
 from ..errors import ConfigError
 from ..parallel.partition import blocks_for_rank, partition_blocks
 from ..parallel.topology import Topology
-from .model_shape import model_shape
+from ..models.factory import block_param_counts
 
 
 @dataclass
@@ -45,8 +45,9 @@ def plan_for(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, counts: list[in
 
 def make_plan(cfg: TrainerConfig) -> Plan:
     """Cut the model into the configured number of pipeline stages, balancing parameters."""
-    # The planner's cached shape: building the model once here also readies the re-plan after a failure.
-    counts = model_shape(cfg).param_counts
+    # Parameter counts only: measuring activations runs the model on the meta device, whose first
+    # op imports torch._dynamo (1.2 s). The controller warms that measure while its workers start.
+    counts = block_param_counts(cfg.model)
     p = cfg.parallel
     if len(counts) < p.num_stages:
         raise ConfigError(

@@ -56,7 +56,7 @@ def test_a_host_lost_then_back_5_s_later_stays_out_of_the_new_plan(lab, corpus_d
     # of the host stops where it stands. Either way it is back once the run re-planned without
     # it, and 5 s after it went at the least. Its old workers must not disturb the run: they are
     # in no plan after, unless let back in as spares (a fence lifted) and grown onto.
-    config = lab_config(corpus_dir, f"lab-{fault}", steps=150)
+    config = lab_config(corpus_dir, f"lab-{fault}", steps=80)
     run = Run(lab, config, tmp_path)
     ranks = run.await_step(4)
     victim = lab.host_at(ranks[3])
