@@ -18,10 +18,13 @@ def reference(corpus_dir):
     return reference_run(TrainerConfig.from_dict(tiny_config(corpus_dir)), STEPS)
 
 
+# Every schedule at dp=2 x pp=2; pipelines alone at pp=2 and pp=4 on 1F1B. (At 8-12 s a run,
+# mostly its workers' start, each schedule at every pipeline depth cost 30 s more and showed
+# nothing these do not.)
 LAYOUTS = [
     (1, 1, "1f1b"), (2, 1, "1f1b"), (4, 1, "1f1b"),  # pp=1 runs no pipeline schedule
-    *[(dp, pp, s) for s in ("gpipe", "1f1b") for dp, pp in ((1, 2), (2, 2), (1, 4))],
-    (1, 2, "interleaved"), (2, 2, "interleaved"),
+    (1, 2, "1f1b"), (1, 4, "1f1b"),
+    *[(2, 2, s) for s in ("gpipe", "1f1b", "interleaved")],
 ]
 
 

@@ -31,7 +31,10 @@ def snapshot_steps(result):
 
 def test_auto_spreads_out_snapshots_made_slow_and_says_so(cluster, corpus_dir):
     # Every snapshot holds its step 0.1 s (the hook), on steps of a few tens of milliseconds.
-    cfg = config(corpus_dir, "slowsnap", steps=40, scaling={"env_vars": {SNAPSHOT_DELAY_ENV: "0.1"}})
+    # One pipeline of two (the interval's choice is per run, not per replica): each run's start
+    # is mostly its workers' imports, and two start faster than four.
+    cfg = config(corpus_dir, "slowsnap", steps=40, parallel={"dp": 1, "pp": 2},
+                 scaling={"env_vars": {SNAPSHOT_DELAY_ENV: "0.1"}})
     seen = {}
 
     def on_step(rec):
@@ -55,7 +58,7 @@ def test_auto_spreads_out_snapshots_made_slow_and_says_so(cluster, corpus_dir):
 
 def test_auto_keeps_cheap_snapshots_every_step(cluster, corpus_dir):
     # A snapshot costs the tiny model a few milliseconds; a budget that covers that keeps one a step.
-    cfg = config(corpus_dir, "cheapsnap", steps=24, checkpoint={"max_overhead": 1.0})
+    cfg = config(corpus_dir, "cheapsnap", steps=24, parallel={"dp": 1, "pp": 2}, checkpoint={"max_overhead": 1.0})
     result = Trainer(cfg, verbose=False).fit()
     [choice] = choices(result)
     assert choice["interval"] == 1 and choice["redo_steps"] == 2, choice
@@ -66,10 +69,11 @@ def test_overlapped_and_synchronous_snapshots_train_alike(cluster, corpus_dir):
     ref = reference_losses(config(corpus_dir, "ref", steps=12), 12)
     states = []
     for overlap in (True, False):
+        # A pipeline of two: the overlap is each rank's own (its snapshot beside its next step).
         # Balancing off: on a loaded host it may move a micro-batch in one run and not the other,
         # which changes the order of the gradient's sums, and the states would differ by that.
-        cfg = config(corpus_dir, f"overlap{overlap}", steps=12, checkpoint={"memory_every": 1, "overlap": overlap},
-                     balance={"mode": "off"})
+        cfg = config(corpus_dir, f"overlap{overlap}", steps=12, parallel={"dp": 1, "pp": 2},
+                     checkpoint={"memory_every": 1, "overlap": overlap}, balance={"mode": "off"})
         result = Trainer(cfg, verbose=False).fit(return_model_state=True)
         assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-4)
         assert all(r["snapshot"] for r in result.history)
