@@ -23,6 +23,7 @@ from .models.hf import load_hf_config
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
 from .planning.constants import run_constants
+from .planning.model_shape import ModelShape, ShapeInBackground
 from .reporting.progress import ProgressPrinter
 from .reporting.rank_file import RankFile, ranks_path, read_rank_figures
 
@@ -99,9 +100,10 @@ class Trainer:
         run_name = cfg.run.name or time.strftime("et-%Y%m%d-%H%M%S")
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": run_name})})
         cfg = self._check_inputs(cfg)
+        shape = ShapeInBackground(cfg)
         started_ray = self._connect(cfg)
         try:
-            return self._run(cfg, run_name, return_model_state, resume)
+            return self._run(cfg, run_name, return_model_state, resume, shape.result())
         finally:
             if started_ray:
                 ray.shutdown()
@@ -164,12 +166,13 @@ class Trainer:
         ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
         return True
 
-    def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool) -> Result:
+    def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool,
+             shape: ModelShape | None = None) -> Result:
         node_id = ray.get_runtime_context().get_node_id()
         controller = ray.remote(ControllerActor).options(
             name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(cfg.model_dump(mode="json"), run_name, self._data)
+        ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape)
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
         done_ref = controller.run.remote(return_model_state, resume)
         # What the driver has seen, kept so a failed run still gets its report.

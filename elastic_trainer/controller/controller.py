@@ -42,7 +42,7 @@ from ..logs import configure_actor_logging
 from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
-from ..planning.model_shape import model_shape
+from ..planning.model_shape import ModelShape, model_shape, remember_shape
 from ..planning.plan import make_plan
 from ..planning.policy import check_start, choose_plan, cut_fits, memory_bound
 from .balance import Balance
@@ -72,9 +72,11 @@ log = logging.getLogger(__name__)
 
 
 class Controller:
-    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None):
+    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None, shape: ModelShape | None = None):
         configure_actor_logging()
         cfg = self.cfg = TrainerConfig.model_validate(cfg_json)
+        if shape is not None:
+            remember_shape(cfg, shape)   # measured by the driver: see Trainer
         self.cfg_json = cfg_json
         self.run_name = run_name
         self.data = data or {}                 # the data fingerprint: path, rows, schema
@@ -283,8 +285,8 @@ class ControllerActor:
     ``worker_handles``, refused unless the run's config sets ``failure.allow_fault_injection``.
     """
 
-    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None):
-        self._ctl = Controller(cfg_json, run_name, data)
+    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None, shape: ModelShape | None = None):
+        self._ctl = Controller(cfg_json, run_name, data, shape)
 
     def run(self, *args, **kwargs) -> dict:
         """``Controller.run``: the whole run; a second call is refused."""

@@ -21,8 +21,8 @@ gets ``None`` for both, with the reason in ``why``.
 
 from __future__ import annotations
 
-import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +52,65 @@ def model_shape(cfg: TrainerConfig) -> ModelShape:
 
     Cached on the model section, micro-batch and sequence length: the re-plan
     after a failure asks again on the recovery path, and building and running
-    the model even on meta tensors takes tens of milliseconds.
+    the model even on meta tensors takes tens of milliseconds (and, in a
+    process that has not yet, the first meta op imports ``torch._dynamo``:
+    1.2 s).
     """
-    return _measure(cfg.model.model_dump_json(), cfg.train.micro_batch_size, cfg.data.seq_len)
+    key = _key(cfg)
+    with _LOCK:
+        known = _MEASURED.get(key)
+    if known is None:
+        known = _measure(*key)
+        with _LOCK:
+            _MEASURED[key] = known
+    return known
 
 
-@functools.lru_cache(maxsize=16)
+def remember_shape(cfg: TrainerConfig, shape: ModelShape) -> None:
+    """Take ``shape`` as ``cfg``'s model shape, measured in another process (the driver's, which
+    the controller is handed it by, so that the controller need not import dynamo to measure it)."""
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"a ModelShape is needed, not {type(shape).__name__}")
+    with _LOCK:
+        _MEASURED[_key(cfg)] = shape
+
+
+class ShapeInBackground:
+    """``model_shape(cfg)`` measured on a thread of the driver's while it connects to the cluster,
+    for the controller to be handed (``remember_shape``): a driver that has trained or measured
+    before has dynamo loaded, and a new one measures beside ``ray.init``, where the controller
+    would measure beside its workers' start, on the same cores. For the built-in models only: a
+    user's factory may build for real what does not build on the meta device, and the driver
+    is no place for the whole model; the controller measures those as before."""
+
+    def __init__(self, cfg: TrainerConfig):
+        self.shape: ModelShape | None = None
+        self._thread = None
+        if cfg.model.kind in ("gpt", "hf"):
+            self._thread = threading.Thread(target=self._measure, args=(cfg,), name="model-shape", daemon=True)
+            self._thread.start()
+
+    def _measure(self, cfg: TrainerConfig) -> None:
+        try:
+            self.shape = model_shape(cfg)
+        except Exception:  # noqa: BLE001 - the controller measures it again and reports what fails
+            self.shape = None
+
+    def result(self) -> ModelShape | None:
+        """The shape, once measured; None where it was not (the controller then measures it)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.shape
+
+
+def _key(cfg: TrainerConfig) -> tuple[str, int, int]:
+    return cfg.model.model_dump_json(), cfg.train.micro_batch_size, cfg.data.seq_len
+
+
+_LOCK = threading.Lock()
+_MEASURED: dict[tuple[str, int, int], ModelShape] = {}
+
+
 def _measure(model_json: str, micro_batch: int, seq_len: int) -> ModelShape:
     model = ModelSection.model_validate_json(model_json)
     blocks, loss_fn, on_meta = build_blocks_for_shapes(model)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -65,3 +67,40 @@ def test_a_factory_module_that_reads_a_tensor_at_import_is_sized_and_built(monke
     # A restore falls back to a real build of the blocks it gains.
     blocks, _, info = build_rank_blocks(model, 0, [1, 2], torch.device("cpu"), restoring=True)
     assert info["init"] == "seed" and sorted(blocks) == [1, 2]
+
+
+def test_counting_parameters_on_meta_imports_no_dynamo():
+    # The controller counts parameters before it places a worker: a random initialiser on the
+    # meta device ran torch's reference kernels, whose first call imported torch._dynamo (1.2 s).
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from elastic_trainer.config import ModelSection\n"
+            "from elastic_trainer.models.factory import block_param_counts\n"
+            "counts = block_param_counts(ModelSection(n_layer=2, n_head=2, d_model=16, seq_len=8))\n"
+            "print(counts, 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    real, _ = build_blocks(ModelSection(n_layer=2, n_head=2, d_model=16, seq_len=8), seed=0)
+    assert out.strip() == f"{[sum(p.numel() for p in b.parameters()) for b in real]} False"
+
+
+def test_the_drivers_measured_shape_is_the_controllers():
+    # The driver measures the built-in models' shape and hands it over; the controller, which
+    # reads the config back from JSON, finds it under the same key and measures nothing.
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.planning.model_shape import ShapeInBackground, model_shape, remember_shape
+    from tests.conftest import tiny_config
+
+    cfg = TrainerConfig.from_dict(tiny_config("/tmp/unused", model={"n_layer": 3}))
+    shape = ShapeInBackground(cfg).result()
+    assert shape is not None and shape == model_shape(cfg) and len(shape.param_shapes) == 5
+    again = TrainerConfig.model_validate(cfg.model_dump(mode="json"))
+    handed = dataclasses.replace(shape, note="handed over")
+    remember_shape(cfg, handed)
+    assert model_shape(again) is handed
+    # A user's factory is measured by the controller (a build that fails on meta is a real one).
+    user = TrainerConfig.from_dict(tiny_config("/tmp/unused", model={"factory": "tests.helpers:build_mlp"}))
+    assert ShapeInBackground(user).result() is None
+    with pytest.raises(TypeError, match="ModelShape is needed, not dict"):
+        remember_shape(cfg, {})
