@@ -79,14 +79,15 @@ class ShapeInBackground:
     """``model_shape(cfg)`` measured on a thread of the driver's while it connects to the cluster,
     for the controller to be handed (``remember_shape``): a driver that has trained or measured
     before has dynamo loaded, and a new one measures beside ``ray.init``, where the controller
-    would measure beside its workers' start, on the same cores. For the built-in models only: a
-    user's factory may build for real what does not build on the meta device, and the driver
-    is no place for the whole model; the controller measures those as before."""
+    would measure beside its workers' start, on the same cores. For the built-in models built
+    from their config only: a user's factory, or weights to load (``model.init_from``), may be
+    built for real where the meta device will not do, and the driver is no place for the whole
+    model; the controller measures those as before."""
 
     def __init__(self, cfg: TrainerConfig):
         self.shape: ModelShape | None = None
         self._thread = None
-        if cfg.model.kind in ("gpt", "hf"):
+        if cfg.model.kind == "gpt" or (cfg.model.kind == "hf" and not cfg.model.init_from):
             self._thread = threading.Thread(target=self._measure, args=(cfg,), name="model-shape", daemon=True)
             self._thread.start()
 

@@ -46,7 +46,8 @@ def plan_for(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, counts: list[in
 def make_plan(cfg: TrainerConfig) -> Plan:
     """Cut the model into the configured number of pipeline stages, balancing parameters."""
     # Parameter counts only: measuring activations runs the model on the meta device, whose first
-    # op imports torch._dynamo (1.2 s). The controller warms that measure while its workers start.
+    # op imports torch._dynamo (1.2 s). The driver measures it for the built-in models and the
+    # controller for the rest, while its workers start (model_shape.ShapeInBackground).
     counts = block_param_counts(cfg.model)
     p = cfg.parallel
     if len(counts) < p.num_stages:

@@ -102,5 +102,8 @@ def test_the_drivers_measured_shape_is_the_controllers():
     # A user's factory is measured by the controller (a build that fails on meta is a real one).
     user = TrainerConfig.from_dict(tiny_config("/tmp/unused", model={"factory": "tests.helpers:build_mlp"}))
     assert ShapeInBackground(user).result() is None
+    # So are weights to load: built for real where the meta device will not do.
+    loaded = cfg.model_copy(update={"model": ModelSection(kind="hf", init_from="/nowhere/llama")})
+    assert ShapeInBackground(loaded).result() is None
     with pytest.raises(TypeError, match="ModelShape is needed, not dict"):
         remember_shape(cfg, {})
