@@ -205,7 +205,7 @@ class Controller:
         """Place and start the first workers and set up the first plan. A worker that fails to
         start, or a node lost during the set-up, is a failure: the run re-plans on what is left."""
         run, cfg = self.record, self.cfg
-        plan = make_plan(cfg)
+        plan = make_plan(cfg, run.counts)   # counted in run(); a second build for them is wasted
         check_start(cfg, plan)   # as a re-plan is held to scaling.worker_memory_gb, before any worker is placed
         placed = place_first(cfg, plan, run.counts)
         plan, nodes = placed.plan, placed.nodes

@@ -43,12 +43,14 @@ def plan_for(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, counts: list[in
     return Plan(Topology(dp, pp), bounds, [sum(counts[a:b]) for a, b in bounds], cfg.parallel.stages_per_rank)
 
 
-def make_plan(cfg: TrainerConfig) -> Plan:
-    """Cut the model into the configured number of pipeline stages, balancing parameters."""
+def make_plan(cfg: TrainerConfig, counts: list[int] | None = None) -> Plan:
+    """Cut the model into the configured number of pipeline stages, balancing parameters.
+    ``counts``: the parameters per block where the caller has counted them already."""
     # Parameter counts only: measuring activations runs the model on the meta device, whose first
     # op imports torch._dynamo (1.2 s). The driver measures it for the built-in models and the
     # controller for the rest, while its workers start (model_shape.ShapeInBackground).
-    counts = block_param_counts(cfg.model)
+    if counts is None:
+        counts = block_param_counts(cfg.model)
     p = cfg.parallel
     if len(counts) < p.num_stages:
         raise ConfigError(
