@@ -15,7 +15,11 @@ needs, typed narrowly, and none holds the controller:
 - ``plan_setup.PlanSetup``: a plan set up on the workers;
 - ``restore_points.RestorePoints``: where a restore reads from, and what
   ``--resume`` continues (``Resume``, applied here to the record);
-- ``recovery.Recovery``: detect, re-plan, restore (and growth);
+- ``recovery.Recovery``: detect a failure and clear it away, handing back a
+  ``replan.ReplanOrder``; ``growth.Growth``: the re-plans between steps
+  (joined workers, a straggler benched, a re-cut), handed back likewise;
+- ``replan.Replanner``: a re-plan order carried out (choose, set up, restore);
+- ``failure_budget.FailureBudget``: the failures a run has left;
 - ``step_loop.StepLoop``: the loop that carries the decisions out;
 - ``durable_writer.DurableWriter`` and ``saving.RunSaver``: durable
   checkpoints beside the loop, the final save and the emergency copy;
@@ -55,7 +59,10 @@ from .placement import assign_ranks, fault_tolerance
 from .plan_setup import PlanSetup
 from .ps_group import ParameterServers
 from .queries import ControllerQueries
+from .failure_budget import FailureBudget
+from .growth import Growth
 from .recovery import Recovery
+from .replan import Replanner
 from .restore_points import RestorePoints
 from .run_record import RunRecord
 from .run_state import RunState
@@ -100,8 +107,10 @@ class Controller:
                                self.schedule, self.evaluator, ps)
         self.points = RestorePoints(cfg, cfg_json, self.data, run, self.pool, self.snapshots, self.durable, ps)
         self.fences = Fences(self.pool, cfg.failure.fence_timeout_s, self.run_name)
-        self.recovery = Recovery(cfg, run, self.pool, self.bench, self.setup, self.points, self.schedule, ps,
-                                 self.saver.emergency, self.fences)
+        budget = FailureBudget(cfg, self.saver.emergency)
+        self.recovery = Recovery(cfg, run, self.pool, budget, self.fences, ps)
+        self.growth = Growth(cfg, run, self.pool, self.bench, self.schedule, self.fences)
+        self.replanner = Replanner(cfg, run, self.pool, self.bench, self.setup, self.points, budget, self.fences)
         self.queries = ControllerQueries(run, self.pool, self.schedule, self.balance, self.bench)
         self._run_called = False
 
@@ -173,9 +182,11 @@ class Controller:
             if self.durable:
                 self.writer = DurableWriter(self.durable, cfg, self.cfg_json, self.snapshots, len(run.counts),
                                             run.event, self.run_name, self.data)
+            self.step_loop = StepLoop(cfg, run, self.pool, self.driver, self.balance, self.bench, self.snapshots,
+                                      self.schedule, self.recovery, self.growth, self.replanner, self.evaluator,
+                                      self.writer, lambda: self.ps)
             self._start(resume)
-            StepLoop(cfg, run, self.pool, self.driver, self.balance, self.bench, self.snapshots, self.schedule,
-                     self.recovery, self.evaluator, self.writer, lambda: self.ps).loop()
+            self.step_loop.loop()
             state = self.saver.gather_state()
             saved = self.saver.final(state)
             # A stop that came after the last step leaves nothing undone: that run finished.
@@ -249,7 +260,7 @@ class Controller:
             self.setup.apply(plan, self.points.resume_point, self.points.sources, self.points.durable_refs,
                              ranks={r: r for r in range(topo.world_size)})
         except WorkerError as e:
-            self.recovery.start_failed(e)
+            self.step_loop.replan(self.recovery.start_failed(e))
         else:
             run.transition(RunState.RUNNING)
 

@@ -3,7 +3,8 @@
 A step that completed on every rank is recorded (``commit``): its history
 record, each rank's pace and the balancing it calls for, the metrics, its
 snapshot and the durable checkpoint due. A step that failed goes to
-``Recovery.recover``. With leases (``control.lease_steps``; ``auto``, the
+``Recovery.recover``, whose re-plan order ``Replanner`` carries out, as it does
+growth's (``Growth.maybe_grow``). With leases (``control.lease_steps``; ``auto``, the
 default, sizes them to about a second of steps) the next lease
 is granted while the last one still runs, queued behind it on every rank
 (``control.renew_early``; else as soon as it completes), and always before
@@ -26,7 +27,9 @@ from .evaluation import Evaluator
 from .leases import lease_length, schedule_after
 from .ps_group import ParameterServers
 from .rank_figures import split_rank_figures
+from .growth import Growth
 from .recovery import Recovery
+from .replan import ReplanOrder, Replanner
 from .run_record import RunRecord
 from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
@@ -39,15 +42,17 @@ log = logging.getLogger(__name__)
 class StepLoop:
     """The one loop that carries the parts' decisions out, in this order each turn: an evaluation
     due, the last step reached or a stop, growth or a re-plan asked for, then the next step or
-    lease; what completed is recorded (``commit``), what failed goes to ``Recovery.recover``."""
+    lease; what completed is recorded (``commit``), what failed goes to ``Recovery.recover``, and
+    the re-plan that it or growth orders is carried out (``replan``)."""
 
     def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, driver: StepDriver,
                  balance: Balance, bench: Bench, snapshots: SnapshotStore, schedule: SnapshotSchedule,
-                 recovery: Recovery, evaluator: Evaluator, writer: DurableWriter | None,
-                 ps: Callable[[], ParameterServers | None]):
+                 recovery: Recovery, growth: Growth, replanner: Replanner, evaluator: Evaluator,
+                 writer: DurableWriter | None, ps: Callable[[], ParameterServers | None]):
         self.cfg, self.run, self.pool, self.driver = cfg, run, pool, driver
         self.balance, self.bench, self.snapshots, self.schedule = balance, bench, snapshots, schedule
-        self.recovery, self.evaluator, self.writer, self._ps = recovery, evaluator, writer, ps
+        self.recovery, self.growth, self.replanner = recovery, growth, replanner
+        self.evaluator, self.writer, self._ps = evaluator, writer, ps
 
     def loop(self) -> None:
         """Until the last step, a stop or an error: issue, wait, record; a failure goes to recovery."""
@@ -58,11 +63,13 @@ class StepLoop:
                 if self.evaluator.due():
                     done = self.evaluator.run_after_step()
                     if not done.ok:
-                        self.recovery.recover(done)
+                        self.replan(self.recovery.recover(done))
                     continue
                 if run.step >= self.cfg.train.steps:
                     break
-                self.recovery.maybe_grow()
+                order = self.growth.maybe_grow()
+                if order is not None:
+                    self.replan(order)
                 step = run.step + 1
                 if run.error_due(step):
                     raise RuntimeError(f"injected controller error at step {step}")
@@ -80,7 +87,7 @@ class StepLoop:
                     out.inflight.update(queued.calls[0])
                     out.dropped.append((queued.step, queued.step + queued.count - 1))
                 granted.clear()
-                self.recovery.recover(out)
+                self.replan(self.recovery.recover(out))
                 continue
             steps = driver.split(out)
             if granted:
@@ -91,6 +98,12 @@ class StepLoop:
                     granted.append(renewal)
             for one in steps:
                 self.commit(one)
+
+    def replan(self, order: ReplanOrder) -> None:
+        """Carry out a re-plan order (a failure's, growth's, or the start-up's): it also does what
+        growth had asked for, which is then no longer pending."""
+        self.replanner.carry_out(order)
+        self.growth.replanned()
 
     def _issue(self, step: int, count: int, snapshots_pending: int = 0, after: int | None = None,
                snapshot_step: int | None = None) -> StepOutcome:
@@ -116,7 +129,7 @@ class StepLoop:
         first = lease.step + lease.count
         if (lease.count <= 1 or first > self.cfg.train.steps or self.run.stopping
                 or self.evaluator.due_after(first - 1)
-                or self.one_step_at_a_time() or not self.recovery.quiet() or self.schedule.requested):
+                or self.one_step_at_a_time() or not self.growth.quiet() or self.schedule.requested):
             return None
         # ``lease``'s snapshot is not yet recorded: the next snapshot step counts from it, and
         # the snapshot parts asked for are those of the turn after it.
@@ -139,22 +152,22 @@ class StepLoop:
         """Whether the next steps must run without a lease: during warm-up (its step times set
         the timeouts), with a parameter server (it keeps per-step state of its own), with a
         controller fault armed, and while a re-plan waits for its snapshot step."""
-        return (self._ps() is not None or self.run.error_at is not None or self.recovery.replan_pending()
+        return (self._ps() is not None or self.run.error_at is not None or self.growth.replan_pending()
                 or self.driver.steps_since_setup < self.cfg.failure.warmup_steps)
 
     def _carry_out(self, moves: Moves, step: int) -> None:
-        """Ask recovery for the re-plan a balancing decision calls for: without the straggler
+        """Ask growth for the re-plan a balancing decision calls for: without the straggler
         left out as a spare, or onto a re-cut."""
         try:
             if moves.bench is not None:
                 if self.bench.bench(*moves.bench, step) is not None:
-                    self.recovery.request_replan("straggler")
+                    self.growth.request_replan("straggler")
                 else:
                     self.balance.bench_refused()   # its worker is gone: nothing to leave out
-            if moves.cut is not None and not self.recovery.replan_pending():
+            if moves.cut is not None and not self.growth.replan_pending():
                 # A re-plan already asked for (a straggler benched) goes first; it changes the
                 # workers, and with them the balancing starts again.
-                self.recovery.request_replan("recut", cut=moves.cut)
+                self.growth.request_replan("recut", cut=moves.cut)
         except Exception as e:  # noqa: BLE001 - as in commit
             self._balance_failed(step, e)
 
@@ -193,6 +206,7 @@ class StepLoop:
         record["heartbeats"] = self.driver.heartbeats
         run.commit_step(record, split_rank_figures(record))
         self.recovery.step_committed()
+        self.replanner.step_committed()
         choice = self.schedule.observe(step, record["step_time_s"])
         if choice:
             run.event("snapshot_interval", **choice)

@@ -25,14 +25,14 @@ def _ctl(steps=40, lease=16, memory_every=8, warm=10, step_s=0.01, **sections):
         driver.step_times.extend([step_s] * warm)
     driver.steps_since_setup = warm
     return SimpleNamespace(cfg=cfg, ps=None, _error_at=None, schedule=SnapshotSchedule(cfg),
-                           recovery=SimpleNamespace(replan_pending=lambda: False), driver=driver)
+                           growth=SimpleNamespace(replan_pending=lambda: False), driver=driver)
 
 
 def _loop(ctl) -> StepLoop:
     # The loop with the parts lease_at reads: the run's armed fault, the driver, the schedule,
-    # the recovery's pending re-plan, the parameter server.
+    # growth's pending re-plan, the parameter server.
     return StepLoop(ctl.cfg, SimpleNamespace(error_at=ctl._error_at), None, ctl.driver, None, None, None,
-                    ctl.schedule, ctl.recovery, None, None, lambda: ctl.ps)
+                    ctl.schedule, None, ctl.growth, None, None, None, lambda: ctl.ps)
 
 
 def lease(ctl, first):
@@ -58,7 +58,7 @@ def test_one_step_at_a_time_where_the_controller_must_see_each():
         ctl = _ctl(warm=2, lease=cap)
         assert lease(ctl, 1) == 1                      # warm-up: its step times set the timeouts
         ctl = _ctl(lease=cap)
-        ctl.recovery = SimpleNamespace(replan_pending=lambda: True)
+        ctl.growth = SimpleNamespace(replan_pending=lambda: True)
         assert lease(ctl, 1) == 1                      # a re-plan waits for its snapshot step
         ctl = _ctl(lease=cap)
         ctl.ps = object()

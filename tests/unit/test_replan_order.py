@@ -1,0 +1,136 @@
+"""A re-plan is decided as a value (``ReplanOrder``) by growth or recovery, and carried out by the
+``Replanner`` alone: growth waits for a snapshot step before it orders one, and a set-up that fails
+counts as a failure, drops what the failed attempt left in no known state, and starts over."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from elastic_trainer import RunError, TrainerConfig
+from elastic_trainer.controller.failure_budget import FailureBudget
+from elastic_trainer.controller.growth import Growth
+from elastic_trainer.controller.replan import ReplanOrder, Replanner
+from elastic_trainer.controller.run_record import RunRecord
+from elastic_trainer.controller.run_state import RunState, RunStateMachine
+from elastic_trainer.controller.snapshot_schedule import SnapshotSchedule
+from elastic_trainer.errors import WorkerError
+from elastic_trainer.models.factory import block_param_counts
+from elastic_trainer.planning.plan import plan_for
+
+from ..conftest import tiny_config
+
+
+class _Pool:
+    def __init__(self, wids):
+        self.workers = {w: SimpleNamespace(rank=w, node=f"n{w}") for w in wids}
+        self.dropped = []
+
+    def __len__(self):
+        return len(self.workers)
+
+    def __getitem__(self, wid):
+        return self.workers[wid]
+
+    def await_joining(self, timeout, required=False):
+        return []
+
+    def spawn_on_free_nodes(self):
+        pass
+
+    def dead_or_silent(self, wids):
+        return [], []
+
+    def drop(self, wids, answered=False):
+        self.dropped += list(wids)
+
+
+class _Setup:
+    """Fails the first ``fail`` set-ups as a member lost at the rendezvous would."""
+
+    def __init__(self, fail=0):
+        self.fail, self.calls, self.aborted = fail, [], 0
+        self.setup_timings, self.restore_moved, self.reset_refs = {}, {}, {}
+
+    def apply(self, plan, restore, sources, durable_refs, ranks=None, reuse_world=None, whole=None):
+        self.calls.append({"ranks": ranks, "reuse_world": reuse_world, "whole": whole, "restore": restore})
+        if len(self.calls) <= self.fail:
+            raise WorkerError("rendezvous: a member did not arrive")
+        return plan.describe()
+
+    def abort(self):
+        self.aborted += 1
+
+
+def _run(state=RunState.RUNNING, workers=(0, 1)):
+    cfg = TrainerConfig.from_dict(tiny_config("/nonexistent", parallel={"dp": 1, "pp": 2}))
+    run = RunRecord(cfg, "orders")
+    run.counts = block_param_counts(cfg.model)
+    run.plan = plan_for(cfg, 1, 2, [(0, 4), (4, len(run.counts))], run.counts)
+    run.ranks = {r: w for r, w in enumerate(workers)}
+    run.step = 8
+    run.machine = RunStateMachine(state)
+    return cfg, run
+
+
+def _replanner(cfg, run, setup, pool):
+    bench = SimpleNamespace(usable=lambda: list(pool.workers), benched=set(), after_replan=lambda step, refs: None)
+    points = SimpleNamespace(restore_point=lambda: (8, {}, {"0": "memory"}), sources=None, durable_refs=None,
+                             holder_reads=0, relayed_reads=0)
+    budget = FailureBudget(cfg, emergency=lambda why: None)
+    fences = SimpleNamespace(fence=lambda wids: None)
+    return Replanner(cfg, run, pool, bench, setup, points, budget, fences), budget
+
+
+def test_growth_orders_a_replan_asked_for_only_at_a_snapshot_step_and_forgets_it_once_carried_out():
+    cfg, run = _run()
+    pool = _Pool([0, 1])
+    schedule = SnapshotSchedule(cfg)
+    schedule.taken(5)   # the last snapshot is older than the last step: one is asked for first
+    bench = SimpleNamespace(usable=lambda: list(pool.workers))
+    growth = Growth(cfg, run, pool, bench, schedule, SimpleNamespace(poll=lambda: []))
+    cut = ((0, 3), (3, len(run.counts)))
+    growth.request_replan("recut", cut=cut)
+    assert growth.maybe_grow() is None and schedule.requested and growth.replan_pending()
+    assert run.state is RunState.RUNNING   # nothing moved yet
+    schedule.taken(run.step)
+    order = growth.maybe_grow()
+    assert isinstance(order, ReplanOrder)
+    assert (order.reason, order.cut, order.failed, order.after_failure) == ("recut", cut, None, False)
+    assert order.plan_before["stages"][0]["blocks"] == [0, 4] and run.state is RunState.RESIZING
+    # Carried out by the replanner (here: every rank keeps its worker, with the new cut).
+    setup = _Setup()
+    _replanner(cfg, run, setup, pool)[0].carry_out(order)
+    assert setup.calls[0]["ranks"] == {0: 0, 1: 1} and setup.calls[0]["whole"] is None
+    growth.replanned()
+    assert not growth.replan_pending() and run.state is RunState.RUNNING
+    [ev] = [e for e in run.events if e["kind"] == "recovery"]
+    assert ev["reason"] == "recut" and ev["policy"].startswith("re-cut") and ev["restored_step"] == 8
+
+
+def test_a_failed_setup_counts_drops_the_groups_it_carried_and_starts_over():
+    cfg, run = _run(RunState.RECOVERING)
+    pool = _Pool([0, 1])
+    setup = _Setup(fail=1)
+    replanner, budget = _replanner(cfg, run, setup, pool)
+    failed = SimpleNamespace(step=9, started=0.0, dropped=[], first_signal=None)
+    order = ReplanOrder("death", detected=0.5, failed=failed, plan_before=run.plan.describe(),
+                        whole={"g0"}, settle_wait={"settle_wait_s": 0.1, "settle_wait_end": "all"})
+    replanner.carry_out(order)
+    assert [c["whole"] for c in setup.calls] == [{"g0"}, set()]   # the retry carries nothing
+    assert setup.aborted == 1 and budget.failures == 1
+    assert [e["failure"] for e in run.events if e["kind"] == "failure"] == ["during_recovery"]
+    [ev] = [e for e in run.events if e["kind"] == "recovery"]
+    assert (ev["reason"], ev["failed_step"], ev["attempts"], ev["settle_wait_end"]) == ("death", 9, 2, "all")
+    assert run.state is RunState.RUNNING and replanner.pending_event is ev
+    replanner.step_committed()
+    assert replanner.pending_event is None and ev["total_s"] >= ev["detect_s"]
+
+
+def test_setups_that_keep_failing_end_the_run_at_its_limit():
+    cfg, run = _run(RunState.RECOVERING)
+    setup = _Setup(fail=100)
+    replanner, budget = _replanner(cfg, run, setup, _Pool([0, 1]))
+    with pytest.raises(RunError, match=rf"stopped after {cfg.failure.max_failures + 1} failures .*during_recovery"):
+        replanner.carry_out(ReplanOrder("startup", detected=0.0, abort_setups=True))
+    # One abort before the first attempt (the start-up's set-ups), one after each failed attempt retried.
+    assert len(setup.calls) == cfg.failure.max_failures + 1 and setup.aborted == len(setup.calls)
