@@ -66,6 +66,12 @@ class HostGroup:
         else:
             (ROOT / self.path / "memory.max").write_text(str(limit_bytes) if limit_bytes else "max")
 
+    def memory_usage(self) -> int:
+        """Bytes the cgroup's processes use now (page cache included, as the limit counts it)."""
+        if self.v == 1:
+            return int((ROOT / "memory" / self.path / "memory.usage_in_bytes").read_text())
+        return int((ROOT / self.path / "memory.current").read_text())
+
     def memory_events(self) -> dict[str, int]:
         """The kernel's count of OOM kills in this cgroup (``oom_kill``), and how often it hit
         its limit (``max``/``failcnt``)."""

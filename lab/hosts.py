@@ -82,6 +82,7 @@ class Lab:
         # are on their own addresses, on the lab's bridge and nowhere else.
         self.ray_env = {**HEALTH_CHECKS, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
                         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        self.memory_gb = memory_gb
         self._closed = False
         atexit.register(self.close)
         self._on_term = _stop_on_sigterm()
@@ -187,12 +188,13 @@ class Lab:
         return argv + [f"--address={self.gcs_address}"]
 
     def revive(self) -> None:
-        """Every host back with a live Ray node: thawed, its link up, and where its node is not
-        alive (killed, or declared dead while frozen or cut off), what is left of its processes
-        killed and its node started anew."""
+        """Every host back with a live Ray node: thawed, its link up, its memory limit the lab's,
+        and where its node is not alive (killed, or declared dead while frozen or cut off), what
+        is left of its processes killed and its node started anew."""
         for h in self.hosts[1:]:
             self.thaw(h)
             self.heal(h)
+            self.limit_memory(h, self.memory_gb)
         alive = node_alive_addresses(self)
         for h in self.hosts[1:]:
             if h.address not in alive:
@@ -271,6 +273,10 @@ class Lab:
 
     def limit_memory(self, host: Host, gb: float | None) -> None:
         host.group.set_memory(int(gb * 2**30) if gb else None)
+
+    def memory_used_gb(self, host: Host) -> float:
+        """What the host's processes use now, in GB (its cgroup's count)."""
+        return host.group.memory_usage() / 2**30
 
     # --- teardown ----------------------------------------------------------------------------
 

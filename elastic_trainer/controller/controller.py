@@ -20,6 +20,7 @@ needs, typed narrowly, and none holds the controller:
   (joined workers, a straggler benched, a re-cut), handed back likewise;
 - ``replan.Replanner``: a re-plan order carried out (choose, set up, restore);
 - ``failure_budget.FailureBudget``: the failures a run has left;
+- ``memory_kills.MemoryKills``: whether a death was the kernel's OOM killer's;
 - ``step_loop.StepLoop``: the loop that carries the decisions out;
 - ``durable_writer.DurableWriter`` and ``saving.RunSaver``: durable
   checkpoints beside the loop, the final save and the emergency copy;
@@ -61,6 +62,7 @@ from .ps_group import ParameterServers
 from .queries import ControllerQueries
 from .failure_budget import FailureBudget
 from .growth import Growth
+from .memory_kills import MemoryKills
 from .recovery import Recovery
 from .replan import Replanner
 from .restore_points import RestorePoints
@@ -108,9 +110,11 @@ class Controller:
         self.points = RestorePoints(cfg, cfg_json, self.data, run, self.pool, self.snapshots, self.durable, ps)
         self.fences = Fences(self.pool, cfg.failure.fence_timeout_s, self.run_name)
         budget = FailureBudget(cfg, self.saver.emergency)
-        self.recovery = Recovery(cfg, run, self.pool, budget, self.fences, ps)
+        self.memory = MemoryKills(self.pool)
+        self.recovery = Recovery(cfg, run, self.pool, budget, self.fences, self.memory, ps)
         self.growth = Growth(cfg, run, self.pool, self.bench, self.schedule, self.fences)
-        self.replanner = Replanner(cfg, run, self.pool, self.bench, self.setup, self.points, budget, self.fences)
+        self.replanner = Replanner(cfg, run, self.pool, self.bench, self.setup, self.points, budget, self.fences,
+                                   self.memory)
         self.queries = ControllerQueries(run, self.pool, self.schedule, self.balance, self.bench)
         self._run_called = False
 
@@ -184,7 +188,7 @@ class Controller:
                                             run.event, self.run_name, self.data)
             self.step_loop = StepLoop(cfg, run, self.pool, self.driver, self.balance, self.bench, self.snapshots,
                                       self.schedule, self.recovery, self.growth, self.replanner, self.evaluator,
-                                      self.writer, lambda: self.ps)
+                                      self.writer, lambda: self.ps, self.memory)
             self._start(resume)
             self.step_loop.loop()
             state = self.saver.gather_state()

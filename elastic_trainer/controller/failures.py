@@ -15,6 +15,8 @@ from .stepping import StepOutcome
 from .workers import ask_all
 
 # Words of the errors a rank sees when a peer vanishes under a collective.
+# Words of the error of an actor Ray's memory monitor killed (its node ran low on memory).
+_MEMORY_MARKERS = ("low on memory", "memory usage threshold", "out of memory")
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe",
                        "distbackenderror", "process group", "processgroup")
 
@@ -27,6 +29,7 @@ class Diagnosis:
     kind: str                # death | silent | hang | exception | collective
     detail: str
     silent: list[int] = field(default_factory=list)   # answered no heartbeat (a frozen node, say)
+    memory: list[int] = field(default_factory=list)   # of the dead, those Ray's memory monitor killed
 
     @property
     def lost(self) -> list[int]:
@@ -41,7 +44,7 @@ def is_collective_error(e: BaseException) -> bool:
 
 def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: float,
              heartbeat_timeout_s: float | None = None) -> Diagnosis:
-    dead, raised, hung = [], [], []
+    dead, raised, hung, memory = [], [], [], []
     details = []
     # No heartbeat answered in the whole timeout: nothing more to ask them (a frozen process
     # answers no ping either), and nothing else has failed yet.
@@ -51,7 +54,11 @@ def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: fl
     for wid, e in outcome.errors.items():
         if isinstance(e, ray.exceptions.RayActorError):
             dead.append(wid)
-            details.append(f"worker {wid}: {type(e).__name__}")
+            if any(m in str(e).lower() for m in _MEMORY_MARKERS):
+                memory.append(wid)
+                details.append(f"worker {wid}: {type(e).__name__}, killed by Ray for its node's memory")
+            else:
+                details.append(f"worker {wid}: {type(e).__name__}")
         elif isinstance(e, ray.exceptions.RayTaskError):
             cause = e.as_instanceof_cause()
             if isinstance(cause, InjectedFault) or not is_collective_error(cause):
@@ -83,4 +90,4 @@ def diagnose(outcome: StepOutcome, actors: dict[int, object], ping_timeout_s: fl
             else "collective")
     if kind == "collective":
         details.append("a collective failed while every worker was alive")
-    return Diagnosis(dead, hung, raised, kind, "; ".join(details), silent)
+    return Diagnosis(dead, hung, raised, kind, "; ".join(details), silent, memory)

@@ -24,6 +24,7 @@ from .failures import Diagnosis, diagnose
 from .fences import Fences
 from .group_carry import carries_groups
 from .group_settle import settle_groups
+from .memory_kills import MemoryKills
 from .ps_group import ParameterServers
 from .replan import ReplanOrder
 from .run_record import RunRecord
@@ -37,8 +38,9 @@ log = logging.getLogger(__name__)
 
 class Recovery:
     def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, budget: FailureBudget,
-                 fences: Fences, ps: Callable[[], ParameterServers | None]):
+                 fences: Fences, memory: MemoryKills, ps: Callable[[], ParameterServers | None]):
         self.cfg, self.run, self.pool, self.budget, self.fences = cfg, run, pool, budget, fences
+        self.memory = memory
         self._ps = ps
         self._abandoned: list = []  # calls of failed steps (their parts too), read once they end (else Ray logs them)
         self._shrinks = 0
@@ -67,6 +69,11 @@ class Recovery:
         self._abandoned += list(out.inflight)
         lost_ranks = [r for r, w in run.ranks.items() if w in diag.lost]
         self.fences.fence(diag.silent)
+        # Was a death memory's? Ray's memory monitor says so in its error; else the node is asked
+        # beside the re-plan (``memory_kills``).
+        for ev in self.memory.found([pool[w] for w in diag.memory if w in pool], out.step):
+            run.event(ev.pop("kind"), **ev)
+        self.memory.watch([pool[w] for w in diag.dead if w in pool and w not in diag.memory], out.step)
         pool.drop(diag.dead + diag.hung)
         ps = self._ps()
         if ps:
@@ -82,7 +89,7 @@ class Recovery:
         self._quiesce(out)
         self.budget.check(diag.kind, diag.detail)
         return ReplanOrder(diag.kind, detected, failed=out, plan_before=plan_before, shrunk=shrunk,
-                           whole=whole, settle_wait=settle_wait)
+                           whole=whole, settle_wait=settle_wait, cause="memory" if diag.memory else None)
 
     def _suspect_node_mates(self, diag: Diagnosis) -> None:
         """A silent worker's node may be frozen whole: its other workers (one that had already
@@ -113,6 +120,7 @@ class Recovery:
             raise RunError(f"the first set-up failed on live workers (no worker or node was lost): {err}")
         self.budget.count()
         self.budget.check("startup", str(err))
+        self.memory.watch([pool[w] for w in dead if w in pool], run.step + 1)
         pool.drop(dead)
         self.fences.fence(silent)
         pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth

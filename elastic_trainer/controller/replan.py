@@ -23,6 +23,7 @@ from ..planning.policy import choose_plan, memory_bound, no_plan_reason
 from .benching import Bench
 from .failure_budget import FailureBudget
 from .fences import Fences
+from .memory_kills import MemoryKills
 from .plan_setup import PlanSetup
 from .restore_points import RestorePoints
 from .run_record import RunRecord
@@ -47,6 +48,7 @@ class ReplanOrder:
     whole: set = field(default_factory=set)   # the failed plan's groups left whole, which the next plan may carry
     settle_wait: dict = field(default_factory=dict)   # how the settle round's wait ended, for the event
     abort_setups: bool = False        # set-ups of a failed attempt may still wait: abort them first
+    cause: str | None = None          # what the failure is known to be due to ("memory")
 
     @property
     def after_failure(self) -> bool:
@@ -55,9 +57,9 @@ class ReplanOrder:
 
 class Replanner:
     def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, bench: Bench, setup: PlanSetup,
-                 points: RestorePoints, budget: FailureBudget, fences: Fences):
+                 points: RestorePoints, budget: FailureBudget, fences: Fences, memory: MemoryKills):
         self.cfg, self.run, self.pool, self.bench, self.setup, self.points = cfg, run, pool, bench, setup, points
-        self.budget, self.fences = budget, fences
+        self.budget, self.fences, self.memory = budget, fences, memory
         self.pending_event: dict | None = None   # the recovery event, completed at the next step
 
     def carry_out(self, order: ReplanOrder) -> None:
@@ -119,8 +121,15 @@ class Replanner:
         run, out, detected = self.run, order.failed, order.detected
         failed_step = out.step if out else run.step + 1
         restored = restore[0] if restore else 0
+        # A memory kill found while the re-plan ran names its recovery's cause; one found later
+        # has its own event only.
+        cause = order.cause
+        for ev in self.memory.poll():
+            if ev["step"] == failed_step:
+                cause = "memory"
+            run.event(ev.pop("kind"), **ev)
         self.pending_event = run.event(
-            "recovery", reason=order.reason, failed_step=failed_step, restored_step=restored,
+            "recovery", reason=order.reason, cause=cause, failed_step=failed_step, restored_step=restored,
             steps_redone=failed_step - restored - (0 if out else 1),
             steps_rolled_back=run.rolled_back,
             plan_before=_plan_summary(order.plan_before), plan_after=_plan_summary(desc), policy=why,

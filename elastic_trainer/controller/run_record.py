@@ -84,6 +84,14 @@ class RunRecord:
         self.metrics.record_event(ev)
         return ev
 
+    def name_cause(self, failed_step: int, cause: str) -> None:
+        """The recoveries from the failure of ``failed_step`` learn its cause, found after their
+        events were recorded (a memory kill, asked of the dead worker's node)."""
+        with self.lock:
+            for ev in self.events:
+                if ev["kind"] == "recovery" and ev.get("failed_step") == failed_step:
+                    ev["cause"] = cause
+
     def commit_step(self, record: dict, figures: dict) -> None:
         """A step completed on every rank: its record, and its per-rank figures apart."""
         with self.lock:

@@ -25,6 +25,7 @@ from .benching import Bench
 from .durable_writer import DurableWriter
 from .evaluation import Evaluator
 from .leases import lease_length, schedule_after
+from .memory_kills import MemoryKills
 from .ps_group import ParameterServers
 from .rank_figures import split_rank_figures
 from .growth import Growth
@@ -38,6 +39,8 @@ from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
+_LAST_ANSWER_S = 10.0
+
 
 class StepLoop:
     """The one loop that carries the parts' decisions out, in this order each turn: an evaluation
@@ -48,11 +51,12 @@ class StepLoop:
     def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, driver: StepDriver,
                  balance: Balance, bench: Bench, snapshots: SnapshotStore, schedule: SnapshotSchedule,
                  recovery: Recovery, growth: Growth, replanner: Replanner, evaluator: Evaluator,
-                 writer: DurableWriter | None, ps: Callable[[], ParameterServers | None]):
+                 writer: DurableWriter | None, ps: Callable[[], ParameterServers | None],
+                 memory: MemoryKills | None = None):
         self.cfg, self.run, self.pool, self.driver = cfg, run, pool, driver
         self.balance, self.bench, self.snapshots, self.schedule = balance, bench, snapshots, schedule
         self.recovery, self.growth, self.replanner = recovery, growth, replanner
-        self.evaluator, self.writer, self._ps = evaluator, writer, ps
+        self.evaluator, self.writer, self._ps, self.memory = evaluator, writer, ps, memory
 
     def loop(self) -> None:
         """Until the last step, a stop or an error: issue, wait, record; a failure goes to recovery."""
@@ -98,12 +102,21 @@ class StepLoop:
                     granted.append(renewal)
             for one in steps:
                 self.commit(one)
+        # A death's cause still being asked of its node is worth a short wait: the run's record
+        # should say why it lost a worker.
+        self._memory_kills(wait_s=_LAST_ANSWER_S)
 
     def replan(self, order: ReplanOrder) -> None:
         """Carry out a re-plan order (a failure's, growth's, or the start-up's): it also does what
         growth had asked for, which is then no longer pending."""
         self.replanner.carry_out(order)
         self.growth.replanned()
+
+    def _memory_kills(self, wait_s: float = 0.0) -> None:
+        """Record the memory kills found since the recoveries' events were (``memory_kills``)."""
+        for ev in self.memory.poll(wait_s) if self.memory else ():
+            self.run.event(ev.pop("kind"), **ev)
+            self.run.name_cause(ev["step"], "memory")
 
     def _issue(self, step: int, count: int, snapshots_pending: int = 0, after: int | None = None,
                snapshot_step: int | None = None) -> StepOutcome:
@@ -207,6 +220,7 @@ class StepLoop:
         run.commit_step(record, split_rank_figures(record))
         self.recovery.step_committed()
         self.replanner.step_committed()
+        self._memory_kills()
         choice = self.schedule.observe(step, record["step_time_s"])
         if choice:
             run.event("snapshot_interval", **choice)

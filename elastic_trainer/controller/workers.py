@@ -43,6 +43,8 @@ class WorkerHandle:
     ip: str
     rank: int | None = None
     mark: str | None = None   # its process's start time (worker.liveness): a node-mate can vouch for it
+    oom_kills: int | None = None   # its memory cgroup's OOM kills when it joined (controller.memory_kills)
+    memory_limit: int | None = None   # and that cgroup's limit, bytes (None: none)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -126,6 +128,7 @@ class WorkerPool:
         self.workers: dict[int, WorkerHandle] = {}
         self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
         self.bare_nodes: set[str] = set()    # alive (a dropped worker answered there), no worker of ours
+        self.avoided: set[str] = set()       # nodes where no worker is started again (a memory kill there)
         self.lock = threading.Lock()
         self._next_wid = 0
         # Groups: "train" runs steps one at a time (a lock), with a thread for a lease queued behind
@@ -188,10 +191,23 @@ class WorkerPool:
             return
         occupied = collections.Counter(w.node for w in self.workers.values())
         occupied.update(node for _, _, node in self.joining.values())
+        occupied.update({node: 1 << 20 for node in self.avoided})   # full, however large
         nodes = pick_nodes(self.cfg.scaling, want, occupied)   # as the start placed them
         if nodes:
             log.info("[%s] starting %d worker(s) on free nodes", self.run_name, len(nodes))
             self.spawn(nodes)
+
+    def avoid(self, node: str) -> list[int]:
+        """Start no worker on ``node`` again, and let go of the spares there and those still
+        starting (a re-plan or growth would put the load that did not fit back on it); the ids
+        of the workers let go. Workers holding a rank there keep it until a re-plan."""
+        self.avoided.add(node)
+        gone = [wid for wid, (_, _, n) in self.joining.items() if n == node]
+        for wid in gone:
+            kill_actor(self.joining.pop(wid)[0])
+        spares = [w.wid for w in self.handles() if w.node == node and w.rank is None]
+        self.drop(spares)
+        return gone + spares
 
     def await_joining(self, timeout: float, required: bool) -> list[tuple[int, str, str]]:
         """Move workers that joined within ``timeout`` into ``workers``; (worker id, node, why) of
@@ -214,7 +230,8 @@ class WorkerPool:
                 continue
             with self.lock:
                 self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"],
-                                                 mark=info.get("mark"))
+                                                 mark=info.get("mark"), oom_kills=info.get("oom_kills"),
+                                                 memory_limit=info.get("memory_limit"))
             log.info("[%s] worker %d joined on node %s (pid %d)", self.run_name, wid, info["node_id"][:12],
                      info["pid"])
         if required:

@@ -74,6 +74,8 @@ class ProgressPrinter:
                        f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s"
                        + (f", {ev['attempts'] - 1} failed attempt(s) {ev['failed_attempts_s']:.2f}s"
                           if ev.get("attempts", 1) > 1 else ""))
+        elif kind == "memory_kill":
+            self._line(f"!! out of memory: {ev['detail']}")
         elif kind == "eval":
             self._line(f"   eval after step {ev['step']}: loss {ev['loss']:.4f} ({ev['seconds']:.2f}s, "
                        f"dp={ev['dp']} pp={ev['pp']})")

@@ -34,6 +34,7 @@ from .group_keeper import GroupKeeper
 from .heartbeat_relay import relay_pings
 from .lease_order import LeaseOrder
 from .liveness import process_mark, running
+from .memory_kills import grow_until_killed, memory_limit, oom_kills
 from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
@@ -123,6 +124,10 @@ class TrainWorker(SnapshotServing, GroupControl):
             "hostname": socket.gethostname(),
             "group_iface": os.environ.get("GLOO_SOCKET_IFNAME"),
             "gpu_ids": ray.get_gpu_ids(),
+            # The kernel's OOM kills in this worker's memory cgroup so far: a count that has risen
+            # when it is dead says memory killed it (controller.memory_kills).
+            "oom_kills": oom_kills(),
+            "memory_limit": memory_limit(),
         }
 
     @ray.method(concurrency_group="control")
@@ -288,6 +293,8 @@ class TrainWorker(SnapshotServing, GroupControl):
         try:
             if self.faults.injected("raise", step):
                 raise InjectedFault(f"injected fault in step {step} on worker {self.worker_id}")
+            if self.faults.injected("grow_memory", step):
+                grow_until_killed()
             self.trainer.clock.slow_factor = self.faults.compute_factor(step)
             with self.groups.guarded(f"step {step}", timeout_s):
                 r = self.trainer.train_step(step, shares)
@@ -397,7 +404,8 @@ class TrainWorker(SnapshotServing, GroupControl):
         for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
         snapshot hold its step ``seconds`` longer (``slow_snapshot``; 0 ends it); make this
         worker's compute ``seconds`` times slower (``slow_compute``, a straggler; 1 ends it;
-        with a step, that step alone).
+        with a step, that step alone); grow past this worker's memory limit in ``step`` until the
+        kernel kills it (``grow_memory``: a memory kill; refused without a limit).
         ``slow_pin`` without a step holds every pin. Only where the run's config sets
         ``failure.allow_fault_injection``."""
         self.faults.inject(kind, step, seconds)

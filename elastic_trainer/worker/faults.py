@@ -3,7 +3,8 @@
 Set by ``TrainWorker.inject_fault`` or, from a worker's start, by environment
 variables (``scaling.env_vars``), and read by the worker where each fault
 applies: a step or evaluation that raises, a set-up, pin or snapshot that
-holds, a compute that runs slower (a straggler).
+holds, a compute that runs slower (a straggler), a worker that grows past its
+memory limit (a memory kill).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ EVAL_FAULT_ENV = "ELASTIC_TRAINER_EVAL_FAULT_STEP"
 # A straggler hook: the worker that is this rank at its first set-up computes this many times
 # slower from then on (worker.compute_clock), wherever later plans put it.
 SLOW_RANK_ENV, SLOW_FACTOR_ENV = "ELASTIC_TRAINER_SLOW_RANK", "ELASTIC_TRAINER_SLOW_FACTOR"
+# A memory-kill hook: the worker that is this rank at its first set-up grows past its cgroup's
+# memory limit in this step (worker.memory_kills.grow_until_killed).
+GROW_MEMORY_RANK_ENV, GROW_MEMORY_STEP_ENV = "ELASTIC_TRAINER_GROW_MEMORY_RANK", "ELASTIC_TRAINER_GROW_MEMORY_STEP"
 
-KINDS = ("raise", "raise_eval", "slow_setup", "slow_pin", "slow_snapshot", "slow_compute")
+KINDS = ("raise", "raise_eval", "slow_setup", "slow_pin", "slow_snapshot", "slow_compute", "grow_memory")
 
 
 class FaultHooks:
@@ -31,6 +35,7 @@ class FaultHooks:
         self.slow = 1.0            # compute slowdown factor (slow_compute)
         self._slow_steps: dict[int, float] = {}   # step -> its own factor (a one-step slow_compute)
         self._slow_rank = None     # (rank, factor) from the environment, until the first set-up
+        self._grow_rank = None     # (rank, step) from the environment, until the first set-up
         if not allowed:
             return
         if env.get(SNAPSHOT_DELAY_ENV):  # holds from the first step on
@@ -41,6 +46,8 @@ class FaultHooks:
             self._faults[("raise_eval", int(env[EVAL_FAULT_ENV]))] = True
         if env.get(SLOW_RANK_ENV):
             self._slow_rank = (int(env[SLOW_RANK_ENV]), float(env.get(SLOW_FACTOR_ENV, "2")))
+        if env.get(GROW_MEMORY_RANK_ENV):
+            self._grow_rank = (int(env[GROW_MEMORY_RANK_ENV]), int(env.get(GROW_MEMORY_STEP_ENV) or 0) or None)
 
     def inject(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
         """See ``TrainWorker.inject_fault``."""
@@ -49,7 +56,7 @@ class FaultHooks:
                                   "in its config to inject faults")
         if kind == "slow_snapshot":
             self._faults["slow_snapshot"] = seconds
-        elif kind in ("raise", "raise_eval"):
+        elif kind in ("raise", "raise_eval", "grow_memory"):
             self._faults[(kind, step)] = True
         elif kind == "slow_setup":
             self._faults["setup"] = seconds
@@ -87,7 +94,11 @@ class FaultHooks:
 
     def slow_factor(self, rank: int) -> float:
         """The compute slowdown of this worker, set up as ``rank``: the environment's slow rank is
-        decided at the first set-up, and sticks to the worker."""
+        decided at the first set-up, and sticks to the worker (the memory grower likewise)."""
+        if self._grow_rank is not None:
+            if self._grow_rank[0] == rank:
+                self._faults[("grow_memory", self._grow_rank[1])] = True
+            self._grow_rank = None
         if self._slow_rank is not None:
             if self._slow_rank[0] == rank:
                 self.slow = self._slow_rank[1]

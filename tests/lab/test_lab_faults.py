@@ -1,5 +1,5 @@
 """Runs on 4 lab hosts at dp=2 x pp=2, each with one host lost a different way: killed, cut off
-and healed, frozen and thawed. Each run finishes, continues the failure-free loss curve, and
+and healed, frozen and thawed, or a worker killed for its host's memory. Each run finishes, continues the failure-free loss curve, and
 after a heal or a thaw nothing of the old plan's workers is in the new plan."""
 
 import time
@@ -7,9 +7,11 @@ import time
 import pytest
 
 from elastic_trainer.config import TrainerConfig
+from elastic_trainer.worker.faults import GROW_MEMORY_RANK_ENV, GROW_MEMORY_STEP_ENV
 
 from ..conftest import tiny_config
 from ..helpers import reference_losses
+from lab.hosts import node_alive_addresses
 from lab.run import LabRun as Run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -77,3 +79,30 @@ def test_a_host_lost_then_back_5_s_later_stays_out_of_the_new_plan(lab, corpus_d
     for later in result["plans"][2:]:
         back = old & set(later["workers"].values())
         assert back <= readmitted, (old, readmitted, later)
+
+
+def test_a_worker_past_its_hosts_memory_limit_is_a_memory_kill_and_its_host_is_not_loaded_again(
+        lab, corpus_dir, tmp_path):
+    # The worker that is rank 3 at the start grows past its host's memory limit in step 6; the
+    # kernel's OOM killer ends it, the rest of its host lives on. The limit is brought down to
+    # 0.4 GB above what the host uses, so the growing takes a moment, not the seconds that 3 GB
+    # would at the host's 0.4 of a core (it would go silent first; the next test gets it back).
+    config = lab_config(corpus_dir, "lab-memory", steps=30)
+    config["failure"]["allow_fault_injection"] = True
+    config["scaling"] = {**config.get("scaling", {}),
+                         "env_vars": {GROW_MEMORY_RANK_ENV: "3", GROW_MEMORY_STEP_ENV: "6"}}
+    run = Run(lab, config, tmp_path)
+    victim = lab.host_at(run.await_step(2)[3])
+    lab.limit_memory(victim, lab.memory_used_gb(victim) + 0.4)
+    before = victim.group.memory_events()["oom_kill"]
+    result = run.result()
+    check_curve(result, config)
+    assert victim.group.memory_events()["oom_kill"] > before
+    [kill] = [e for e in result["events"] if e["kind"] == "memory_kill"]
+    [rec] = result["recoveries"]
+    assert kill["step"] == rec["failed_step"] == 6 and kill["rank"] == 3, (kill, rec)
+    assert rec["reason"] == "death" and rec["cause"] == "memory", rec
+    # Its host lives, with a free slot: no worker of the run is started there again.
+    assert victim.address in node_alive_addresses(lab)
+    assert all(w["ip"] != victim.address for w in result["workers"]), result["workers"]
+    assert all(p["world_size"] < 4 for p in result["plans"][1:]), result["plans"]

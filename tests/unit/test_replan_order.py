@@ -78,7 +78,8 @@ def _replanner(cfg, run, setup, pool):
                              holder_reads=0, relayed_reads=0)
     budget = FailureBudget(cfg, emergency=lambda why: None)
     fences = SimpleNamespace(fence=lambda wids: None)
-    return Replanner(cfg, run, pool, bench, setup, points, budget, fences), budget
+    memory = SimpleNamespace(poll=lambda: [])   # no memory kill found
+    return Replanner(cfg, run, pool, bench, setup, points, budget, fences, memory), budget
 
 
 def test_growth_orders_a_replan_asked_for_only_at_a_snapshot_step_and_forgets_it_once_carried_out():

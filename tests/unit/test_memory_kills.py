@@ -1,0 +1,85 @@
+"""The kernel's OOM-kill count of a process's memory cgroup, v1 and v2 (worker.memory_kills)."""
+
+from elastic_trainer.worker.memory_kills import oom_kills
+
+
+def test_v1_reads_the_memory_hierarchy_of_the_process(tmp_path):
+    (tmp_path / "cg").write_text("12:freezer:/lab/h1\n4:memory:/lab/h1\n1:name=systemd:/x\n")
+    d = tmp_path / "fs" / "memory" / "lab" / "h1"
+    d.mkdir(parents=True)
+    (d / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert oom_kills(str(tmp_path / "cg"), str(tmp_path / "fs")) == 3
+
+
+def test_v2_reads_memory_events_of_the_unified_cgroup(tmp_path):
+    (tmp_path / "cg").write_text("0::/lab/h2\n")
+    d = tmp_path / "fs" / "lab" / "h2"
+    d.mkdir(parents=True)
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\n")
+    assert oom_kills(str(tmp_path / "cg"), str(tmp_path / "fs")) == 2
+
+
+def test_a_container_sees_its_own_cgroup_at_the_root(tmp_path):
+    # /proc/self/cgroup names the host's path; the container mounts its own cgroup at the root.
+    (tmp_path / "cg").write_text("0::/kubepods/pod123/abc\n")
+    (tmp_path / "fs").mkdir()
+    (tmp_path / "fs" / "memory.events").write_text("oom 1\noom_kill 1\n")
+    assert oom_kills(str(tmp_path / "cg"), str(tmp_path / "fs")) == 1
+
+
+def test_nothing_readable_is_none(tmp_path):
+    assert oom_kills(str(tmp_path / "missing"), str(tmp_path)) is None
+    (tmp_path / "cg").write_text("0::/x\n")
+    assert oom_kills(str(tmp_path / "cg"), str(tmp_path / "nofs")) is None
+
+
+def test_this_machine_answers_a_count_or_none():
+    got = oom_kills()
+    assert got is None or got >= 0
+
+
+def test_the_limit_v1_v2_and_none(tmp_path):
+    from elastic_trainer.worker.memory_kills import memory_limit
+
+    (tmp_path / "cg1").write_text("4:memory:/lab/h1\n")
+    d = tmp_path / "fs" / "memory" / "lab" / "h1"
+    d.mkdir(parents=True)
+    (d / "memory.limit_in_bytes").write_text("1073741824\n")
+    assert memory_limit(str(tmp_path / "cg1"), str(tmp_path / "fs")) == 1 << 30
+    (d / "memory.limit_in_bytes").write_text("9223372036854771712\n")   # v1's "no limit"
+    assert memory_limit(str(tmp_path / "cg1"), str(tmp_path / "fs")) is None
+    (tmp_path / "cg2").write_text("0::/lab/h2\n")
+    d2 = tmp_path / "fs" / "lab" / "h2"
+    d2.mkdir(parents=True)
+    (d2 / "memory.max").write_text("max\n")
+    assert memory_limit(str(tmp_path / "cg2"), str(tmp_path / "fs")) is None
+    (d2 / "memory.max").write_text("536870912\n")
+    assert memory_limit(str(tmp_path / "cg2"), str(tmp_path / "fs")) == 1 << 29
+
+
+def test_growing_is_refused_where_nothing_limits_it(tmp_path):
+    import pytest
+
+    from elastic_trainer.worker.memory_kills import grow_until_killed
+
+    (tmp_path / "cg").write_text("0::/x\n")
+    (tmp_path / "fs" / "x").mkdir(parents=True)
+    (tmp_path / "fs" / "x" / "memory.max").write_text("max\n")
+    with pytest.raises(RuntimeError, match="needs a memory limit"):
+        grow_until_killed(proc_cgroup=str(tmp_path / "cg"), root=str(tmp_path / "fs"))
+
+
+def test_an_actor_rays_memory_monitor_killed_is_a_death_known_to_be_memorys():
+    import ray
+
+    from elastic_trainer.controller.failures import diagnose
+    from elastic_trainer.controller.stepping import StepOutcome
+
+    oom = ray.exceptions.RayActorError(error_msg=(
+        "The actor died unexpectedly before finishing this task.\nTask was killed due to the node running "
+        "low on memory. Memory on the node was 30.1GB / 31.5GB (0.955), which exceeds the memory usage "
+        "threshold of 0.95."))
+    other = ray.exceptions.RayActorError(error_msg="The actor died unexpectedly before finishing this task.")
+    diag = diagnose(StepOutcome(step=7, started=0.0, errors={1: oom, 2: other}), {}, 1.0)
+    assert diag.kind == "death" and diag.dead == [1, 2] and diag.memory == [1]
+    assert "killed by Ray for its node's memory" in diag.detail
