@@ -11,14 +11,21 @@ K is done the host of rank 3 is lost one way:
 Reported per fault: seconds from the fault to the first step completed after
 the recovery and to its detection (the run's own times against the fault's,
 one machine's clock), with the recovery's parts, median and spread over the
-rounds. Needs
-root, iproute2 and cgroups; run on a quiet machine:
+rounds.
+
+Two more parts (``_lab_capacity``): the throughput kept after losing 1 of 4
+and 2 of 6 hosts, against the ideal (N-1)/N; and the false suspicions on a
+host loaded by a CPU burner. Needs root, iproute2 and cgroups; run on a
+quiet machine:
 
     python benchmarks/lab.py                         # 5 rounds of each fault
     python benchmarks/lab.py --faults kill --rounds 3
+    python benchmarks/lab.py --part throughput --rounds 2
+    python benchmarks/lab.py --part suspicion --rounds 2
 
 Targets (issue: the lab): at most 1.5 s for a kill, and the heartbeat timeout
-plus 1.5 s for a cut-off or frozen host.
+plus 1.5 s for a cut-off or frozen host; after a loss, 95% of the ideal
+throughput (1 of 4) and 90% (2 of 6).
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The repository first: ``lab`` is the package there, not this file (whose folder Python put first).
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from lab import Lab, LabRun, missing  # noqa: E402  (first: recovery puts this folder first again)
+
+from _lab_capacity import suspicion_round, throughput_round  # noqa: E402
 from recovery import demo_config  # noqa: E402
-
-from lab import Lab, LabRun, missing  # noqa: E402
 
 FAILURE = {"startup_timeout_s": 60, "min_step_timeout_s": 5, "rendezvous_timeout_s": 20, "wait_for_nodes_s": 2}
 
@@ -77,19 +85,58 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def capacity(args) -> int:
+    """``--part throughput`` or ``suspicion``: rounds on their own lab, figures to ``--out``."""
+    rows = []
+    cases = [(4, 1), (6, 2)] if args.part == "throughput" else [(4, 0)]
+    for hosts, lose in cases:
+        # Equal quotas that fit the machine's cores with the head's beside them.
+        cpus = args.cpus_per_host if args.part == "suspicion" else min(args.cpus_per_host, 1.5 / hosts)
+        with Lab(hosts=hosts + 1, cpus_per_host=cpus, head_cpus=0.5) as lab, \
+                tempfile.TemporaryDirectory() as tmp:
+            lab.start_ray()
+            for i in range(args.rounds):
+                lab.revive()
+                out = Path(tmp) / f"{args.part}-{hosts}-{i}"
+                row = (throughput_round(lab, hosts, lose, args.window, out) if args.part == "throughput"
+                       else suspicion_round(lab, args.steps, out))
+                row["cpus_per_host"] = cpus
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    Path(args.out).write_text(json.dumps({"part": args.part, "rows": rows}, indent=1))
+    if args.part == "throughput":
+        print("\nlost       kept of the ideal (N-k)/N (median, min-max)   plan after")
+        for hosts, lose in cases:
+            xs = sorted(r["kept_of_ideal"] for r in rows if r["hosts"] == hosts)
+            plan = next(r["plan_after"] for r in rows if r["hosts"] == hosts)
+            print(f"{lose} of {hosts}     {statistics.median(xs):.1%} ({xs[0]:.1%}-{xs[-1]:.1%}), {len(xs)} rounds"
+                  f"      dp={plan['dp']} pp={plan['pp']}")
+    else:
+        print(f"\nsuspected {sum(r['suspected'] for r in rows)}, answered again "
+              f"{sum(r['answered_again'] for r in rows)}, killed for silence "
+              f"{sum(r['killed_for_silence'] for r in rows)}, over {sum(r['steps'] for r in rows)} steps")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("recovery", "throughput", "suspicion"), default="recovery")
+    ap.add_argument("--window", type=int, default=25, help="throughput: steady steps measured before and after")
     ap.add_argument("--faults", default="kill,cut,freeze")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--fault-at", type=int, default=15)
     ap.add_argument("--cpus-per-host", type=float, default=0.4)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lab.json"))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/lab[-PART].json")
     args = ap.parse_args()
+    suffix = "" if args.part == "recovery" else f"-{args.part}"
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"lab{suffix}.json")
     why = missing()
     if why:
         print(f"cannot build a lab here: {why}")
         return 2
+    if args.part != "recovery":
+        return capacity(args)
     rows = []
     with Lab(hosts=5, cpus_per_host=args.cpus_per_host) as lab, tempfile.TemporaryDirectory() as tmp:
         lab.start_ray()
