@@ -15,17 +15,22 @@ rounds.
 
 Two more parts (``_lab_capacity``): the throughput kept after losing 1 of 4
 and 2 of 6 hosts, against the ideal (N-1)/N; and the false suspicions on a
-host loaded by a CPU burner. Needs root, iproute2 and cgroups; run on a
-quiet machine:
+host loaded by a CPU burner. And ``--part comm`` (``_lab_comm``): every
+communication mode at 1 Gbit/s and 200 Mbit/s links beside Ray Train DDP,
+with the cost model's prediction of each from a sweep across the hosts.
+Needs root, iproute2 and cgroups; run on a quiet machine:
 
     python benchmarks/lab.py                         # 5 rounds of each fault
     python benchmarks/lab.py --faults kill --rounds 3
     python benchmarks/lab.py --part throughput --rounds 2
     python benchmarks/lab.py --part suspicion --rounds 2
+    python benchmarks/lab.py --part comm --caps 1000,200 --steps 30
 
 Targets (issue: the lab): at most 1.5 s for a kill, and the heartbeat timeout
 plus 1.5 s for a cut-off or frozen host; after a loss, 95% of the ideal
-throughput (1 of 4) and 90% (2 of 6).
+throughput (1 of 4) and 90% (2 of 6); at 200 Mbit/s the best mode at most
+0.5x the uncompressed step and 2x faster than Ray Train DDP; the cost model
+within 15% at both caps.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from lab import Lab, LabRun, missing  # noqa: E402  (first: recovery puts this folder first again)
 
 from _lab_capacity import suspicion_round, throughput_round  # noqa: E402
+from _lab_comm import one_cap, report  # noqa: E402
 from recovery import demo_config  # noqa: E402
 
 FAILURE = {"startup_timeout_s": 60, "min_step_timeout_s": 5, "rendezvous_timeout_s": 20, "wait_for_nodes_s": 2}
@@ -118,9 +124,25 @@ def capacity(args) -> int:
     return 0
 
 
+def comm(args) -> int:
+    """``--part comm``: a lab a cap, figures to ``--out``."""
+    caps, compute = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for cap in (float(c) for c in args.caps.split(",")):
+            row, compute = one_cap(cap, min(args.cpus_per_host, 1.5 / 4), args.steps, args.warmup, args.max_bytes,
+                                   Path(tmp), compute)
+            caps.append(row)
+            Path(args.out).write_text(json.dumps({"part": "comm", "caps": caps}, indent=1, default=str))
+    report(caps)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("recovery", "throughput", "suspicion"), default="recovery")
+    ap.add_argument("--part", choices=("recovery", "throughput", "suspicion", "comm"), default="recovery")
+    ap.add_argument("--caps", default="1000,200", help="comm: link caps, Mbit/s")
+    ap.add_argument("--warmup", type=int, default=10, help="comm: steps left out of each median")
+    ap.add_argument("--max-bytes", type=int, default=16 << 20, help="comm: the sweep's largest all-reduce")
     ap.add_argument("--window", type=int, default=25, help="throughput: steady steps measured before and after")
     ap.add_argument("--faults", default="kill,cut,freeze")
     ap.add_argument("--rounds", type=int, default=5)
@@ -135,6 +157,8 @@ def main() -> int:
     if why:
         print(f"cannot build a lab here: {why}")
         return 2
+    if args.part == "comm":
+        return comm(args)
     if args.part != "recovery":
         return capacity(args)
     rows = []

@@ -1,0 +1,40 @@
+"""One rank of an all-reduce sweep across lab hosts: ``python _lab_sweep.py RANK PROCS MASTER PORT MAX_BYTES OUT``.
+
+Started on each host by ``_lab_comm.calibrate`` (in the host's namespace, over
+its capped link): the ranks meet at ``MASTER:PORT`` and run
+``calibration.sweep`` (ring, tree, chunked; 1 KiB to ``MAX_BYTES``); rank 0
+writes the rows to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(rank: int, procs: int, master: str, port: int, max_bytes: int, out: str) -> None:
+    from elastic_trainer.planning import calibration, cost_model
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")   # the host's link, not loopback
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=procs,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        rows = calibration.sweep(None, cost_model.size_range(1 << 10, max_bytes), ("ring", "tree", "chunked"),
+                                 iters=3, warmup=1)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(rows, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(int(a[0]), int(a[1]), a[2], int(a[3]), int(a[4]), a[5])
