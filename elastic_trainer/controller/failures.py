@@ -14,9 +14,10 @@ from ..worker.actor import InjectedFault
 from .stepping import StepOutcome
 from .workers import ask_all
 
+# Words of the error of an actor Ray's memory monitor killed (its node ran low on memory); not a
+# process's own "out of memory" (a GPU's, say), which another node would not cure.
+_MEMORY_MARKERS = ("low on memory", "memory usage threshold")
 # Words of the errors a rank sees when a peer vanishes under a collective.
-# Words of the error of an actor Ray's memory monitor killed (its node ran low on memory).
-_MEMORY_MARKERS = ("low on memory", "memory usage threshold", "out of memory")
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe",
                        "distbackenderror", "process group", "processgroup")
 

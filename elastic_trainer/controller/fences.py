@@ -64,6 +64,14 @@ class Fences:
                     del self.fenced[wid]
                     events.append(self._event(f, "died", f"{type(e).__name__}", now))
                     continue
+                if f.answered and not got.get("busy") and f.handle.node in self.pool.avoided:
+                    # Its host is avoided (a memory kill there): back as a spare, it would be
+                    # given the load that did not fit again.
+                    del self.fenced[wid]
+                    kill_actor(f.handle.actor)
+                    events.append(self._event(f, "killed", "it answered again, on a host avoided after a "
+                                                           "memory kill", now))
+                    continue
                 if f.answered and not got.get("busy"):
                     del self.fenced[wid]
                     # Its old groups and stage go first; the next plan's set-up queues behind.

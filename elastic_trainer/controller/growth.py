@@ -41,6 +41,10 @@ class Growth:
         """Whether a re-plan asked for (``request_replan``) is still to be taken."""
         return self._reason is not None
 
+    def pending_cut(self) -> tuple | None:
+        """The stage cut a re-plan asked for keeps, while it is still to be taken."""
+        return self._cut
+
     def replanned(self) -> None:
         """A re-plan was carried out (this one or a failure's): it leaves every benched worker
         out and takes in every joined one, so what was asked for is done."""

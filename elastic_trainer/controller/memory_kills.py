@@ -38,19 +38,20 @@ def _oom_kills_here() -> int | None:
 class MemoryKills:
     def __init__(self, pool: WorkerPool):
         self.pool = pool
-        self._pending: dict = {}          # ref -> (handle, step, count before, asked at)
-        self._seen: dict[str, int] = {}   # node -> the count a kill found there last
+        self._pending: dict = {}          # ref -> (handle, step, failure, count before, asked at)
+        self._seen: dict[str, int] = {}   # node -> the count last read there
 
-    def watch(self, dead: list[WorkerHandle], step: int) -> None:
-        """Ask the nodes of workers that died in ``step`` for their OOM-kill count (a task each,
-        not waited for). Workers that read no count or no limit when they joined are skipped."""
+    def watch(self, dead: list[WorkerHandle], step: int, failure: int) -> None:
+        """Ask the nodes of workers that died in ``step`` (the run's ``failure``-th failure) for
+        their OOM-kill count (a task each, not waited for). Workers that read no count or no
+        limit when they joined are skipped."""
         for h in dead:
             if h.oom_kills is None or h.memory_limit is None:
                 continue
-            before = max(h.oom_kills, self._seen.get(h.node, 0))
+            before = max(h.oom_kills, self._seen.get(h.node, h.oom_kills))
             ref = _oom_kills_here.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(h.node, soft=False)).remote()
-            self._pending[ref] = (h, step, before, time.monotonic())
+            self._pending[ref] = (h, step, failure, before, time.monotonic())
 
     def poll(self, wait_s: float = 0.0) -> list[dict]:
         """The memory kills the answers in so far show (``{"kind": "memory_kill", ...}`` events),
@@ -60,29 +61,34 @@ class MemoryKills:
         ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=wait_s)
         found = []
         for ref in ready:
-            h, step, before, _ = self._pending.pop(ref)
+            h, step, failure, before, _ = self._pending.pop(ref)
             try:
                 count = ray.get(ref)
             except Exception:  # noqa: BLE001 - the node died with its worker: not memory's doing
                 continue
-            if count is not None and count > before:
-                self._seen[h.node] = count
-                found.append(self._found(h, step, "the kernel's OOM killer", count - before))
+            if count is None:
+                continue
+            # Every answer is the next death's baseline there, a kill or not.
+            self._seen[h.node] = max(count, self._seen.get(h.node, 0))
+            if count > before:
+                found.append(self._found(h, step, failure, "the kernel's OOM killer", count - before))
         now = time.monotonic()
-        for ref, (_, _, _, asked) in list(self._pending.items()):
+        for ref, (*_, asked) in list(self._pending.items()):
             if now - asked > _GIVE_UP_S:
                 del self._pending[ref]
+                ray.cancel(ref, force=False)
         return found
 
-    def found(self, dead: list[WorkerHandle], step: int) -> list[dict]:
+    def found(self, dead: list[WorkerHandle], step: int, failure: int) -> list[dict]:
         """Workers whose error says Ray's memory monitor killed them in ``step``: their events,
         each host avoided from now on."""
-        return [self._found(h, step, "Ray's memory monitor", None) for h in dead]
+        return [self._found(h, step, failure, "Ray's memory monitor", None) for h in dead]
 
-    def _found(self, h: WorkerHandle, step: int, by: str, kills: int | None) -> dict:
+    def _found(self, h: WorkerHandle, step: int, failure: int, by: str, kills: int | None) -> dict:
         let_go = self.pool.avoid(h.node)
         limit = f" (limit {h.memory_limit / 2**30:.2f} GB)" if h.memory_limit else ""
-        return {"kind": "memory_kill", "worker": h.wid, "rank": h.rank, "node": h.node, "step": step, "by": by,
+        return {"kind": "memory_kill", "worker": h.wid, "rank": h.rank, "node": h.node, "step": step,
+                "failure": failure, "by": by,
                 "oom_kills": kills, "let_go": let_go,
                 "detail": f"worker {h.wid} (rank {h.rank}) was killed by {by} on node {h.node[:12]} ({h.ip}){limit} "
                           f"in step {step}; no worker of this run is started there again"}

@@ -44,12 +44,14 @@ class Recovery:
         self._ps = ps
         self._abandoned: list = []  # calls of failed steps (their parts too), read once they end (else Ray logs them)
         self._shrinks = 0
+        self._failures = 0          # numbers the run's failures, for a cause found later (``memory_kills``)
 
     # -- detect ----------------------------------------------------------------------------
     def recover(self, out: StepOutcome) -> ReplanOrder:
         """A step (or an evaluation) failed: detect and clear it away; the re-plan it calls for.
         Raises ``RunError`` past the run's limits."""
         run, pool = self.run, self.pool
+        self._failures += 1
         run.transition(RunState.RECOVERING, step=out.step)
         diag = diagnose(out, {w: h.actor for w, h in pool.workers.items()}, self.cfg.failure.ping_timeout_s,
                         self.cfg.failure.heartbeat_timeout_s)
@@ -71,9 +73,10 @@ class Recovery:
         self.fences.fence(diag.silent)
         # Was a death memory's? Ray's memory monitor says so in its error; else the node is asked
         # beside the re-plan (``memory_kills``).
-        for ev in self.memory.found([pool[w] for w in diag.memory if w in pool], out.step):
+        for ev in self.memory.found([pool[w] for w in diag.memory if w in pool], out.step, self._failures):
             run.event(ev.pop("kind"), **ev)
-        self.memory.watch([pool[w] for w in diag.dead if w in pool and w not in diag.memory], out.step)
+        self.memory.watch([pool[w] for w in diag.dead if w in pool and w not in diag.memory], out.step,
+                          self._failures)
         pool.drop(diag.dead + diag.hung)
         ps = self._ps()
         if ps:
@@ -89,7 +92,8 @@ class Recovery:
         self._quiesce(out)
         self.budget.check(diag.kind, diag.detail)
         return ReplanOrder(diag.kind, detected, failed=out, plan_before=plan_before, shrunk=shrunk,
-                           whole=whole, settle_wait=settle_wait, cause="memory" if diag.memory else None)
+                           whole=whole, settle_wait=settle_wait, cause="memory" if diag.memory else None,
+                           failure=self._failures)
 
     def _suspect_node_mates(self, diag: Diagnosis) -> None:
         """A silent worker's node may be frozen whole: its other workers (one that had already
@@ -107,6 +111,7 @@ class Recovery:
         """A worker failed to start, or the first set-up failed (a node lost before the first
         step): one more failure; the re-plan it calls for on what is left."""
         run, pool = self.run, self.pool
+        self._failures += 1
         run.transition(RunState.RECOVERING, step=run.step + 1)
         detected = time.perf_counter()
         failed_workers = getattr(err, "failed_workers", [])
@@ -120,11 +125,11 @@ class Recovery:
             raise RunError(f"the first set-up failed on live workers (no worker or node was lost): {err}")
         self.budget.count()
         self.budget.check("startup", str(err))
-        self.memory.watch([pool[w] for w in dead if w in pool], run.step + 1)
+        self.memory.watch([pool[w] for w in dead if w in pool], run.step + 1, self._failures)
         pool.drop(dead)
         self.fences.fence(silent)
         pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth
-        return ReplanOrder("startup", detected, abort_setups=True)
+        return ReplanOrder("startup", detected, abort_setups=True, failure=self._failures)
 
     def step_committed(self) -> None:
         """A step completed: its retries are back, and the failed steps' calls that have ended

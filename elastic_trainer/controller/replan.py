@@ -49,6 +49,7 @@ class ReplanOrder:
     settle_wait: dict = field(default_factory=dict)   # how the settle round's wait ended, for the event
     abort_setups: bool = False        # set-ups of a failed attempt may still wait: abort them first
     cause: str | None = None          # what the failure is known to be due to ("memory")
+    failure: int | None = None        # the run's failure number (``Recovery``); None between steps
 
     @property
     def after_failure(self) -> bool:
@@ -71,9 +72,12 @@ class Replanner:
         shrunk, whole = order.shrunk, (order.whole if order.after_failure else None)
         if order.abort_setups:
             self.setup.abort()
+        cause = order.cause
         while True:
             t0 = time.perf_counter()
             attempts += 1
+            # Memory kills found so far: their hosts are avoided before the plan is chosen.
+            cause = self._memory_kills(order, cause)
             pool.await_joining(0, required=False)
             self._wait_for_min_workers()
             plan, ranks, why = self._next_plan(keep=order.after_failure, cut=order.cut)
@@ -100,6 +104,9 @@ class Replanner:
                 # a rendezvous for a member that died. Abort the set-ups still waiting and let
                 # them end before the next try, which would otherwise queue behind them.
                 dead, silent = pool.dead_or_silent(list(pool.workers))
+                if order.failure is not None:
+                    # A worker that died loading its blocks may well have died of memory.
+                    self.memory.watch([pool[w] for w in dead], out.step if out else run.step + 1, order.failure)
                 pool.drop(dead)
                 self.fences.fence(silent)
                 self.setup.abort()
@@ -107,7 +114,8 @@ class Replanner:
                 # A failed attempt leaves the shrunk world and the carried groups in no known state.
                 shrunk, whole = None, (set() if order.after_failure else None)
                 continue
-            self._record(order, restore, desc, why, attempts, retry_s, t1, time.perf_counter())
+            cause = self._memory_kills(order, cause)
+            self._record(order, cause, restore, desc, why, attempts, retry_s, t1, time.perf_counter())
             self.bench.after_replan(run.step, self.setup.reset_refs)
             log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",
                      run.name, order.reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size,
@@ -115,21 +123,26 @@ class Replanner:
             run.transition(RunState.RUNNING)
             return
 
-    def _record(self, order: ReplanOrder, restore, desc: dict, why: str, attempts: int, retry_s: float,
-                t1: float, t2: float) -> None:
+    def _memory_kills(self, order: ReplanOrder, cause: str | None) -> str | None:
+        """Record the memory kills found so far (``memory_kills``); this order's cause, "memory"
+        where one of them was its failure's. Those of earlier failures name their recoveries'."""
+        for ev in self.memory.poll():
+            self.run.event(ev.pop("kind"), **ev)
+            if order.failure is not None and ev["failure"] == order.failure:
+                cause = "memory"
+            else:
+                self.run.name_cause(ev["failure"], "memory")
+        return cause
+
+    def _record(self, order: ReplanOrder, cause: str | None, restore, desc: dict, why: str, attempts: int,
+                retry_s: float, t1: float, t2: float) -> None:
         """The recovery event, completed with the first step's time by ``step_committed``."""
         run, out, detected = self.run, order.failed, order.detected
         failed_step = out.step if out else run.step + 1
         restored = restore[0] if restore else 0
-        # A memory kill found while the re-plan ran names its recovery's cause; one found later
-        # has its own event only.
-        cause = order.cause
-        for ev in self.memory.poll():
-            if ev["step"] == failed_step:
-                cause = "memory"
-            run.event(ev.pop("kind"), **ev)
         self.pending_event = run.event(
-            "recovery", reason=order.reason, cause=cause, failed_step=failed_step, restored_step=restored,
+            "recovery", reason=order.reason, cause=cause, failure=order.failure, failed_step=failed_step,
+            restored_step=restored,
             steps_redone=failed_step - restored - (0 if out else 1),
             steps_rolled_back=run.rolled_back,
             plan_before=_plan_summary(order.plan_before), plan_after=_plan_summary(desc), policy=why,

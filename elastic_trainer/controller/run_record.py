@@ -84,12 +84,12 @@ class RunRecord:
         self.metrics.record_event(ev)
         return ev
 
-    def name_cause(self, failed_step: int, cause: str) -> None:
-        """The recoveries from the failure of ``failed_step`` learn its cause, found after their
-        events were recorded (a memory kill, asked of the dead worker's node)."""
+    def name_cause(self, failure: int, cause: str) -> None:
+        """The recovery from the run's ``failure``-th failure learns its cause, found after its
+        event was recorded (a memory kill, asked of the dead worker's node)."""
         with self.lock:
             for ev in self.events:
-                if ev["kind"] == "recovery" and ev.get("failed_step") == failed_step:
+                if ev["kind"] == "recovery" and ev.get("failure") == failure:
                     ev["cause"] = cause
 
     def commit_step(self, record: dict, figures: dict) -> None:

@@ -109,6 +109,9 @@ class StepLoop:
     def replan(self, order: ReplanOrder) -> None:
         """Carry out a re-plan order (a failure's, growth's, or the start-up's): it also does what
         growth had asked for, which is then no longer pending."""
+        if order.cut is None:
+            # A re-cut asked for and not yet taken is taken by any re-plan (where it still fits).
+            order.cut = self.growth.pending_cut()
         self.replanner.carry_out(order)
         self.growth.replanned()
 
@@ -116,7 +119,7 @@ class StepLoop:
         """Record the memory kills found since the recoveries' events were (``memory_kills``)."""
         for ev in self.memory.poll(wait_s) if self.memory else ():
             self.run.event(ev.pop("kind"), **ev)
-            self.run.name_cause(ev["step"], "memory")
+            self.run.name_cause(ev["failure"], "memory")
 
     def _issue(self, step: int, count: int, snapshots_pending: int = 0, after: int | None = None,
                snapshot_step: int | None = None) -> StepOutcome:

@@ -59,7 +59,10 @@ def oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
     for line in text.splitlines():
         key, _, value = line.partition(" ")
         if key == "oom_kill":
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:
+                return None   # a file not as the kernel writes it: no count rather than no worker
     return 0   # the file without the counter: an older kernel, no kill counted
 
 
@@ -73,7 +76,10 @@ def memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cg
     text = _read(dirs, "memory.max" if v2 else "memory.limit_in_bytes")
     if text is None or text.strip() == "max":
         return None
-    limit = int(text.strip())
+    try:
+        limit = int(text.strip())
+    except ValueError:
+        return None
     return None if limit >= _NO_LIMIT_V1 else limit
 
 

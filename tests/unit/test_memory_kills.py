@@ -83,3 +83,36 @@ def test_an_actor_rays_memory_monitor_killed_is_a_death_known_to_be_memorys():
     diag = diagnose(StepOutcome(step=7, started=0.0, errors={1: oom, 2: other}), {}, 1.0)
     assert diag.kind == "death" and diag.dead == [1, 2] and diag.memory == [1]
     assert "killed by Ray for its node's memory" in diag.detail
+
+
+def test_a_count_that_rose_on_the_dead_workers_node_is_a_memory_kill_and_avoids_that_node():
+    import ray
+    from types import SimpleNamespace
+
+    from elastic_trainer.controller.memory_kills import MemoryKills
+    from elastic_trainer.controller.workers import WorkerHandle
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        now = oom_kills()
+        if now is None:
+            import pytest
+            pytest.skip("this machine's memory cgroup cannot be read")
+        avoided = []
+        memory = MemoryKills(SimpleNamespace(avoid=lambda n: avoided.append(n) or [9]))
+        # Worker 1 joined when the count was one lower: it rose since, on its node. Worker 2
+        # joined at today's count; worker 3 had no limit (never asked).
+        memory.watch([WorkerHandle(1, None, node, 11, "127.0.0.1", rank=3, oom_kills=now - 1, memory_limit=1 << 30),
+                      WorkerHandle(2, None, node, 12, "127.0.0.1", rank=2, oom_kills=now, memory_limit=1 << 30),
+                      WorkerHandle(3, None, node, 13, "127.0.0.1", rank=1, oom_kills=now - 1)], step=6, failure=2)
+        found = memory.poll(wait_s=60)
+        assert [(e["worker"], e["step"], e["failure"], e["oom_kills"], e["let_go"]) for e in found] == \
+            [(1, 6, 2, 1, [9])]
+        assert avoided == [node] and "OOM killer" in found[0]["detail"] and memory.poll() == []
+    finally:
+        if started:
+            ray.shutdown()

@@ -135,3 +135,19 @@ def test_setups_that_keep_failing_end_the_run_at_its_limit():
         replanner.carry_out(ReplanOrder("startup", detected=0.0, abort_setups=True))
     # One abort before the first attempt (the start-up's set-ups), one after each failed attempt retried.
     assert len(setup.calls) == cfg.failure.max_failures + 1 and setup.aborted == len(setup.calls)
+
+
+def test_a_memory_kill_found_during_a_replan_names_its_own_failures_recovery_not_another():
+    cfg, run = _run(RunState.RECOVERING)
+    pool = _Pool([0, 1])
+    replanner, _ = _replanner(cfg, run, _Setup(), pool)
+    earlier = run.event("recovery", reason="death", cause=None, failure=1, failed_step=3)
+    kills = [{"kind": "memory_kill", "worker": 5, "step": 3, "failure": 1},
+             {"kind": "memory_kill", "worker": 7, "step": 9, "failure": 2}]
+    replanner.memory = SimpleNamespace(poll=lambda: [kills.pop(0)] if kills else [])
+    failed = SimpleNamespace(step=9, started=0.0, dropped=[], first_signal=None)
+    replanner.carry_out(ReplanOrder("death", detected=0.5, failed=failed, failure=2))
+    assert earlier["cause"] == "memory"   # found late: named on the recovery it belongs to
+    ev = replanner.pending_event
+    assert (ev["failure"], ev["cause"]) == (2, "memory")
+    assert [e["worker"] for e in run.events if e["kind"] == "memory_kill"] == [5, 7]
