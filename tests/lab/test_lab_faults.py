@@ -87,7 +87,7 @@ def test_a_worker_past_its_hosts_memory_limit_is_a_memory_kill_and_its_host_is_n
     # kernel's OOM killer ends it, the rest of its host lives on. The limit is brought down to
     # 0.4 GB above what the host uses, so the growing takes a moment, not the seconds that 3 GB
     # would at the host's 0.4 of a core (it would go silent first; the next test gets it back).
-    config = lab_config(corpus_dir, "lab-memory", steps=30)
+    config = lab_config(corpus_dir, "lab-memory", steps=20)
     config["failure"]["allow_fault_injection"] = True
     config["scaling"] = {**config.get("scaling", {}),
                          "env_vars": {GROW_MEMORY_RANK_ENV: "3", GROW_MEMORY_STEP_ENV: "6"}}
