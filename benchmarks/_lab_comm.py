@@ -87,8 +87,9 @@ def ray_train_run(lab: Lab, steps: int, warmup: int, out: Path) -> dict:
                              str(times_path)],
                   env={"RAY_ADDRESS": lab.gcs_address, "PYTHONPATH": str(HERE.parent)}, log="ray_train")
     if p.wait(timeout=900) != 0 or not times_path.exists():
-        return {"compression": "ray_train_ddp", "sync": "allreduce",
-                "error": f"Ray Train failed; see {lab.head.dir / 'ray_train.log'}"}
+        log = lab.head.dir / "ray_train.log"   # gone with the lab: its end goes into the error
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        return {"compression": "ray_train_ddp", "sync": "allreduce", "error": f"Ray Train failed: {tail}"}
     times = json.loads(times_path.read_text())[warmup:]
     return {"compression": "ray_train_ddp", "sync": "allreduce", "steps": len(times),
             "median_step_s": statistics.median(times)}
@@ -106,7 +107,7 @@ def compute_from(no_comm_step_s: float, cfg_raw: dict) -> dict:
 
 
 def one_cap(cap: float, cpus: float, steps: int, warmup: int, max_bytes: int, tmp: Path,
-            compute: dict | None) -> tuple[dict, dict | None]:
+            compute: dict | None, modes=MODES) -> tuple[dict, dict | None]:
     """Everything measured at one link cap; the compute dict to price the next cap with."""
     t0 = time.time()
     with Lab(hosts=5, cpus_per_host=cpus, head_cpus=0.5, link_mbit=cap) as lab:
@@ -116,7 +117,7 @@ def one_cap(cap: float, cpus: float, steps: int, warmup: int, max_bytes: int, tm
         print(f"{cap:g} Mbit/s: ring alpha {ring['alpha_s'] * 1e3:.2f} ms, "
               f"{1 / ring['beta_s_per_byte'] / 1e6:.1f} MB/s", flush=True)
         runs = []
-        for compression, sync in MODES:
+        for compression, sync in modes:
             lab.revive()
             rec = mode_run(lab, compression, sync, steps, warmup, tmp / f"{cap:g}-{compression}-{sync}")
             print(json.dumps(rec), flush=True)

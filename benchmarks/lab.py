@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from lab import Lab, LabRun, missing  # noqa: E402  (first: recovery puts this folder first again)
 
 from _lab_capacity import suspicion_round, throughput_round  # noqa: E402
-from _lab_comm import one_cap, report  # noqa: E402
+from _lab_comm import MODES, one_cap, report  # noqa: E402
 from recovery import demo_config  # noqa: E402
 
 FAILURE = {"startup_timeout_s": 60, "min_step_timeout_s": 5, "rendezvous_timeout_s": 20, "wait_for_nodes_s": 2}
@@ -127,10 +127,11 @@ def capacity(args) -> int:
 def comm(args) -> int:
     """``--part comm``: a lab a cap, figures to ``--out``."""
     caps, compute = [], None
+    modes = [tuple(m.split("/")) for m in args.modes.split(",")] if args.modes else MODES
     with tempfile.TemporaryDirectory() as tmp:
         for cap in (float(c) for c in args.caps.split(",")):
             row, compute = one_cap(cap, min(args.cpus_per_host, 1.5 / 4), args.steps, args.warmup, args.max_bytes,
-                                   Path(tmp), compute)
+                                   Path(tmp), compute, modes)
             caps.append(row)
             Path(args.out).write_text(json.dumps({"part": "comm", "caps": caps}, indent=1, default=str))
     report(caps)
@@ -141,6 +142,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("recovery", "throughput", "suspicion", "comm"), default="recovery")
     ap.add_argument("--caps", default="1000,200", help="comm: link caps, Mbit/s")
+    ap.add_argument("--modes", default=None, help="comm: compression/sync pairs, comma-separated (default: all)")
     ap.add_argument("--warmup", type=int, default=10, help="comm: steps left out of each median")
     ap.add_argument("--max-bytes", type=int, default=16 << 20, help="comm: the sweep's largest all-reduce")
     ap.add_argument("--window", type=int, default=25, help="throughput: steady steps measured before and after")
