@@ -106,6 +106,16 @@ def compute_from(no_comm_step_s: float, cfg_raw: dict) -> dict:
             "optimizer_s_per_param": 0.0, "step_overhead_s": 0.0}
 
 
+def planner_choice(steps: int, constants: dict, compute: dict | None) -> dict:
+    """What the planner would choose for 4 workers on this link: its fastest row at dp=4 x pp=1."""
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.planning.planner import predict_candidates
+
+    cfg = TrainerConfig.model_validate(demo_config(steps, "predict", "none", "allreduce"))
+    rows = [r for r in predict_candidates(cfg, 4, constants, compute) if (r["dp"], r["pp"]) == (4, 1)]
+    return {k: rows[0][k] for k in ("compression", "sync", "total_s")} if rows else {}
+
+
 def one_cap(cap: float, cpus: float, steps: int, warmup: int, max_bytes: int, tmp: Path,
             compute: dict | None, modes=MODES) -> tuple[dict, dict | None]:
     """Everything measured at one link cap; the compute dict to price the next cap with."""
@@ -129,10 +139,14 @@ def one_cap(cap: float, cpus: float, steps: int, warmup: int, max_bytes: int, tm
         quiet = next((r.get("no_comm_step_s") for r in runs if r["sync"] == "local_sgd"), None)
         compute = compute_from(quiet, demo_config(steps, "c", "none", "allreduce")) if quiet else None
     add_predictions([r for r in runs if "error" not in r], steps, constants, compute)
+    if compute:
+        constants["compute"] = compute   # `elastic-trainer plan --constants` on this link prices with both
+    choice = planner_choice(steps, constants, compute)
     measured = [r for r in runs if r.get("median_step_s")]
     best = min(measured, key=lambda r: r.get("window_mean_step_s") or r["median_step_s"]) if measured else None
     return {"cap_mbit": cap, "cpus_per_host": cpus, "constants": constants, "compute": compute, "runs": runs,
             "ray_train": ddp, "best_measured": best and (best["compression"], best["sync"]),
+            "planner_choice": choice,
             "seconds": round(time.time() - t0)}, compute
 
 
@@ -143,6 +157,9 @@ def report(caps: list[dict]) -> None:
         ddp = c["ray_train"].get("median_step_s")
         print(f"\n{c['cap_mbit']:g} Mbit/s (ring {1 / c['constants']['algorithms']['ring']['beta_s_per_byte'] / 1e6:.1f}"
               f" MB/s measured); Ray Train DDP {ddp * 1e3:.0f} ms" if ddp else f"\n{c['cap_mbit']:g} Mbit/s")
+        pick = c.get("planner_choice") or {}
+        print(f"planner's choice on this link: {pick.get('compression')}/{pick.get('sync')}, best measured: "
+              f"{'/'.join(c['best_measured'] or ())}")
         print("mode                       step ms   x none   x DDP   predicted ms   error")
         for r in c["runs"]:
             if "error" in r:

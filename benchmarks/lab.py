@@ -134,6 +134,9 @@ def comm(args) -> int:
                                    Path(tmp), compute, modes)
             caps.append(row)
             Path(args.out).write_text(json.dumps({"part": "comm", "caps": caps}, indent=1, default=str))
+            # The link's constants, for `elastic-trainer plan JOB --constants FILE` to choose by.
+            Path(args.out).with_name(f"lab-constants-{cap:g}mbit.json").write_text(
+                json.dumps(row["constants"], indent=1, default=str))
     report(caps)
     return 0
 
