@@ -443,7 +443,8 @@ def test_whole_cluster_lost_then_resume_and_corrupt_checkpoint_fallback(fresh_cl
 
 def _loss_then_follow_the_clean_run(fresh_cluster, cfg, after_rel):
     """Run ``cfg`` once without failures and once losing rank 3's node after step 4: the
-    same losses up to the failure, within ``after_rel`` after it. Returns the chaos run."""
+    same losses up to the step restored, within ``after_rel`` after it (the steps after the
+    restored one are run again on the new plan). Returns the chaos run."""
     c, nodes = fresh_cluster(4)
     name = cfg.run.name
     clean = Trainer(cfg.with_overrides([f"run.name={name}-clean"]), verbose=False).fit()
@@ -451,11 +452,15 @@ def _loss_then_follow_the_clean_run(fresh_cluster, cfg, after_rel):
         4, lambda: c.remove_node(node_of_rank(name, 3, nodes), allow_graceful=False))).fit()
     assert_contiguous_data(result, cfg)
     [rec] = result.recoveries
-    change = rec["failed_step"]
+    # Under load the newest snapshot may not be whole when the node goes (a survivor dropped
+    # for staying inside the failed step takes its copies along): the restore then takes an
+    # older complete one, and the steps after it are the new plan's.
+    kept = rec["restored_step"]
+    assert kept < rec["failed_step"], rec
     got = [r["loss"] for r in result.history]
     want = [r["loss"] for r in clean.history]
-    assert got[:change - 1] == pytest.approx(want[:change - 1], rel=1e-5)
-    assert got[change - 1:] == pytest.approx(want[change - 1:], rel=after_rel)
+    assert got[:kept] == pytest.approx(want[:kept], rel=1e-5)
+    assert got[kept:] == pytest.approx(want[kept:], rel=after_rel)
     return result
 
 
