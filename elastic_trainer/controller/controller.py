@@ -108,9 +108,9 @@ class Controller:
         self.setup = PlanSetup(cfg, run, self.pool, self.driver, self.bench, self.balance, self.snapshots,
                                self.schedule, self.evaluator, ps)
         self.points = RestorePoints(cfg, cfg_json, self.data, run, self.pool, self.snapshots, self.durable, ps)
-        self.fences = Fences(self.pool, cfg.failure.fence_timeout_s, self.run_name)
-        budget = FailureBudget(cfg, self.saver.emergency)
         self.memory = MemoryKills(self.pool)
+        self.fences = Fences(self.pool, cfg.failure.fence_timeout_s, self.run_name, self.memory)
+        budget = FailureBudget(cfg, self.saver.emergency)
         self.recovery = Recovery(cfg, run, self.pool, budget, self.fences, self.memory, ps)
         self.growth = Growth(cfg, run, self.pool, self.bench, self.schedule, self.fences)
         self.replanner = Replanner(cfg, run, self.pool, self.bench, self.setup, self.points, budget, self.fences,

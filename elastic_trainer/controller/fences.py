@@ -8,7 +8,9 @@ snapshot or checkpoint of the run includes it, and its groups are cut by the
 survivors (``group_settle``), so whatever it was waiting in fails when it wakes.
 One ping is left waiting on it. When that ping answers, the worker is reset
 (its old groups and stage dropped) and taken back as a spare, and the grow
-check may re-plan onto it. One that dies is forgotten. One still silent after
+check may re-plan onto it. One that dies is forgotten, once its node is asked
+whether memory killed it (a worker stalled in its host's memory reclaim goes
+silent before the kernel kills it: ``memory_kills``). One still silent after
 ``failure.fence_timeout_s`` is killed then.
 """
 
@@ -18,8 +20,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+import dataclasses
+
 import ray
 
+from .memory_kills import MemoryKills
 from .workers import WorkerHandle, WorkerPool, kill_actor
 
 log = logging.getLogger(__name__)
@@ -31,19 +36,24 @@ class Fenced:
     since: float     # time.monotonic() when it was fenced
     ask: object      # the question left waiting on it: a ping, then (once it answers) its group state
     answered: bool = False
+    rank: int | None = None      # the rank it held when it went silent
+    step: int | None = None      # the step it went silent in
+    failure: int | None = None   # the run's failure that fenced it (``Recovery``)
 
 
 class Fences:
-    def __init__(self, pool: WorkerPool, timeout_s: float, run_name: str):
-        self.pool, self.timeout_s, self.run_name = pool, timeout_s, run_name
+    def __init__(self, pool: WorkerPool, timeout_s: float, run_name: str, memory: MemoryKills | None = None):
+        self.pool, self.timeout_s, self.run_name, self.memory = pool, timeout_s, run_name, memory
         self.fenced: dict[int, Fenced] = {}
 
-    def fence(self, wids) -> list[int]:
-        """Take the silent workers ``wids`` out of the pool without killing them; those fenced."""
+    def fence(self, wids, step: int | None = None, failure: int | None = None) -> list[int]:
+        """Take the silent workers ``wids`` out of the pool without killing them; those fenced.
+        ``step``, ``failure``: the step they went silent in, and the run's failure it was."""
         out = []
         for h in self.pool.take(wids):
-            h.rank = None
-            self.fenced[h.wid] = Fenced(h, time.monotonic(), h.actor.ping.remote())
+            rank, h.rank = h.rank, None
+            self.fenced[h.wid] = Fenced(h, time.monotonic(), h.actor.ping.remote(), rank=rank, step=step,
+                                        failure=failure)
             out.append(h.wid)
             log.warning("[%s] fencing worker %d (node %s) out of the plan: silent; it is kept, and let back in "
                         "as a spare if it answers within failure.fence_timeout_s (%gs)", self.run_name, h.wid,
@@ -63,6 +73,8 @@ class Fences:
                 except ray.exceptions.RayError as e:
                     del self.fenced[wid]
                     events.append(self._event(f, "died", f"{type(e).__name__}", now))
+                    if self.memory is not None and f.failure is not None:
+                        self.memory.watch([dataclasses.replace(f.handle, rank=f.rank)], f.step, f.failure)
                     continue
                 if f.answered and not got.get("busy") and f.handle.node in self.pool.avoided:
                     # Its host is avoided (a memory kill there): back as a spare, it would be

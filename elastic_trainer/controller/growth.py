@@ -63,12 +63,16 @@ class Growth:
         if now - self._last_check < self.cfg.scaling.grow_check_s:
             return False
         self._last_check = now
-        for ev in self.fences.poll():
-            self.run.event(ev.pop("kind"), **ev)
+        self.poll_fences()
         self.pool.spawn_on_free_nodes()
         self.pool.await_joining(0, required=False)
         self._grow_wanted = self._larger_plan()
         return self._grow_wanted
+
+    def poll_fences(self) -> None:
+        """Record what became of the workers fenced out for silence (``fences``)."""
+        for ev in self.fences.poll():
+            self.run.event(ev.pop("kind"), **ev)
 
     def maybe_grow(self) -> ReplanOrder | None:
         """The re-plan due now, if any: onto workers that joined where the policy prefers a larger

@@ -70,7 +70,7 @@ class Recovery:
         # The calls still running end in errors too (a cut group, a lease refused behind this one).
         self._abandoned += list(out.inflight)
         lost_ranks = [r for r, w in run.ranks.items() if w in diag.lost]
-        self.fences.fence(diag.silent)
+        self.fences.fence(diag.silent, out.step, self._failures)
         # Was a death memory's? Ray's memory monitor says so in its error; else the node is asked
         # beside the re-plan (``memory_kills``).
         for ev in self.memory.found([pool[w] for w in diag.memory if w in pool], out.step, self._failures):
@@ -127,7 +127,7 @@ class Recovery:
         self.budget.check("startup", str(err))
         self.memory.watch([pool[w] for w in dead if w in pool], run.step + 1, self._failures)
         pool.drop(dead)
-        self.fences.fence(silent)
+        self.fences.fence(silent, run.step + 1, self._failures)
         pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth
         return ReplanOrder("startup", detected, abort_setups=True, failure=self._failures)
 

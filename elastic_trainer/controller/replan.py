@@ -108,7 +108,7 @@ class Replanner:
                     # A worker that died loading its blocks may well have died of memory.
                     self.memory.watch([pool[w] for w in dead], out.step if out else run.step + 1, order.failure)
                 pool.drop(dead)
-                self.fences.fence(silent)
+                self.fences.fence(silent, out.step if out else run.step + 1, order.failure)
                 self.setup.abort()
                 retry_s += time.perf_counter() - t0
                 # A failed attempt leaves the shrunk world and the carried groups in no known state.

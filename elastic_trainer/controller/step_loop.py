@@ -103,7 +103,8 @@ class StepLoop:
             for one in steps:
                 self.commit(one)
         # A death's cause still being asked of its node is worth a short wait: the run's record
-        # should say why it lost a worker.
+        # should say why it lost a worker (a fenced one's death too, read here at the latest).
+        self.growth.poll_fences()
         self._memory_kills(wait_s=_LAST_ANSWER_S)
 
     def replan(self, order: ReplanOrder) -> None:

@@ -88,7 +88,10 @@ def test_a_worker_past_its_hosts_memory_limit_is_a_memory_kill_and_its_host_is_n
     # 0.4 GB above what the host uses, so the growing takes a moment, not the seconds that 3 GB
     # would at the host's 0.4 of a core (it would go silent first; the next test gets it back).
     config = lab_config(corpus_dir, "lab-memory", steps=20)
-    config["failure"]["allow_fault_injection"] = True
+    # No heartbeat, and a step timeout the growing fits in: a worker stalled in its host's memory
+    # reclaim answers no heartbeat, and would be fenced as silent first (its death is then read
+    # at the next grow check, which a short run may not reach). The kill is what is tested here.
+    config["failure"].update(allow_fault_injection=True, heartbeat_timeout_s=0, min_step_timeout_s=60)
     config["scaling"] = {**config.get("scaling", {}),
                          "env_vars": {GROW_MEMORY_RANK_ENV: "3", GROW_MEMORY_STEP_ENV: "6"}}
     run = Run(lab, config, tmp_path)

@@ -77,7 +77,7 @@ def _replanner(cfg, run, setup, pool):
     points = SimpleNamespace(restore_point=lambda: (8, {}, {"0": "memory"}), sources=None, durable_refs=None,
                              holder_reads=0, relayed_reads=0)
     budget = FailureBudget(cfg, emergency=lambda why: None)
-    fences = SimpleNamespace(fence=lambda wids: None)
+    fences = SimpleNamespace(fence=lambda wids, *where: None)
     memory = SimpleNamespace(poll=lambda: [])   # no memory kill found
     return Replanner(cfg, run, pool, bench, setup, points, budget, fences, memory), budget
 
