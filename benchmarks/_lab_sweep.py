@@ -8,31 +8,16 @@ writes the rows to ``OUT``.
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
-
-import torch
-import torch.distributed as dist
 
 
 def main(rank: int, procs: int, master: str, port: int, max_bytes: int, out: str) -> None:
     from elastic_trainer.planning import calibration, cost_model
 
-    torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")   # the host's link, not loopback
-    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=procs,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
-        rows = calibration.sweep(None, cost_model.size_range(1 << 10, max_bytes), ("ring", "tree", "chunked"),
-                                 iters=3, warmup=1)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(rows, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    calibration.sweep_rank(rank, procs, f"tcp://{master}:{port}", "gloo", cost_model.size_range(1 << 10, max_bytes),
+                           ("ring", "tree", "chunked"), iters=3, warmup=1, timeout_s=600, out_path=out)
 
 
 if __name__ == "__main__":

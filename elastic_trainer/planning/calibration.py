@@ -117,11 +117,19 @@ def _free_port() -> int:
 
 def _sweep_worker(rank: int, procs: int, port: int, backend: str, sizes: list[int], algorithms: list[str],
                   iters: int, warmup: int, timeout_s: float, out_path: str) -> None:
-    torch.set_num_threads(1)
     # Loopback, so the sweep measures what loopback_throughput does; set here, not in the caller's process.
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs,
+    sweep_rank(rank, procs, f"tcp://127.0.0.1:{port}", backend, sizes, algorithms, iters, warmup, timeout_s,
+               out_path)
+
+
+def sweep_rank(rank: int, procs: int, init_method: str, backend: str, sizes: Sequence[int],
+               algorithms: Sequence[str], iters: int, warmup: int, timeout_s: float, out_path: str) -> None:
+    """One of ``procs`` processes of a sweep (local, or one a host): join the group at
+    ``init_method``, run :func:`sweep`; rank 0 writes the rows to ``out_path`` as JSON."""
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=procs,
                             timeout=_dt.timedelta(seconds=timeout_s))
     try:
         rows = sweep(None, sizes, algorithms, iters=iters, warmup=warmup)
