@@ -68,6 +68,7 @@ class Replanner:
         as a failure and the re-plan starts over. Raises ``RunError`` past the run's limits, or
         where no plan fits the workers there are."""
         run, pool, out = self.run, self.pool, order.failed
+        step = out.step if out else run.step + 1   # the step that failed, or the next one
         attempts, retry_s = 0, 0.0
         shrunk, whole = order.shrunk, (order.whole if order.after_failure else None)
         if order.abort_setups:
@@ -96,7 +97,7 @@ class Replanner:
             except WorkerError as e:
                 failed_workers = getattr(e, "failed_workers", [])
                 run.event("failure", failure="during_recovery", worker=failed_workers, rank=None, node=None,
-                          step=out.step if out else run.step + 1, detail=str(e))
+                          step=step, detail=str(e))
                 log.warning("[%s] set-up of the new plan failed: %s", run.name, e)
                 self.budget.count()
                 self.budget.check("during_recovery", str(e))
@@ -106,9 +107,9 @@ class Replanner:
                 dead, silent = pool.dead_or_silent(list(pool.workers))
                 if order.failure is not None:
                     # A worker that died loading its blocks may well have died of memory.
-                    self.memory.watch([pool[w] for w in dead], out.step if out else run.step + 1, order.failure)
+                    self.memory.watch([pool[w] for w in dead], step, order.failure)
                 pool.drop(dead)
-                self.fences.fence(silent, out.step if out else run.step + 1, order.failure)
+                self.fences.fence(silent, step, order.failure)
                 self.setup.abort()
                 retry_s += time.perf_counter() - t0
                 # A failed attempt leaves the shrunk world and the carried groups in no known state.
