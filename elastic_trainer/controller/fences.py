@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-
-import dataclasses
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -74,18 +72,17 @@ class Fences:
                     del self.fenced[wid]
                     events.append(self._event(f, "died", f"{type(e).__name__}", now))
                     if self.memory is not None and f.failure is not None:
-                        self.memory.watch([dataclasses.replace(f.handle, rank=f.rank)], f.step, f.failure)
-                    continue
-                if f.answered and not got.get("busy") and f.handle.node in self.pool.avoided:
-                    # Its host is avoided (a memory kill there): back as a spare, it would be
-                    # given the load that did not fit again.
-                    del self.fenced[wid]
-                    kill_actor(f.handle.actor)
-                    events.append(self._event(f, "killed", "it answered again, on a host avoided after a "
-                                                           "memory kill", now))
+                        self.memory.watch([replace(f.handle, rank=f.rank)], f.step, f.failure)
                     continue
                 if f.answered and not got.get("busy"):
                     del self.fenced[wid]
+                    if f.handle.node in self.pool.avoided:
+                        # Its host is avoided (a memory kill there): back as a spare, it would be
+                        # given the load that did not fit again.
+                        kill_actor(f.handle.actor)
+                        events.append(self._event(f, "killed", "it answered again, on a host avoided after "
+                                                               "a memory kill", now))
+                        continue
                     # Its old groups and stage go first; the next plan's set-up queues behind.
                     f.handle.actor.reset.remote()
                     self.pool.readmit(f.handle)

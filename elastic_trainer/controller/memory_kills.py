@@ -5,8 +5,9 @@ kernel, which Ray reports as any other death. The kernel counts those kills
 per memory cgroup (``worker.memory_kills``): each worker reads the count of its
 own when it joins, and after the death of one whose cgroup has a limit the
 controller asks its node for it again, with a task pinned there (a process
-started on that node: not worth it where nothing limits the memory). The answer comes while the re-plan
-runs, or a step or two later, and is read without waiting (``poll``). A count
+started on that node: not worth it where nothing limits the memory). The
+answer comes while the re-plan runs, or a step or two later, and is read
+without waiting (``poll``). A count
 that rose is a memory kill: an event says so, and no worker of the run is
 started on that host again (``WorkerPool.avoid``), so the re-plan and growth
 do not put the same load back where it did not fit. A node that died whole
