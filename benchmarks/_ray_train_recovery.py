@@ -44,7 +44,7 @@ def _train_loop(config: dict) -> None:
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.data.dataset import TokenDataset
     from elastic_trainer.data.splits import make_sampler
-    from elastic_trainer.models.factory import build_blocks
+    from elastic_trainer.models import build_model
     from elastic_trainer.worker.stage import build_optimizer
 
     started = time.time()
@@ -55,7 +55,7 @@ def _train_loop(config: dict) -> None:
 
     torch.set_num_threads(1)
     cfg = TrainerConfig.model_validate(config["cfg"])
-    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+    blocks, loss_fn = build_model(cfg.model, cfg.train.seed)
     module = nn.Sequential(*blocks)
     opt_state, start_step = None, 1
     checkpoint = ray.train.get_checkpoint()

@@ -111,11 +111,11 @@ def _compute_loop(steps: int, start_at: float | None = None) -> tuple[float, flo
     from torch import nn
 
     from elastic_trainer.config import TrainerConfig
-    from elastic_trainer.models.factory import build_blocks
+    from elastic_trainer.models import build_model
 
     torch.set_num_threads(1)
     cfg = TrainerConfig.model_validate(demo_config(1, "calib", "none", "allreduce"))
-    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+    blocks, loss_fn = build_model(cfg.model, cfg.train.seed)
     model = nn.Sequential(*blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = sum(p.numel() for p in model.parameters())

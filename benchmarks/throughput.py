@@ -56,12 +56,12 @@ def baseline_loop(cfg_raw: dict, rank: int, world: int, wrap, slow: dict | None 
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.data.dataset import TokenDataset
     from elastic_trainer.data.splits import make_sampler
-    from elastic_trainer.models.factory import build_blocks
+    from elastic_trainer.models import build_model
     from elastic_trainer.worker.stage import build_optimizer
 
     torch.set_num_threads(1)
     cfg = TrainerConfig.model_validate(cfg_raw)
-    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+    blocks, loss_fn = build_model(cfg.model, cfg.train.seed)
     model = wrap(nn.Sequential(*blocks))
     opt = build_optimizer(model.parameters(), cfg.train)
     data = TokenDataset.open(cfg.data)

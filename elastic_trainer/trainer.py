@@ -20,6 +20,7 @@ from .data.dataset import ensure_prepared
 from .data.splits import data_order, open_datasets
 from .errors import DataError
 from .models.hf import load_hf_config
+from .models.build import whole_build_warning
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
 from .planning.constants import run_constants
@@ -128,6 +129,9 @@ class Trainer:
     def _check_inputs(self, cfg: TrainerConfig) -> TrainerConfig:
         """Fail before any worker starts: bad data and bad factories are cheap to find here."""
         resolve_factory(cfg.model)
+        whole = whole_build_warning(cfg.model)
+        if whole:
+            print(f"warning: {whole}", file=sys.stderr)
         model = cfg.model
         if model.kind == "hf":
             # Workers do not share the driver's working directory: local paths become absolute.

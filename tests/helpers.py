@@ -16,6 +16,26 @@ def build_mlp(vocab_size: int = 256, width: int = 16, depth: int = 3):
     return blocks, TokenCrossEntropy()
 
 
+def build_mlp_parts(vocab_size: int = 256, width: int = 16, depth: int = 3, only_blocks=None):
+    """``build_mlp``'s shape, opted in to rank-local builds: only the blocks asked for are built
+    (None elsewhere), each from a seed of its own, so any set of blocks gets the same values."""
+    import torch
+
+    base = torch.initial_seed()  # the run's seed: the trainer seeds torch before the call
+    n = depth + 2
+    wanted = range(n) if only_blocks is None else only_blocks
+
+    def make(i):
+        torch.manual_seed(base * 1000 + i)
+        if i == 0:
+            return nn.Embedding(vocab_size, width)
+        if i == n - 1:
+            return nn.Linear(width, vocab_size)
+        return nn.Sequential(nn.Linear(width, width), nn.GELU())
+
+    return [make(i) if i in wanted else None for i in range(n)], TokenCrossEntropy()
+
+
 def not_a_pair():
     return [nn.Linear(2, 2)]
 
@@ -33,10 +53,10 @@ def reference_run(cfg, steps: int, micro_batches: int = 1):
 
     from elastic_trainer.data.dataset import TokenDataset
     from elastic_trainer.data.splits import make_sampler
-    from elastic_trainer.models.factory import build_blocks
+    from elastic_trainer.models import build_model
     from elastic_trainer.worker.stage import build_optimizer
 
-    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+    blocks, loss_fn = build_model(cfg.model, cfg.train.seed)
     model = nn.Sequential(*blocks)
     opt = build_optimizer(model.parameters(), cfg.train)
     data = TokenDataset.open(cfg.data)

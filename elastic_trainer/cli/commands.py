@@ -77,12 +77,16 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    from ..models.build import whole_build_warning
     from ..planning.constants import load_constants
     from ..planning.plan import make_plan
     from ..planning.planner import format_candidates, predict_candidates, recommend
     from ..planning.policy import replan_row
 
     cfg = TrainerConfig.from_yaml(args.job, args.set)
+    whole = whole_build_warning(cfg.model)
+    if whole:
+        print(f"warning: {whole}", file=sys.stderr)
     plan = make_plan(cfg)
     out = plan.describe()
     out.pop("rank_nodes")

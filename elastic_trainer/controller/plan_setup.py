@@ -32,7 +32,8 @@ from .setup_report import setup_report
 from .snapshot_schedule import SnapshotSchedule
 from .snapshots import SnapshotStore
 from .stepping import StepDriver
-from .workers import WorkerPool, get_all
+from .setup_time import SetupTime
+from .workers import WorkerPool, failed, get_all
 
 # (restore point, rank -> worker id, plan) -> each rank's sources; durable shards' refs of a restore
 Sources = Callable[[tuple, dict, Plan], dict]
@@ -53,6 +54,7 @@ class PlanSetup:
         self.last_setup_s = 0.0         # the last plan's set-up, what balancing prices a re-plan at
         self._setup_refs: list = []     # (worker id, ref) of the set-up calls in flight
         self._generation = 0            # numbers set-up attempts, so a stale one can be aborted
+        self.setup_time = SetupTime(cfg.failure.rendezvous_timeout_s, cfg.parallel.stages_per_rank)
 
     def _cfg_for(self, plan: Plan) -> dict:
         raw = self.cfg.model_dump(mode="json")
@@ -112,9 +114,11 @@ class PlanSetup:
         self._setup_refs = [(ranks[r], ref) for r, ref in refs.items()]
         run.setup_started(plan, ranks)
         try:
-            outs = get_all(refs, ranks, rendezvous + 30, "set up")
+            outs = get_all(refs, ranks, self.setup_time.bound_s(plan, run.counts, restore is not None), "set up",
+                           progress=self._progress)
         finally:
             run.setup_ended()
+        self.setup_time.measured(outs)
         self._setup_refs = []
         # Whose end of a connection each address is: a survivor's "connection closed by peer"
         # then names the lost worker at once (StepDriver._collect).
@@ -143,6 +147,11 @@ class PlanSetup:
         self.driver.steps_since_setup = 0
         self.last_setup_s = time.perf_counter() - started
         return desc
+
+    def _progress(self, wids: list[int]) -> dict:
+        """Each worker's set-up progress (``worker.setup_progress``), None where it did not answer."""
+        answers = self.pool.ask("setup_progress", wids, self.cfg.failure.ping_timeout_s)
+        return {w: None if failed(a) else tuple(a) for w, a in answers.items()}
 
     def abort(self) -> None:
         """End the set-ups of a failed attempt that still wait at a rendezvous, before the next try

@@ -14,13 +14,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..comm.parameter_server import assign_shards, remote_shard_class
 from ..config import TrainerConfig
-from ..models.factory import build_blocks
+from ..models.build import build_model
 from ..naming import NAMESPACE
 
 class ParameterServers:
     def __init__(self, cfg: TrainerConfig, run_name: str, node_id: str, dp: int):
         # The master copy starts from the run's seed, as every worker's blocks do.
-        blocks, _ = build_blocks(cfg.model, cfg.train.seed)
+        blocks, _ = build_model(cfg.model, cfg.train.seed)
         params = {f"blocks.{i}.{n}": p.detach().numpy() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
         self.assignment = assign_shards({n: a.size for n, a in params.items()}, cfg.comm.ps_shards)
         cls = remote_shard_class()

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -75,17 +76,30 @@ def ask_all(refs: dict, timeout: float) -> dict:
     return out
 
 
-def get_all(refs: dict, ranks: dict, timeout: float, what: str) -> dict:
+def get_all(refs: dict, ranks: dict, timeout: float, what: str,
+            progress: Callable[[list[int]], dict] | None = None) -> dict:
     """Results of one call per rank (``refs``: rank -> ref; ``ranks``: rank -> worker id). A dead
     worker ends the wait at once (the others would only time out waiting for it); failures raise
-    a WorkerError naming them."""
+    a WorkerError naming them. ``progress(worker ids)``: each one's count of work done; past
+    ``timeout``, the wait goes on for another ``timeout`` each time a pending worker's count
+    has moved since the last look (slow, not stuck), and ends when none has."""
     deadline = time.perf_counter() + timeout
     pending = {ref: r for r, ref in refs.items()}
     out, bad = {}, {}
+    seen = progress([ranks[r] for r in refs]) if progress else {}
     while pending and not bad:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
         if not ready:
-            break
+            if progress is None:
+                break
+            now = progress([ranks[r] for r in pending.values()])
+            if not any(now.get(w) is not None and now.get(w) != seen.get(w) for w in now):
+                break
+            log.info("%s: still making progress past %gs (%s); waiting on", what, timeout,
+                     ", ".join(f"worker {w}: {now[w]}" for w in sorted(now)))
+            seen.update(now)
+            deadline = time.perf_counter() + timeout
+            continue
         for ref in ready:
             r = pending.pop(ref)
             try:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from typing import Callable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..config import ModelSection
 from ..errors import ModelError
-from .gpt import build_gpt
-from .hf import build_hf_blocks
+from .gpt import TokenCrossEntropy, build_gpt
+from .hf import blocks_of, build_hf_blocks, meta_model
+from .meta import no_init_on_meta
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,27 @@ def resolve_factory(model: ModelSection) -> Callable[..., tuple[list[nn.Module],
     return fn
 
 
-def build_blocks(model: ModelSection, seed: int) -> tuple[list[nn.Module], Callable]:
-    """Build every block with the run's seed, so each rank sees identical initial weights."""
+ONLY_BLOCKS_ARG = "only_blocks"
+
+
+def opts_in_to_rank_local(model: ModelSection) -> bool:
+    """Whether ``model`` can build some of its blocks and not the rest: the built-in GPT and
+    ``kind: hf`` always; a user factory that takes an ``only_blocks`` argument."""
+    if model.kind in ("gpt", "hf"):
+        return True
+    try:
+        params = inspect.signature(resolve_factory(model)).parameters
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return False
+    return ONLY_BLOCKS_ARG in params
+
+
+def build_blocks(model: ModelSection, seed: int, only_blocks: list[int] | None = None
+                 ) -> tuple[list[nn.Module], Callable]:
+    """The factory's own build, under the run's seed: every block, or where the factory opts in
+    (``opts_in_to_rank_local``) and ``only_blocks`` is given, those blocks (the list keeps the
+    model's length; the entries left out may be None). The built-in models' seeded weights,
+    the same under every layout, are ``build.build_model``'s."""
     fn = resolve_factory(model)
     if model.kind == "gpt":
         kwargs = dict(n_layer=model.n_layer, n_head=model.n_head, d_model=model.d_model,
@@ -45,6 +65,9 @@ def build_blocks(model: ModelSection, seed: int) -> tuple[list[nn.Module], Calla
         kwargs = dict(hf_config=model.hf_config, init_from=model.init_from)
     else:
         kwargs = dict(model.kwargs)
+    partial = only_blocks is not None and model.kind == "factory" and opts_in_to_rank_local(model)
+    if partial:
+        kwargs[ONLY_BLOCKS_ARG] = sorted(only_blocks)
     torch.manual_seed(seed)
     try:
         out = fn(**kwargs)
@@ -56,36 +79,17 @@ def build_blocks(model: ModelSection, seed: int) -> tuple[list[nn.Module], Calla
         raise ModelError(f"model factory {model.factory} must return (blocks, loss_fn), got {type(out).__name__}")
     blocks, loss_fn = out
     blocks = list(blocks)
-    bad = [i for i, b in enumerate(blocks) if not isinstance(b, nn.Module)]
+    wanted = set(only_blocks) if partial else range(len(blocks))
+    bad = [i for i, b in enumerate(blocks) if not isinstance(b, nn.Module) and (i in wanted or b is not None)]
     if not blocks or bad:
         raise ModelError(
             f"model factory {model.factory} must return a non-empty list of nn.Module blocks; "
             f"got {len(blocks)} blocks, not modules at {bad}"
+            + (f" (only the blocks asked for, {sorted(wanted)}, must be built; None is fine elsewhere)" if partial else "")
         )
     if not callable(loss_fn):
         raise ModelError(f"model factory {model.factory}: loss_fn {loss_fn!r} is not callable")
     return blocks, loss_fn
-
-
-# In-place initialisers that give a meta tensor nothing but its own shape back.
-_INIT_METHODS = frozenset(getattr(torch.Tensor, n) for n in (
-    "normal_", "uniform_", "erfinv_", "log_normal_", "exponential_", "cauchy_", "geometric_", "bernoulli_",
-    "random_"))
-
-
-class _NoInitOnMeta(TorchFunctionMode):
-    """Skips initialisers on meta tensors. Random ones (``normal_``, as every ``nn.Embedding``
-    and GPT-2-style init calls) run torch's Python reference kernels there, and their first call
-    imports ``torch._dynamo``: 1.2 s of the controller's start, before any worker was placed,
-    to count parameters that are the same without them."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _INIT_METHODS or getattr(func, "__module__", None) == "torch.nn.init":
-            t = args[0] if args else kwargs.get("tensor")   # torch.nn.init passes it by name
-            if isinstance(t, torch.Tensor) and t.is_meta:
-                return t
-        return func(*args, **kwargs)
 
 
 def build_blocks_for_shapes(model: ModelSection, seed: int = 0) -> tuple[list[nn.Module], Callable, bool]:
@@ -96,9 +100,12 @@ def build_blocks_for_shapes(model: ModelSection, seed: int = 0) -> tuple[list[nn
     (a module that makes and reads a tensor when imported fails under it); a build that reads
     real values (a weight file, a check of what it made) fails on meta and is built for real.
     """
+    if model.kind == "hf":  # the config is enough: no weights are read for shapes
+        return blocks_of(meta_model(model.hf_config, model.init_from)), TokenCrossEntropy(), True
     resolve_factory(model)  # imports the user's module, outside the meta device
     try:
-        with torch.device("meta"), _NoInitOnMeta():
+        # The factory is seeded (``build_blocks``): the caller's random state is put back after.
+        with torch.device("meta"), no_init_on_meta(), torch.random.fork_rng(devices=[]):
             blocks, loss_fn = build_blocks(model, seed)
         return blocks, loss_fn, True
     except ModelError as e:

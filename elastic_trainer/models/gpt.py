@@ -80,13 +80,25 @@ def build_gpt(
     blocks: list[nn.Module] = [Embedding(vocab_size, d_model, seq_len, dropout)]
     blocks += [TransformerBlock(d_model, n_head, dropout) for _ in range(n_layer)]
     blocks.append(Head(d_model, vocab_size))
-    # GPT-2 initialisation; residual projections scaled by depth so the
-    # residual stream's variance does not grow with n_layer.
     for block in blocks:
-        for name, p in block.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * n_layer) if name.startswith(("proj", "out")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+        for name, module in block.named_modules():
+            init_gpt_module(name, module, n_layer)
     return blocks, TokenCrossEntropy()
+
+
+@torch.no_grad()
+def init_gpt_module(name: str, module: nn.Module, n_layer: int) -> None:
+    """GPT-2 initialisation of ``module``'s own parameters (``name``: its name in its block).
+
+    Residual projections are scaled by depth so the residual stream's variance does not grow
+    with ``n_layer``; layer norms start as the identity.
+    """
+    for pname, p in module.named_parameters(recurse=False):
+        full = f"{name}.{pname}" if name else pname
+        if full.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * n_layer) if full.startswith(("proj", "out")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+        else:
+            nn.init.ones_(p)

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..errors import ModelError
 from .gpt import TokenCrossEntropy
+from .meta import no_init_on_meta
 
 TIED_ATTR = "_et_tied"        # {local param name: (block index, local param name)} it equals
 HF_NAMES_ATTR = "_et_hf_names"  # {local param name: Hugging Face parameter name}
@@ -186,6 +187,14 @@ def build_hf_blocks(hf_config: dict | str | None = None, init_from: str | None =
     except (OSError, ValueError) as e:
         raise ModelError(f"transformers could not build {config.model_type} "
                          f"({'from ' + init_from if init_from else 'from its config'}): {e}") from None
+    blocks = blocks_of(model)
+    model.train()
+    return blocks, TokenCrossEntropy()
+
+
+def blocks_of(model) -> list[nn.Module]:
+    """``model`` cut into blocks, each naming its parameters' Hugging Face names, a tied head
+    given its own copy of the embedding (declared with ``TIED_ATTR``)."""
     hf_names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         hf_names.setdefault(id(p), name)
@@ -201,8 +210,20 @@ def build_hf_blocks(hf_config: dict | str | None = None, init_from: str | None =
                                        if id(p) in hf_names})
     if tied:
         getattr(blocks[-1], HF_NAMES_ATTR)["lm_head.weight"] = "lm_head.weight"  # the copy made above
+    return blocks
+
+
+def meta_model(hf_config: dict | str | None, init_from: str | None):
+    """The Hugging Face model of the config, on the meta device: its structure and its own
+    ``_init_weights``, with no memory and no initialisation run."""
+    tf = _transformers()
+    config = load_hf_config(hf_config, init_from)
+    _check_supported(config)
+    config.use_cache = False
+    with torch.device("meta"), no_init_on_meta():
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
-    return blocks, TokenCrossEntropy()
+    return model
 
 
 def block_ties(blocks: list[nn.Module]) -> list[tuple[str, str]]:

@@ -38,6 +38,7 @@ from .memory_kills import grow_until_killed, memory_limit, oom_kills
 from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
+from .setup_progress import PROGRESS
 from .snapshot_serving import SnapshotServing
 
 if TYPE_CHECKING:
@@ -129,6 +130,11 @@ class TrainWorker(SnapshotServing, GroupControl):
             "oom_kills": oom_kills(),
             "memory_limit": memory_limit(),
         }
+
+    @ray.method(concurrency_group="control")
+    def setup_progress(self) -> tuple[int, int]:
+        """(units, bytes) of set-up work done so far (``setup_progress``): moving means slow, not stuck."""
+        return PROGRESS.read()
 
     @ray.method(concurrency_group="control")
     def reserve_port(self) -> int:

@@ -9,6 +9,7 @@ import ray
 from ..checkpoint.state import shard_nbytes
 from .copies import HeldCopies
 from .process_group import SetupAborted
+from .setup_progress import PROGRESS
 
 
 def fetch_sources(sources: list, copies: HeldCopies, aborted=lambda: False,
@@ -32,7 +33,9 @@ def fetch_sources(sources: list, copies: HeldCopies, aborted=lambda: False,
     t0 = time.perf_counter()
     pending = list(remote.values())
     while pending:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=True)
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=True)
+        for _ in ready:
+            PROGRESS.tick()
         if pending and aborted():
             raise SetupAborted(f"worker {worker_id} stopped fetching its restore sources: "
                                "the controller abandoned this plan")

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.cli.commands import main as cli_main
+from elastic_trainer.checkpoint.hf_export import hf_state
 from elastic_trainer.checkpoint.weights import load_weights
 from elastic_trainer.data.splits import make_sampler
 from elastic_trainer.data.splits import open_datasets
 from elastic_trainer.lr_schedule import lr_at, set_lr
-from elastic_trainer.models.factory import build_blocks
+from elastic_trainer.models import build_model
 from elastic_trainer.naming import NAMESPACE
 from elastic_trainer.worker.faults import EVAL_FAULT_ENV, SNAPSHOT_DELAY_ENV
 from elastic_trainer.worker.stage import build_optimizer
@@ -51,12 +52,20 @@ def config(corpus, name, hf, dp, pp, **sections):
         failure=FAST_FAILURE, comm={"timeout_s": 20}, checkpoint={"memory_every": 1}, **sections))
 
 
+def seeded_hf_model(cfg):
+    """The whole transformers model, with the initial weights every layout of the run starts from."""
+    blocks, _ = build_model(cfg)
+    state = {f"blocks.{i}.{n}": p.detach() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+    weights, config = hf_state(state, cfg.model)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
+    return model
+
+
 def reference(cfg):
     """Single-process transformers on the same batches: losses, eval losses by step, rates, model."""
-    hf = dict(cfg.model.hf_config)
-    torch.manual_seed(cfg.train.seed)
-    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = seeded_hf_model(cfg)
     opt = build_optimizer(model.parameters(), cfg.train)
     train, evald = open_datasets(cfg)
     sampler = make_sampler(cfg, train)
@@ -114,7 +123,7 @@ def check_against(result, ref, dp, pp):
 
 def blocks_logits(cfg, state, x):
     """Logits of the trained blocks, run one after another in this process."""
-    blocks, _ = build_blocks(cfg.model, 0)
+    blocks, _ = build_model(cfg.model, 0)
     model = torch.nn.Sequential(*blocks)
     model.load_state_dict({k.removeprefix("blocks."): v for k, v in state.items()})
     with torch.no_grad():

@@ -14,7 +14,7 @@ from elastic_trainer.checkpoint.weights import load_weights
 from elastic_trainer.controller.saving import SaveError
 from elastic_trainer.data.dataset import TokenDataset
 from elastic_trainer.data.splits import make_sampler
-from elastic_trainer.models.factory import build_blocks
+from elastic_trainer.models import build_model
 from elastic_trainer.naming import NAMESPACE
 from elastic_trainer.chaos.simulate import object_store_bytes
 
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 def _loss_of(weights: dict, cfg, step: int) -> float:
     """The loss of ``weights`` on the batch of ``step`` (1-based), as one process computes it."""
-    blocks, loss_fn = build_blocks(cfg.model, cfg.train.seed)
+    blocks, loss_fn = build_model(cfg.model, cfg.train.seed)
     model = nn.Sequential(*blocks)
     model.load_state_dict({k[len("blocks."):]: v for k, v in weights.items()})
     data = TokenDataset.open(cfg.data)
@@ -107,7 +107,7 @@ def test_object_store_stays_flat_over_200_steps_with_a_slow_holder(cluster, corp
     assert len(dropped) > 50, "the slow holder slowed nothing: the test proves nothing"
     early = statistics.median(b for s, b in samples if 20 <= s <= 80)
     late = statistics.median(b for s, b in samples if s > 140)
-    state = sum(4 * 3 * p.numel() for b in build_blocks(cfg.model, 0)[0] for p in b.parameters())
+    state = sum(4 * 3 * p.numel() for b in build_model(cfg.model, 0)[0] for p in b.parameters())
     # Flat. Ray frees objects in batches about once a second, so tens of steps' parts come and
     # go (the same with a fast holder); a snapshot kept for every step that never commits would
     # add a model state per step, 60 or more from the early window to the late one.

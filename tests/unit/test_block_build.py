@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from elastic_trainer.config import ModelSection
-from elastic_trainer.models.factory import build_blocks
+from elastic_trainer.models import build_model
 from elastic_trainer.worker.block_build import build_rank_blocks
 
 GPT = ModelSection(kind="gpt", n_layer=4, n_head=2, d_model=16, seq_len=8)
@@ -13,15 +13,15 @@ CPU = torch.device("cpu")
 
 def test_the_start_builds_from_the_seed_like_a_single_process():
     blocks, _, info = build_rank_blocks(GPT, 3, [1, 2], CPU, restoring=False)
-    ref, _ = build_blocks(GPT, 3)
-    assert info == {"reused": [], "built": [1, 2], "init": "seed", "ties": []}
+    ref, _ = build_model(GPT, 3)
+    assert info == {"reused": [], "built": [1, 2], "init": "seed", "ties": [], "files": []}
     for i in (1, 2):
         for a, b in zip(blocks[i].parameters(), ref[i].parameters()):
             assert torch.equal(a, b)
 
 
 def test_a_restore_reuses_held_blocks_and_builds_the_others_uninitialised(monkeypatch):
-    held = {1: build_blocks(GPT, 0)[0][1]}
+    held = {1: build_model(GPT, 0)[0][1]}
     inits = []
     monkeypatch.setattr(nn.init, "normal_", lambda t, *a, **k: inits.append(t.device.type) or t)
     blocks, _, info = build_rank_blocks(GPT, 0, [1, 2, 3], CPU, restoring=True, held=held)
@@ -57,7 +57,7 @@ def test_blocks_with_buffers_or_factories_that_need_data_are_built_for_real(monk
     mod.with_buffers, mod.needs_data = _factory_with_buffers, _factory_needing_data
     monkeypatch.setitem(sys.modules, "_build_probe", mod)
     blocks, _, info = build_rank_blocks(ModelSection(factory="_build_probe:with_buffers"), 0, [1], CPU, True)
-    assert info["init"] == "seed" and torch.equal(blocks[1].mask, torch.tril(torch.ones(4, 4)))
+    assert info["init"] == "whole" and torch.equal(blocks[1].mask, torch.tril(torch.ones(4, 4)))
     # A block without buffers is still built empty beside it.
     assert build_rank_blocks(ModelSection(factory="_build_probe:with_buffers"), 0, [0], CPU, True)[2]["init"] == "empty"
-    assert build_rank_blocks(ModelSection(factory="_build_probe:needs_data"), 0, [0], CPU, True)[2]["init"] == "seed"
+    assert build_rank_blocks(ModelSection(factory="_build_probe:needs_data"), 0, [0], CPU, True)[2]["init"] == "whole"

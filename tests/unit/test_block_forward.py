@@ -5,12 +5,12 @@ import torch
 from torch import nn
 
 from elastic_trainer.config import ModelSection
-from elastic_trainer.models.factory import build_blocks
+from elastic_trainer.models import build_model
 from elastic_trainer.worker.block_forward import AUTOCAST_DTYPES, autocast_call, wrap_block
 
 
 def _gpt(precision="fp32", checkpointing="none", dropout=0.0):
-    blocks, loss_fn = build_blocks(ModelSection(n_layer=3, n_head=2, d_model=32, seq_len=16, dropout=dropout), seed=3)
+    blocks, loss_fn = build_model(ModelSection(n_layer=3, n_head=2, d_model=32, seq_len=16, dropout=dropout), seed=3)
     for b in blocks:
         wrap_block(b, precision, checkpointing)
     return nn.Sequential(*blocks), autocast_call(loss_fn, AUTOCAST_DTYPES[precision])
@@ -63,7 +63,7 @@ def test_checkpointing_keeps_only_block_inputs_for_backward():
 
 def test_bf16_blocks_match_one_autocast_around_the_whole_model():
     model, loss_fn = _gpt("bf16")
-    ref_blocks, ref_loss = build_blocks(ModelSection(n_layer=3, n_head=2, d_model=32, seq_len=16), seed=3)
+    ref_blocks, ref_loss = build_model(ModelSection(n_layer=3, n_head=2, d_model=32, seq_len=16), seed=3)
     ref = nn.Sequential(*ref_blocks)
     x, y = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))
     loss = loss_fn(model(x), y)

@@ -6,7 +6,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.errors import ConfigError
-from elastic_trainer.models.factory import build_blocks
+from elastic_trainer.models import build_model
 from elastic_trainer.planning.layouts import Layout, NothingFits
 from elastic_trainer.planning.memory import BYTES_PER_PARAM, in_flight, rank_memory
 from elastic_trainer.planning.model_shape import ModelShape, model_shape
@@ -23,7 +23,7 @@ def small() -> TrainerConfig:
 
 def _real_saved_bytes(cfg: TrainerConfig) -> list[int]:
     """The same count on real CPU tensors, with storages told apart by their data pointers."""
-    blocks, loss_fn = build_blocks(cfg.model, seed=0)
+    blocks, loss_fn = build_model(cfg.model, seed=0)
     x = ids = torch.zeros(cfg.train.micro_batch_size, cfg.data.seq_len, dtype=torch.long)
     out = []
     for i, b in enumerate(blocks):

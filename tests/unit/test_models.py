@@ -66,7 +66,7 @@ def test_a_factory_module_that_reads_a_tensor_at_import_is_sized_and_built(monke
     assert shape.why and "meta" in shape.why  # sized from a real build: shapes, no activations
     # A restore falls back to a real build of the blocks it gains.
     blocks, _, info = build_rank_blocks(model, 0, [1, 2], torch.device("cpu"), restoring=True)
-    assert info["init"] == "seed" and sorted(blocks) == [1, 2]
+    assert info["init"] == "whole" and sorted(blocks) == [1, 2]
 
 
 def test_counting_parameters_on_meta_imports_no_dynamo():
