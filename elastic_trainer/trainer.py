@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .checkpoint.compat import resume_request
 from .config import TrainerConfig
 from .controller.controller import ControllerActor
-from .controller.saving import SaveError
+from .controller.saving import SaveError  # noqa: F401  (a run's error, importable from here)
 from .data.dataset import ensure_prepared
 from .data.splits import data_order, open_datasets
 from .errors import DataError
@@ -218,9 +218,6 @@ class Trainer:
                 cause = e.as_instanceof_cause()
                 error = re.sub(r"\x1b\[[0-9;]*m", "", str(cause))
                 self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": error}])
-                if isinstance(cause, SaveError):
-                    # The controller kept the weights it could not save: take them before it goes.
-                    cause.model_state = ray.get(controller.unsaved_state.remote())
                 raise cause from None
         finally:
             ray.kill(controller, no_restart=True)

@@ -155,13 +155,15 @@ class Lab:
                 self.spawn(h, self._node_argv(h, cpus_per_node, object_store_mb), log="ray")
             self.await_nodes(len(self.hosts), timeout_s)
 
-    def restart_ray(self, host: Host, cpus: float = 1, object_store_mb: int = 150, timeout_s: float = 60) -> None:
-        """Start ``host``'s Ray node again (after a kill, or once Ray declared it dead), and wait
-        until the cluster has every host's node alive again."""
-        if host is self.head:
+    def restart_ray(self, hosts: list[Host], cpus: float = 1, object_store_mb: int = 150,
+                    timeout_s: float = 60) -> None:
+        """Start ``hosts``' Ray nodes again (after a kill, or once Ray declared them dead), all of
+        them before waiting until the cluster has every host's node alive again."""
+        if self.head in hosts:
             raise ValueError("the head's Ray node holds the cluster: a lab whose head was lost is built anew")
-        with self._booting([host]):
-            self.spawn(host, self._node_argv(host, cpus, object_store_mb), log="ray")
+        with self._booting(hosts):
+            for h in hosts:
+                self.spawn(h, self._node_argv(h, cpus, object_store_mb), log="ray")
             self.await_nodes(len(self.hosts), timeout_s)
 
     @contextlib.contextmanager
@@ -196,10 +198,13 @@ class Lab:
             self.heal(h)
             self.limit_memory(h, self.memory_gb)
         alive = node_alive_addresses(self)
-        for h in self.hosts[1:]:
-            if h.address not in alive:
-                self.kill(h)
-                self.restart_ray(h)
+        lost = [h for h in self.hosts[1:] if h.address not in alive]
+        for h in lost:
+            self.kill(h)
+        if lost:
+            # Together: each restart waits for every host's node, so one at a time would wait
+            # for the next one's, never started, after a loss of two.
+            self.restart_ray(lost)
 
     def host_at(self, address: str) -> Host:
         return next(h for h in self.hosts if h.address == address)

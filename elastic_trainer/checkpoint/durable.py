@@ -6,6 +6,12 @@ Layout under ``storage``::
     step-00000040-<run id>/manifest.json      written last: step, run id, config, data
                                               fingerprint, files with sha256, blocks, history
 
+Each part is written where it is, by a task on the node that holds it
+(``write_part``: the controller never holds a part), and read back against
+its checksum by its writer; the manifest (``commit``), written by the
+controller once every part is, makes the checkpoint exist. Reading is the
+same the other way: a part at a time, each verified by its reader.
+
 Every checkpoint belongs to a run (its id is in the directory's name and the
 manifest): a run prunes and restores only its own, so two runs sharing a
 storage never delete or load each other's work (``resume_lookup`` finds the run
@@ -127,34 +133,59 @@ class DurableStore:
     def _retry(self, fn, what: str):
         return with_retries(fn, f"{what} ({self.uri})", self.retries, self.backoff_s)
 
-    def save(self, step: int, shards: list[dict], meta: dict) -> str:
-        """Write shards of one step (together covering every block); the manifest goes last."""
-        if len({s["step"] for s in shards}) != 1 or shards[0]["step"] != step:
-            raise ValueError(f"shards of steps {sorted({s['step'] for s in shards})} given for step {step}")
-        d = self._path(checkpoint_dirname(step, self.run_id))
-        files, blobs = [], []
-        for i, shard in enumerate(shards):
-            buf = io.BytesIO()
-            torch.save(_to_torch(shard), buf)
-            data = buf.getvalue()
-            name = f"shard-{i:03d}.pt"
-            blobs.append((name, data))
-            files.append({"name": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                          "blocks": list(shard["blocks"])})
-        manifest = {"format": FORMAT, "step": step, "run_id": self.run_id, "created": time.time(),
-                    "files": files, **meta}
+    def step_dir(self, step: int) -> str:
+        """The directory of this run's checkpoint of ``step``."""
+        return self._path(checkpoint_dirname(step, self.run_id))
+
+    def write_part(self, step: int, index: int, shard: dict) -> dict:
+        """Write one part of the checkpoint of ``step`` (``shard-<index>.pt``) and read it back
+        against its checksum; its manifest entry (name, sha256, bytes, blocks), with the
+        seconds it took. Run where the part is: a worker's node, never the controller."""
+        if shard["step"] != step:
+            raise ValueError(f"a part of step {shard['step']} given for step {step}")
+        t0 = time.perf_counter()
+        buf = io.BytesIO()
+        torch.save(_to_torch(shard), buf)
+        data = buf.getvalue()
+        del buf
+        d, name = self.step_dir(step), f"shard-{index:03d}.pt"
+        digest = hashlib.sha256(data).hexdigest()
 
         def write():
-            # The whole write again on a retry: a manifest only ever follows every shard it names.
             self.fs.create_dir(d, recursive=True)
-            for name, data in blobs:
-                with self.fs.open_output_stream(f"{d}/{name}") as f:
-                    f.write(data)
+            with self.fs.open_output_stream(f"{d}/{name}") as f:
+                f.write(data)
+            # Read back by its writer: the manifest will vouch for this checksum.
+            back = hashlib.sha256(_read(self.fs, f"{d}/{name}")).hexdigest()
+            if back != digest:
+                raise OSError(f"{d}/{name} reads back with sha256 {back[:12]}.., written {digest[:12]}..")
+
+        self._retry(write, f"writing {d}/{name}")
+        return {"name": name, "sha256": digest, "bytes": len(data), "blocks": list(shard["blocks"]),
+                "seconds": time.perf_counter() - t0}
+
+    def commit(self, step: int, files: list[dict], meta: dict) -> str:
+        """Write the manifest of ``step``'s checkpoint, once every part in ``files`` (their
+        ``write_part`` entries) is written: the checkpoint exists from this moment."""
+        d = self.step_dir(step)
+        entries = [{k: f[k] for k in ("name", "sha256", "bytes", "blocks")} for f in files]
+        manifest = {"format": FORMAT, "step": step, "run_id": self.run_id, "created": time.time(),
+                    "files": entries, **meta}
+
+        def write():
+            self.fs.create_dir(d, recursive=True)
             with self.fs.open_output_stream(f"{d}/{MANIFEST}") as f:
                 f.write(json.dumps(manifest).encode())
 
-        self._retry(write, f"writing checkpoint {d}")
+        self._retry(write, f"writing {d}/{MANIFEST}")
         return d
+
+    def save(self, step: int, shards: list[dict], meta: dict) -> str:
+        """Write shards of one step (together covering every block) from this process; the
+        manifest goes last. (A run writes each part where it is: ``write_part``, ``commit``.)"""
+        if len({s["step"] for s in shards}) != 1 or shards[0]["step"] != step:
+            raise ValueError(f"shards of steps {sorted({s['step'] for s in shards})} given for step {step}")
+        return self.commit(step, [self.write_part(step, i, shard) for i, shard in enumerate(shards)], meta)
 
     def entries(self, own: bool = True) -> list[tuple[int, str]]:
         """(step, directory name) of the checkpoint directories (complete or not), newest step first:
@@ -217,37 +248,38 @@ class DurableStore:
                 if not self._open[name]:
                     del self._open[name]
 
-    def load_dir(self, name: str, manifest: dict | None = None) -> tuple[list[dict], dict]:
-        """Shards and manifest of the checkpoint directory ``name`` (its ``manifest`` where already
-        read), every checksum verified."""
-        d = self._path(name)
+    def load_dir(self, name: str, manifest: dict | None = None, reader=None) -> tuple[list, dict]:
+        """Parts and manifest of the checkpoint directory ``name`` (its ``manifest`` where already
+        read), every checksum verified. ``reader(store, name, manifest)``: reads the parts
+        elsewhere (the controller's reads them on the nodes, as object refs); by default here."""
         with self._reading(name):
             manifest = manifest or self.read_manifest(name)
-            shards = []
-            for entry in manifest["files"]:
-                try:
-                    data = self._retry(lambda: _read(self.fs, f"{d}/{entry['name']}"),
-                                       f"reading {d}/{entry['name']}")
-                except (OSError, StorageError) as e:
-                    # Its manifest gone too: pruned under the reader, not a broken checkpoint.
-                    if isinstance(e, FileNotFoundError) and not self._exists(f"{d}/{MANIFEST}"):
-                        raise _Vanished(f"checkpoint {d} was deleted while being read") from None
-                    raise CheckpointError(f"checkpoint {d}: cannot read {entry['name']}: {e}") from None
-                if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                    raise CheckpointError(
-                        f"checkpoint {d}: {entry['name']} is corrupt (sha256 {hashlib.sha256(data).hexdigest()[:12]}.. "
-                        f"!= manifest {entry['sha256'][:12]}.., {len(data)} bytes vs {entry['bytes']})")
-                obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-                shards.append(_to_numpy(obj, manifest["step"], entry["blocks"]))
-        return shards, manifest
+            return (reader or read_parts)(self, name, manifest), manifest
 
-    def load_latest(self, own: bool = True) -> tuple[list[dict], dict, list[str]] | None:
+    def read_part(self, name: str, entry: dict, step: int) -> dict:
+        """One part of the checkpoint directory ``name`` (its manifest ``entry``), verified."""
+        d = self._path(name)
+        try:
+            data = self._retry(lambda: _read(self.fs, f"{d}/{entry['name']}"), f"reading {d}/{entry['name']}")
+        except (OSError, StorageError) as e:
+            # Its manifest gone too: pruned under the reader, not a broken checkpoint.
+            if isinstance(e, FileNotFoundError) and not self._exists(f"{d}/{MANIFEST}"):
+                raise _Vanished(f"checkpoint {d} was deleted while being read") from None
+            raise CheckpointError(f"checkpoint {d}: cannot read {entry['name']}: {e}") from None
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {d}: {entry['name']} is corrupt (sha256 {hashlib.sha256(data).hexdigest()[:12]}.. "
+                f"!= manifest {entry['sha256'][:12]}.., {len(data)} bytes vs {entry['bytes']})")
+        obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        return _to_numpy(obj, step, entry["blocks"])
+
+    def load_latest(self, own: bool = True, reader=None) -> tuple[list, dict, list[str]] | None:
         """The newest checkpoint that verifies, and a note for each newer one that did not.
 
         ``own``: this run's, newest step first. Otherwise every run's, newest written first
         (a look at the whole storage: ``--resume`` reads one run's, see ``load_resume``)."""
         if own:
-            return self._load_newest(lambda: [name for _, name in self.entries()], {})
+            return self._load_newest(lambda: [name for _, name in self.entries()], {}, reader)
         manifests: dict[str, dict] = {}
 
         def newest_written() -> list[str]:
@@ -261,9 +293,9 @@ class DurableStore:
             return sorted(names, key=lambda n: manifests[n].get("created", 0.0) if n in manifests else -1.0,
                           reverse=True)
 
-        return self._load_newest(newest_written, manifests)
+        return self._load_newest(newest_written, manifests, reader)
 
-    def _load_newest(self, listing, manifests: dict) -> tuple[list[dict], dict, list[str]] | None:
+    def _load_newest(self, listing, manifests: dict, reader=None) -> tuple[list, dict, list[str]] | None:
         """The first checkpoint of ``listing()`` that verifies, and the problems of those before it.
         One pruned under the read means newer ones were written: the listing is made again, and
         all of it tried again (what was unfinished may be complete now)."""
@@ -271,7 +303,7 @@ class DurableStore:
             problems, vanished = [], False
             for name in listing():
                 try:
-                    shards, manifest = self.load_dir(name, manifests.get(name))
+                    shards, manifest = self.load_dir(name, manifests.get(name), reader)
                     return shards, manifest, problems
                 except _Vanished:
                     manifests.pop(name, None)
@@ -313,6 +345,11 @@ class DurableStore:
         finally:
             with self._lock:
                 self._deleting.difference_update(doomed)
+
+
+def read_parts(store: DurableStore, name: str, manifest: dict) -> list[dict]:
+    """Every part of a checkpoint, read and verified in this process."""
+    return [store.read_part(name, entry, manifest["step"]) for entry in manifest["files"]]
 
 
 def _read(fs, path: str) -> bytes:

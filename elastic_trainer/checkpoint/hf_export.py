@@ -1,18 +1,24 @@
 """Trained weights out as a Hugging Face folder: ``elastic-trainer export SOURCE --hf OUT``.
 
-The folder holds ``config.json`` and ``model.safetensors`` under the model's own
-parameter names, so ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it with
-no code from this project. A tied pair (embeddings and LM head) is written
-once, as ``transformers`` expects, and tied again on load.
+The folder holds ``config.json``, ``generation_config.json`` and the weights in
+Hugging Face's sharded layout (``model-0000k-of-0000n.safetensors`` and
+``model.safetensors.index.json``) under the model's own parameter names, so
+``AutoModelForCausalLM.from_pretrained(OUT)`` loads it with no code from this
+project. A tied pair (embeddings and LM head) is written once, as
+``transformers`` expects, and tied again on load. The export streams: it holds
+one part of the source at a time.
 
-SOURCE is what a run leaves: its weights file (``model.safetensors``, or the
-run's output folder holding it, or ``model-step-N.safetensors`` from a failed
-run) or a durable checkpoint directory (``step-N-<run id>``). Either records
-the model's config, so the export needs nothing else. Runs of ``kind: hf``
-write the folder at their end too (``<output_dir>/hf``).
+SOURCE is what a run leaves: its output folder (the sharded weights, or a
+``model.safetensors`` of an earlier version), a weights file, the
+``model-step-N`` folder of a failed run, or a durable checkpoint directory
+(``step-N-<run id>``). Each records the model's config, so the export needs
+nothing else. Runs of ``kind: hf`` write the folder at their end too
+(``<output_dir>/hf``), each rank its own stage.
 """
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import pyarrow.fs as pafs
 import torch
@@ -23,56 +29,80 @@ from ..data.dataset import resolve_filesystem
 from ..errors import ConfigError, ElasticTrainerError
 from ..models.hf import build_hf_blocks, hf_config_dict, hf_name_map, load_hf_config
 from .durable import MANIFEST, DurableStore
-from .weights import WEIGHTS, load_weights, read_metadata, weights_from_shards
+from .weights import (WeightsError, iter_weights, part_file, read_metadata, weight_files, weights_from_shards,
+                      write_index, write_safetensors)
 
 
 class ExportError(ElasticTrainerError):
     """The source cannot be exported as asked."""
 
 
-def load_trained(source: str) -> tuple[dict[str, torch.Tensor], ModelSection, dict | None, int | None]:
-    """``(state by global name, model section, resolved HF config or None, step)`` of a weights
-    file, a run's output folder, or a durable checkpoint directory."""
+def trained_parts(source: str) -> tuple[ModelSection, dict | None, int, Iterator[dict[str, torch.Tensor]]]:
+    """``(model section, resolved HF config or None, number of parts, the parts)`` of a run's
+    weights (its output folder, sharded or one file, or a weights file) or a durable checkpoint
+    directory: each part's tensors by global name, read one part at a time."""
     fs, path = resolve_filesystem(source)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
-        raise ExportError(f"{source!r} does not exist: give a run's model.safetensors, its output folder, "
+        raise ExportError(f"{source!r} does not exist: give a run's output folder, its weights file, "
                           "or a durable checkpoint directory (step-N-<run id>)")
-    if info.type == pafs.FileType.Directory:
-        if fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File:
-            parent, _, name = source.rstrip("/").rpartition("/")
-            store = DurableStore(parent or ".")
-            shards, manifest = store.load_dir(name)
-            model = ModelSection.model_validate(manifest["config"]["model"])
-            return weights_from_shards(shards), model, manifest.get("hf_config"), manifest["step"]
-        if fs.get_file_info(f"{path}/{WEIGHTS}").type != pafs.FileType.File:
-            raise ExportError(f"{source!r} holds neither {WEIGHTS} (a run's output folder) nor {MANIFEST} "
-                              "(a durable checkpoint)")
-        source = f"{source.rstrip('/')}/{WEIGHTS}"
-    meta = read_metadata(source)
+    if info.type == pafs.FileType.Directory and fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File:
+        parent, _, name = source.rstrip("/").rpartition("/")
+        store = DurableStore(parent or ".")
+        manifest = store.read_manifest(name)
+        model = ModelSection.model_validate(manifest["config"]["model"])
+        parts = (weights_from_shards([store.read_part(name, e, manifest["step"])]) for e in manifest["files"])
+        return model, manifest.get("hf_config"), len(manifest["files"]), parts
+    try:
+        _, files, _ = weight_files(source)
+        meta = read_metadata(source)
+    except WeightsError as e:
+        raise ExportError(f"{source!r}: {e} (give a run's output folder, its weights file, or a durable "
+                          f"checkpoint directory holding {MANIFEST})") from None
     if "model" not in meta:
-        raise ExportError(f"{source!r} has no model in its header: not a weights file this project wrote")
-    return load_weights(source), ModelSection.model_validate(meta["model"]), meta.get("hf_config"), meta.get("step")
+        raise ExportError(f"{source!r} records no model: not weights this project wrote")
+    return ModelSection.model_validate(meta["model"]), meta.get("hf_config"), len(files), iter_weights(source)
 
 
 def hf_state(state: dict[str, torch.Tensor], model: ModelSection, hf_config: dict | None = None
              ) -> tuple[dict[str, torch.Tensor], object]:
     """The weights under Hugging Face names, and the ``transformers`` config."""
-    if model.kind != "hf":
-        raise ExportError(f"--hf needs a run of model.kind 'hf'; this one is {model.kind!r} (its weights "
-                          "file, by global block names, is already loadable with safetensors)")
-    config_src = hf_config or model.hf_config
-    try:
-        config = load_hf_config(config_src, model.init_from)
-    except ElasticTrainerError as e:
-        raise ExportError(f"the model's config cannot be read: {e}") from None
-    with torch.device("meta"):
-        blocks, _ = build_hf_blocks(hf_config=config.to_dict())
-    names = hf_name_map(blocks)
+    names, config = hf_names(model, hf_config)
     missing = sorted(set(names) - set(state))
     if missing:
         raise ExportError(f"the weights lack {len(missing)} of the model's parameters, e.g. {missing[:3]}")
     return {hf: state[g].detach().to(torch.float32).contiguous() for g, hf in names.items()}, config
+
+
+def hf_names(model: ModelSection, hf_config: dict | None = None) -> tuple[dict[str, str], object]:
+    """(global parameter name -> Hugging Face name, followers of a tie left out; the
+    ``transformers`` config) of an HF model, from its config on the meta device."""
+    if model.kind != "hf":
+        raise ExportError(f"--hf needs a run of model.kind 'hf'; this one is {model.kind!r} (its weights "
+                          "file, by global block names, is already loadable with safetensors)")
+    try:
+        config = load_hf_config(hf_config or model.hf_config, model.init_from)
+    except ElasticTrainerError as e:
+        raise ExportError(f"the model's config cannot be read: {e}") from None
+    with torch.device("meta"):
+        blocks, _ = build_hf_blocks(hf_config=config.to_dict())
+    return hf_name_map(blocks), config
+
+
+def write_hf_configs(config, out_dir: str) -> None:
+    """``config.json``, and ``generation_config.json`` where the model generates, into ``out_dir``."""
+    import transformers
+
+    fs, root = resolve_filesystem(out_dir)
+    fs.create_dir(root, recursive=True)
+    with fs.open_output_stream(f"{root}/config.json") as f:
+        f.write(config.to_json_string().encode())
+    try:
+        gen = transformers.GenerationConfig.from_model_config(config)
+    except Exception:  # noqa: BLE001 - a model with no generation defaults writes none
+        return
+    with fs.open_output_stream(f"{root}/generation_config.json") as f:
+        f.write(gen.to_json_string().encode())
 
 
 def write_hf_folder(state: dict[str, torch.Tensor], model: ModelSection, out_dir: str,
@@ -80,18 +110,30 @@ def write_hf_folder(state: dict[str, torch.Tensor], model: ModelSection, out_dir
     """Write ``config.json`` and ``model.safetensors`` to ``out_dir`` (local or a filesystem URI)."""
     tensors, config = hf_state(state, model, hf_config)
     fs, root = resolve_filesystem(out_dir)
-    fs.create_dir(root, recursive=True)
-    with fs.open_output_stream(f"{root}/config.json") as f:
-        f.write(config.to_json_string().encode())
+    write_hf_configs(config, out_dir)
     with fs.open_output_stream(f"{root}/model.safetensors") as f:
         f.write(st_save(tensors, metadata={"format": "pt"}))
     return root if "://" not in out_dir else out_dir.rstrip("/")
 
 
 def export(source: str, out_dir: str) -> str:
-    """Export ``source`` (see the module docstring) as a Hugging Face folder at ``out_dir``."""
-    state, model, hf_config, _ = load_trained(source)
-    return write_hf_folder(state, model, out_dir, hf_config)
+    """Export ``source`` (see ``trained_parts``) as a Hugging Face folder at ``out_dir``, one part
+    at a time: each part of the source becomes a part of the folder, under Hugging Face names."""
+    model, hf_config, n, parts = trained_parts(source)
+    names, config = hf_names(model, hf_config)
+    written, entries = set(), []
+    for k, state in enumerate(parts):
+        tensors = {names[g]: t.to(torch.float32).contiguous() for g, t in state.items()
+                   if g in names and g not in written}
+        written |= {g for g in state if g in names}
+        del state
+        entries.append(write_safetensors(out_dir, part_file(k, n), tensors, {"format": "pt"}, retries=3,
+                                         as_json=False))
+    missing = sorted(set(names) - written)
+    if missing:
+        raise ExportError(f"the weights lack {len(missing)} of the model's parameters, e.g. {missing[:3]}")
+    write_hf_configs(config, out_dir)
+    return write_index(out_dir, entries, {})
 
 
 def recorded_config(model: ModelSection) -> dict | None:

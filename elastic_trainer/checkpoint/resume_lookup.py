@@ -16,7 +16,7 @@ from .durable import MANIFEST, CheckpointError, DurableStore, checkpoint_dirname
 class Resumed:
     """The checkpoint ``--resume`` read (``load_resume``)."""
 
-    shards: list[dict]
+    shards: list          # the parts, as the reader gave them (dicts, or object refs)
     manifest: dict
     name: str                 # its directory
     run_id: str | None        # the run that wrote it (None: a directory of no run)
@@ -44,15 +44,16 @@ def runs(store: DurableStore) -> dict[str, dict]:
     return out
 
 
-def load_resume(store: DurableStore, run_name: str, target: str | None = None) -> Resumed | None:
+def load_resume(store: DurableStore, run_name: str, target: str | None = None, reader=None) -> Resumed | None:
     """The checkpoint ``--resume`` continues, read and verified: the newest of the run named
     ``run_name`` (None if no run here has that name), or of the run id ``target``, or the
     checkpoint directory ``target`` (a path in this storage, or its name). Only that run's
     checkpoints are read. An unknown id or path, a name two runs share, a path outside this
-    storage raise :class:`CheckpointError` naming what is there."""
+    storage raise :class:`CheckpointError` naming what is there. ``reader``: how the parts are
+    read (``DurableStore.load_dir``)."""
     name = _checkpoint_name(store, target) if target is not None else None
     if name is not None:
-        return _resume_dir(store, name)
+        return _resume_dir(store, name, reader)
     known = runs(store)
     if target is not None:
         if target not in known:
@@ -70,7 +71,8 @@ def load_resume(store: DurableStore, run_name: str, target: str | None = None) -
                 + ", ".join(f"{i} (newest step {known[i]['newest']})" for i in named)
                 + "; resume one by its id (--resume-from RUN_ID, Trainer.fit(resume=RUN_ID))")
         run_id = named[0]
-    loaded = store._load_newest(lambda: [n for _, n in store.entries(own=False) if parse_dirname(n)[1] == run_id], {})
+    loaded = store._load_newest(lambda: [n for _, n in store.entries(own=False) if parse_dirname(n)[1] == run_id], {},
+                                reader)
     if loaded is None:
         raise CheckpointError(f"run {run_id}'s checkpoints in {store.uri} were deleted while being read")
     shards, manifest, problems = loaded
@@ -96,13 +98,13 @@ def _checkpoint_name(store: DurableStore, target: str) -> str | None:
     return name
 
 
-def _resume_dir(store: DurableStore, name: str) -> Resumed:
+def _resume_dir(store: DurableStore, name: str, reader=None) -> Resumed:
     step, run_id = parse_dirname(name)
     entries = store.entries(own=False)
     if name not in {n for _, n in entries}:
         raise CheckpointError(f"no checkpoint {name} in {store.uri}; that run's there: "
                               + (", ".join(n for _, n in entries if run_id and parse_dirname(n)[1] == run_id) or "none"))
-    shards, manifest = store.load_dir(name)
+    shards, manifest = store.load_dir(name, reader=reader)
     newer = run_id is not None and any(s > step and parse_dirname(n)[1] == run_id and store._exists(
         f"{store._path(n)}/{MANIFEST}") for s, n in entries)
     return Resumed(shards, manifest, name, run_id, not newer)

@@ -81,10 +81,16 @@ def format_status(st: dict) -> str:
                      f"{', '.join(str(w) for _, w in sorted(up['workers'].items()))}")
     by_rank = sorted((w for w in st.get("workers", []) if w["rank"] is not None), key=lambda w: w["rank"])
     pace, slow = st.get("pace") or {}, st.get("stragglers") or {}
+    memory = st.get("memory") or {}
+    step_peak, setup = memory.get("step_peak_rss_bytes") or {}, memory.get("setup") or {}
     for w in by_rank:
         p = pace.get(str(w["rank"]))
+        peak = step_peak.get(str(w["rank"]))
+        at_setup = (setup.get(w["rank"]) or setup.get(str(w["rank"])) or {}).get("setup_peak_rss_bytes")
         lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}"
                      + (f" pace {p:.2f}" if p is not None else "")
+                     + (f" memory {peak / 2**20:.0f} MiB" if peak else "")
+                     + (f" (set-up peak {at_setup / 2**20:.0f} MiB)" if at_setup else "")
                      + (f" STRAGGLER since step {slow[w['rank']]}" if w["rank"] in slow else ""))
     if st.get("shares"):
         lines.append(f"    micro-batches per replica (balancing): {st['shares']}")

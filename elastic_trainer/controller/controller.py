@@ -115,8 +115,14 @@ class Controller:
         self.growth = Growth(cfg, run, self.pool, self.bench, self.schedule, self.fences)
         self.replanner = Replanner(cfg, run, self.pool, self.bench, self.setup, self.points, budget, self.fences,
                                    self.memory)
-        self.queries = ControllerQueries(run, self.pool, self.schedule, self.balance, self.bench)
+        self.queries = ControllerQueries(run, self.pool, self.schedule, self.balance, self.bench,
+                                         lambda: dict(self.setup.setup_memory))
         self._run_called = False
+
+    def _live_actor(self, wid):
+        """The actor of worker ``wid`` while it is in the pool, else None."""
+        w = self.pool.workers.get(wid) if wid is not None else None
+        return w.actor if w is not None else None
 
     @property
     def state(self) -> RunState:
@@ -185,14 +191,14 @@ class Controller:
             run.counts = block_param_counts(cfg.model)
             if self.durable:
                 self.writer = DurableWriter(self.durable, cfg, self.cfg_json, self.snapshots, len(run.counts),
-                                            run.event, self.run_name, self.data)
+                                            run.event, self.run_name, self.data, self._live_actor)
             self.step_loop = StepLoop(cfg, run, self.pool, self.driver, self.balance, self.bench, self.snapshots,
                                       self.schedule, self.recovery, self.growth, self.replanner, self.evaluator,
                                       self.writer, lambda: self.ps, self.memory)
             self._start(resume)
             self.step_loop.loop()
-            state = self.saver.gather_state()
-            saved = self.saver.final(state)
+            state = self.saver.gather_state() if return_model_state else None
+            saved = self.saver.final()
             # A stop that came after the last step leaves nothing undone: that run finished.
             end = RunState.STOPPED if run.stopping and run.step < cfg.train.steps else RunState.FINISHED
             run.transition(end, step=run.step, model_path=saved["model_path"])
@@ -201,7 +207,7 @@ class Controller:
             return {"history": run.history, "events": run.events, "plan": run.plan.describe(),
                     "plans": run.plans, "workers": self.pool.table(), "run_id": run.run_id,
                     "state": end.value, "step": run.step,
-                    "model_state": state if return_model_state else None, **saved}
+                    "model_state": state, **saved}
         except BaseException as e:
             log.error("[%s] failed: %s: %s", self.run_name, type(e).__name__, e)
             if not run.machine.ended:  # else the error came after the end; keep it visible
@@ -268,10 +274,6 @@ class Controller:
         else:
             run.transition(RunState.RUNNING)
 
-    def unsaved_state(self) -> dict | None:
-        """The weights of a run whose final save failed, for the driver to keep."""
-        return self.saver.unsaved
-
     def _where(self, wid: int) -> tuple | None:
         """(node, pid, process mark) of a worker, for the heartbeat; None if it is not in the pool."""
         h = self.pool.workers.get(wid)
@@ -296,7 +298,7 @@ class ControllerActor:
     with its internals that move the run (``transition``, ``apply_plan``, ``event``, ...), is
     out of a client's reach. What is left: ``run`` (once: the driver that made the actor calls
     it), ``stop`` (ends the run STOPPED, with what it has saved), the read-only ``progress``,
-    ``status`` and ``unsaved_state``, and two chaos hooks, ``inject_fault`` and
+    ``status``, and two chaos hooks, ``inject_fault`` and
     ``worker_handles``, refused unless the run's config sets ``failure.allow_fault_injection``.
     """
 
@@ -318,10 +320,6 @@ class ControllerActor:
     def status(self) -> dict:
         """What ``elastic-trainer status`` shows (read-only)."""
         return self._ctl.status()
-
-    def unsaved_state(self) -> dict | None:
-        """The weights of a run whose final save failed (read-only; the weights themselves)."""
-        return self._ctl.unsaved_state()
 
     def inject_fault(self, *args, **kwargs) -> None:
         """``Controller.inject_fault``; only with ``failure.allow_fault_injection``."""

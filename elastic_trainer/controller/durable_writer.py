@@ -2,7 +2,9 @@
 
 A durable checkpoint is made from a committed object-store snapshot (or, in
 parameter-server mode, the shards' own snapshot), so writing it never stalls
-a step: a thread fetches the parts and writes them while training goes on.
+a step: a thread has each part written by a task on its node, in parallel
+(``durable_parts``), and writes the manifest once all are, while training goes
+on. The controller holds refs, never a part.
 At most one write runs at a time; a due write that finds the previous one
 still going is skipped rather than queued.
 
@@ -22,12 +24,14 @@ import threading
 import time
 from typing import Callable
 
-import ray
 
 from ..checkpoint.durable import DurableStore
-from ..checkpoint.state import shard_nbytes
 from ..config import TrainerConfig
+from .durable_parts import DurableParts
 from .snapshots import SnapshotStore
+
+# A part's write may take this long at the least (its storage calls retry within it).
+_PART_TIMEOUT_S = 300.0
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,8 @@ class DurableWriter:
     """Writes snapshots of a run into its ``DurableStore`` and reports each write as an event."""
 
     def __init__(self, store: DurableStore, cfg: TrainerConfig, cfg_json: dict, snapshots: SnapshotStore,
-                 n_blocks: int, event: Callable[..., dict], run_name: str, data: dict | None = None):
+                 n_blocks: int, event: Callable[..., dict], run_name: str, data: dict | None = None,
+                 actor_of: Callable[[int | None], object] = lambda wid: None):
         self.store, self.cfg, self.cfg_json = store, cfg, cfg_json
         self.data = data or {}   # the data fingerprint (path, rows, schema) the manifest records
         self.snapshots, self.n_blocks, self._event, self.run_name = snapshots, n_blocks, event, run_name
@@ -44,13 +49,18 @@ class DurableWriter:
         self.delay_s = 0.0  # a chaos hook (Controller.inject_fault): each write holds this long first
         self.last_written: int | None = None   # the newest step this writer has written
         self._thread: threading.Thread | None = None
+        self.parts = DurableParts(store, max(_PART_TIMEOUT_S, cfg.comm.timeout_s))
+        self.actor_of = actor_of   # worker id -> its live actor (None: gone), which writes its own parts
 
     def shards(self, step: int, alive_nodes: set[str] | None = None, alive_workers: set[int] | None = None) -> list:
-        """Refs of snapshot parts of ``step`` covering every block (the parameter-server shards'
-        in that mode); only parts with a surviving copy when ``alive_*`` are given; [] if none."""
+        """(ref, node, writer) of snapshot parts of ``step`` covering every block (the
+        parameter-server shards' in that mode, on no node and by no worker); only parts with a
+        surviving copy when ``alive_*`` are given; [] if none. The writer is the live worker
+        actor that made the part, else None (a task on its node writes it)."""
         if self.ps:
-            return self.ps.shards(step) or []
-        return self.snapshots.covering(step, self.n_blocks, alive_nodes, alive_workers) or []
+            return [(ref, None, None) for ref in self.ps.shards(step) or []]
+        parts = self.snapshots.covering(step, self.n_blocks, alive_nodes, alive_workers, with_nodes=True) or []
+        return [(ref, node, self.actor_of(wid)) for ref, node, wid, _ in parts]
 
     def start(self, step: int, history: list, plan: dict) -> None:
         """Write ``step`` in the background, unless the previous write is still going."""
@@ -67,31 +77,20 @@ class DurableWriter:
         if self._thread is not None:
             self._thread.join()
 
-    def write(self, step: int, refs: list, history: list, plan: dict, raise_errors: bool = False,
+    def write(self, step: int, parts: list, history: list, plan: dict, raise_errors: bool = False,
               role: str = "periodic") -> str | None:
-        """Fetch ``refs`` and write them as the checkpoint of ``step`` (see :meth:`save`)."""
+        """Write ``parts`` ((ref, node) covering every block) as the checkpoint of ``step``, each
+        on its node, then the manifest, then prune the run's older ones; the path, or None on
+        failure. A failure is reported at once, as a ``durable_failed`` event and a warning;
+        ``raise_errors`` (the final checkpoint, whose failure fails the run): raised as well.
+        ``role``: periodic, final or emergency."""
         t0 = time.perf_counter()
         try:
             if self.delay_s:
                 time.sleep(self.delay_s)
-            shards = ray.get(refs, timeout=self.cfg.comm.timeout_s)
-        except Exception as e:  # noqa: BLE001 - reported; the run goes on from memory
-            self._failed(step, e, "final" if raise_errors else role)
-            if raise_errors:
-                raise
-            return None
-        return self.save(step, shards, history, plan, raise_errors, role, started=t0)
-
-    def save(self, step: int, shards: list[dict], history: list, plan: dict, raise_errors: bool = False,
-             role: str = "periodic", started: float | None = None) -> str | None:
-        """Write ``shards`` (parts covering every block) as the checkpoint of ``step``, then prune
-        the run's older ones; the path, or None on failure. A failure is reported at once, as a
-        ``durable_failed`` event and a warning; ``raise_errors`` (the final checkpoint, whose
-        failure fails the run): raised as well. ``role``: periodic, final or emergency."""
-        t0 = time.perf_counter() if started is None else started
-        try:
-            path = self.store.save(step, shards, {"history": history, "config": self.cfg_json, "plan": plan,
-                                                  "run_name": self.run_name, "data": self.data})
+            files = self.parts.write(step, parts)
+            path = self.store.commit(step, files, {"history": history, "config": self.cfg_json, "plan": plan,
+                                                   "run_name": self.run_name, "data": self.data})
             self.store.prune(self.cfg.checkpoint.keep_durable)
         except Exception as e:  # noqa: BLE001 - reported; the run goes on from memory
             self._failed(step, e, "final" if raise_errors else role)
@@ -100,9 +99,12 @@ class DurableWriter:
             return None
         self.last_written = step
         seconds = time.perf_counter() - t0
-        log.info("[%s] durable checkpoint of step %d at %s (%.2f s)", self.run_name, step, path, seconds)
+        log.info("[%s] durable checkpoint of step %d at %s (%.2f s, %d parts)", self.run_name, step, path, seconds,
+                 len(files))
         self._event("durable_checkpoint", step=step, path=path, seconds=seconds,
-                    bytes=sum(shard_nbytes(s) for s in shards))
+                    bytes=sum(f["bytes"] for f in files),
+                    parts=[{"name": f["name"], "bytes": f["bytes"], "seconds": round(f["seconds"], 3),
+                            "node": f.get("node")} for f in files])
         return path
 
     def _failed(self, step: int, e: Exception, role: str) -> None:

@@ -17,6 +17,15 @@ from .workers import ask_all
 # Words of the error of an actor Ray's memory monitor killed (its node ran low on memory); not a
 # process's own "out of memory" (a GPU's, say), which another node would not cure.
 _MEMORY_MARKERS = ("low on memory", "memory usage threshold")
+# Words of a process's own allocation failing: torch's on the host or a GPU, Python's, the C library's.
+_OOM_MARKERS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
+                "memoryerror")
+
+
+def out_of_memory(text: str) -> bool:
+    """Whether an error's text says memory ran out (the process's own, or its node's by Ray's monitor)."""
+    low = text.lower()
+    return any(m in low for m in _OOM_MARKERS + _MEMORY_MARKERS)
 # Words of the errors a rank sees when a peer vanishes under a collective.
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe",
                        "distbackenderror", "process group", "processgroup")

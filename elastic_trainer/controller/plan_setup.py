@@ -55,6 +55,7 @@ class PlanSetup:
         self._setup_refs: list = []     # (worker id, ref) of the set-up calls in flight
         self._generation = 0            # numbers set-up attempts, so a stale one can be aborted
         self.setup_time = SetupTime(cfg.failure.rendezvous_timeout_s, cfg.parallel.stages_per_rank)
+        self.setup_memory: dict = {}    # rank -> its memory at the last set-up (worker.memory_use)
 
     def _cfg_for(self, plan: Plan) -> dict:
         raw = self.cfg.model_dump(mode="json")
@@ -119,6 +120,8 @@ class PlanSetup:
         finally:
             run.setup_ended()
         self.setup_time.measured(outs)
+        # Each rank's memory at the set-up: resident before, its peak while building, after.
+        self.setup_memory = {r: o.get("memory") for r, o in sorted(outs.items())}
         self._setup_refs = []
         # Whose end of a connection each address is: a survivor's "connection closed by peer"
         # then names the lost worker at once (StepDriver._collect).

@@ -11,6 +11,7 @@ Any client of the cluster may call these; none changes the run.
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
 from .balance import Balance
 from .benching import Bench
@@ -23,8 +24,9 @@ class ControllerQueries:
     """The read-only answers of a running controller, from the parts it is given."""
 
     def __init__(self, run: RunRecord, pool: WorkerPool, schedule: SnapshotSchedule, balance: Balance,
-                 bench: Bench):
+                 bench: Bench, setup_memory: Callable[[], dict] = dict):
         self.run, self.pool, self.schedule, self.balance, self.bench = run, pool, schedule, balance, bench
+        self.setup_memory = setup_memory   # rank -> its memory at the last set-up
 
     def progress(self, since: int, events_since: int = 0, ranks_since: int | None = None) -> dict:
         """Step records from index ``since`` of the history and events from ``events_since``;
@@ -63,6 +65,9 @@ class ControllerQueries:
                     "stopping": _copy(next((e for e in reversed(run.events) if e["kind"] == "stop_requested"),
                                            None)),
                     "pace": run.rank_figures.last().get("pace") or {},
+                    # Each rank's peak resident memory in the last step, and at its set-up.
+                    "memory": {"step_peak_rss_bytes": run.rank_figures.last().get("rank_peak_rss_bytes") or {},
+                               "setup": self.setup_memory()},
                     "stragglers": self.balance.tracker.stragglers,
                     "shares": list(self.balance.shares) if self.balance.shares else self.balance.shares,
                     "benched": self.bench.describe()}

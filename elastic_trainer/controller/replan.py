@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from ..config import TrainerConfig
 from ..errors import RunError, WorkerError
 from ..planning.plan import plan_for
-from ..planning.policy import choose_plan, memory_bound, no_plan_reason
+from ..planning.policy import choose_plan, layout_key, memory_bound, no_plan_reason
 from .benching import Bench
 from .failure_budget import FailureBudget
+from .failures import out_of_memory
 from .fences import Fences
 from .memory_kills import MemoryKills
 from .plan_setup import PlanSetup
@@ -62,6 +63,8 @@ class Replanner:
         self.cfg, self.run, self.pool, self.bench, self.setup, self.points = cfg, run, pool, bench, setup, points
         self.budget, self.fences, self.memory = budget, fences, memory
         self.pending_event: dict | None = None   # the recovery event, completed at the next step
+        # Layouts (policy.layout_key) whose set-up ran out of memory: not chosen again, not retried.
+        self.unfit: dict[tuple, str] = {}
 
     def carry_out(self, order: ReplanOrder) -> None:
         """Re-plan on the usable workers and restore, as ``order`` says; a set-up that fails counts
@@ -98,6 +101,8 @@ class Replanner:
                 failed_workers = getattr(e, "failed_workers", [])
                 run.event("failure", failure="during_recovery", worker=failed_workers, rank=None, node=None,
                           step=step, detail=str(e))
+                if out_of_memory(str(e)):
+                    self._unfit(plan, str(e))
                 log.warning("[%s] set-up of the new plan failed: %s", run.name, e)
                 self.budget.count()
                 self.budget.check("during_recovery", str(e))
@@ -123,6 +128,16 @@ class Replanner:
                      len(pool), restore[0] if restore else 0, restore[2] if restore else "the seed")
             run.transition(RunState.RUNNING)
             return
+
+    def _unfit(self, plan, detail: str) -> None:
+        """``plan``'s layout ran out of memory at its set-up: the next choice leaves it out."""
+        topo = plan.topology
+        key = layout_key(topo.dp, topo.pp, plan.stage_bounds)
+        self.unfit[key] = detail
+        self.run.event("layout_unfit", dp=topo.dp, pp=topo.pp, stages=[list(b) for b in plan.stage_bounds],
+                       detail=detail[:500])
+        log.warning("[%s] dp=%d x pp=%d, stages %s, ran out of memory at its set-up: not chosen again",
+                    self.run.name, topo.dp, topo.pp, [list(b) for b in plan.stage_bounds])
 
     def _memory_kills(self, order: ReplanOrder, cause: str | None) -> str | None:
         """Record the memory kills found so far (``memory_kills``); this order's cause, "memory"
@@ -183,6 +198,8 @@ class Replanner:
         run, bench, bound = self.run, self.bench, memory_bound(self.cfg)
         usable_ids = set(bench.usable())
         intact = run.plan is not None and all(w in usable_ids for w in run.ranks.values())
+        if intact and layout_key(run.plan.topology.dp, run.plan.topology.pp, run.plan.stage_bounds) in self.unfit:
+            intact = False   # its set-up ran out of memory: not kept, not retried
         if cut is not None and intact and len(cut) == len(run.plan.stage_bounds):
             topo = run.plan.topology
             plan = plan_for(self.cfg, topo.dp, topo.pp, cut, run.counts)
@@ -192,13 +209,13 @@ class Replanner:
             plan = plan_for(self.cfg, topo.dp, topo.pp, run.plan.stage_bounds, run.counts)
             return plan, dict(run.ranks), "kept: every worker of the plan is alive"
         usable = len(usable_ids)
-        choice = choose_plan(self.cfg, usable, bound)
+        choice = choose_plan(self.cfg, usable, bound, avoid=frozenset(self.unfit))
         if (choice is None or usable < self.cfg.scaling.min_workers) and bench.benched:
             # A slow worker beats none: take the benched back before giving up or waiting.
             for ev in bench.readmit_all("no plan fits the workers that are not benched"):
                 run.event(ev.pop("kind"), **ev)
             usable = len(bench.usable())
-            choice = choose_plan(self.cfg, usable, bound)
+            choice = choose_plan(self.cfg, usable, bound, avoid=frozenset(self.unfit))
         if choice is None:
             raise RunError(no_plan_reason(self.cfg, usable, bound) or f"no dp x pp fits {usable} workers")
         return plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, run.counts), None, choice.reason

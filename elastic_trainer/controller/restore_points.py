@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-import ray
 
 from ..checkpoint.compat import ACCEPTABLE, resume_check
 from ..checkpoint.durable import CheckpointError, DurableStore
@@ -25,6 +24,7 @@ from ..errors import RunError
 from ..retry import StorageError
 from .rank_figures import RANK_FIELDS
 from .placement import dead_nodes
+from .durable_parts import DurableParts
 from .ps_group import ParameterServers
 from .restore import Load, choose_restore, newest_copies, plan_loads
 from .run_record import RunRecord
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 # Queries to workers that just answered a ping (which steps they hold): a slow
 # answer means a busy worker, not a lost one.
 _QUERY_TIMEOUT_S = 10.0
+# A part of a durable checkpoint may take this long to read at the least (its storage calls retry within it).
+_PART_READ_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -121,7 +123,8 @@ class RestorePoints:
         return bool(steps) and steps[0] > step
 
     def load_durable(self, resumed=None) -> dict:
-        """Load the latest durable checkpoint into the object store: ``{step: {shard: blocks}}``, or {}.
+        """Load the latest durable checkpoint into the object store, each part read and verified
+        on a node (the controller holds refs): ``{step: {shard: blocks}}``, or {}.
 
         Mid-run, the run's own newest, and a storage error is a problem noted (the run has
         other copies). ``resumed``: the checkpoint ``--resume`` read (``resume_lookup.load_resume``)."""
@@ -129,7 +132,7 @@ class RestorePoints:
             loaded = resumed.shards, resumed.manifest, resumed.problems
         else:
             try:
-                loaded = self.durable.load_latest() if self.durable else None
+                loaded = self.durable.load_latest(reader=self._reader()) if self.durable else None
             except (StorageError, CheckpointError) as e:
                 self.run.event("checkpoint_problem", detail=str(e))
                 return {}
@@ -138,9 +141,14 @@ class RestorePoints:
         shards, manifest, problems = loaded
         for p in problems:
             self.run.event("checkpoint_problem", detail=p)
-        self._durable_refs = {i: ray.put(s) for i, s in enumerate(shards)}
+        # The parts were read and verified on the nodes, and stay in their object stores.
+        self._durable_refs = dict(enumerate(shards))
         self.durable_manifest = manifest
-        return {manifest["step"]: {i: s["blocks"] for i, s in enumerate(shards)}}
+        return {manifest["step"]: {i: f["blocks"] for i, f in enumerate(manifest["files"])}}
+
+    def _reader(self):
+        """Reads a checkpoint's parts on the nodes, as object refs (``durable_parts``)."""
+        return DurableParts(self.durable, max(_PART_READ_TIMEOUT_S, self.cfg.comm.timeout_s)).reader
 
     def durable_refs(self, chosen: dict) -> list:
         """Refs of the durable shards among the sources ``chosen``."""
@@ -203,7 +211,7 @@ class RestorePoints:
         request = request if isinstance(request, dict) else {}
         target, accept = request.get("target"), request.get("accept") or []
         try:
-            got = load_resume(durable_store, run.name, target)
+            got = load_resume(durable_store, run.name, target, reader=self._reader())
         except StorageError as e:
             raise RunError(f"--resume cannot read checkpoint.storage({storage!r}): {e}") from None
         except CheckpointError as e:

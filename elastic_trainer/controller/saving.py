@@ -3,23 +3,21 @@ verified; on the way out of a failed run, an emergency copy of the newest surviv
 
 A run ends FINISHED (or STOPPED) only once everything it was asked to keep is
 written and read back. A save that fails ends it FAILED with :class:`SaveError`,
-which names what was not saved; the controller then keeps the weights it
-gathered (``unsaved``) until the driver has taken them.
+which names what was not saved and where each unsaved part is kept (on its
+writer's node): no process gathers the model to carry it on the error.
 
-The final weights of a pipeline stage come from replica 0's worker, else from
-another live DP replica of the stage (a worker lost after the last step
-costs nothing: every replica holds the same weights), else from the snapshot
-of the last step where its parts sit on a live node. A stage with none of
-these fails the run with an error naming the stage and what is gone, and the
-emergency copy then saves the newest snapshot that survives. The choice is
-made by the pure functions below (``stage_replicas``, ``take_stages``,
-``snapshot_cover``, ``lost_stages_error``).
+Each part is written where it is: the final weights by a live replica of each
+stage (``final_weights``), the durable checkpoint's parts by the workers that
+made them (``durable_writer``). A stage with no live replica comes from the
+snapshot of the last step where its parts sit on a live node; a stage with
+neither fails the run with an error naming the stage and what is gone, and
+the emergency copy then saves the newest snapshot that survives
+(``final_sources`` chooses).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 import numpy as np
@@ -27,11 +25,13 @@ import ray
 import torch
 
 from ..checkpoint.durable import DurableStore
-from ..checkpoint.hf_export import recorded_config, write_hf_folder
-from ..checkpoint.weights import WeightsError, save_weights, weights_from_shards
+from ..checkpoint.hf_export import hf_names, recorded_config
+from ..checkpoint.weights import WeightsError, weights_from_shards
 from ..config import TrainerConfig
-from ..errors import RunError, error_line
+from ..errors import RunError
 from .durable_writer import DurableWriter
+from .final_sources import lost_stages_error, snapshot_cover, stage_replicas, take_stages
+from .final_weights import FinalWeights, PartsNotSaved
 from .ps_group import ParameterServers
 from .run_record import RunRecord
 from .snapshots import SnapshotStore
@@ -44,87 +44,16 @@ class SaveError(RunError):
     """The run trained to the end but what it had to keep was not (all) saved."""
 
 
-def stage_replicas(topo, ranks: dict[int, int], alive: set[int], late: frozenset[int] = frozenset()) \
-        -> dict[int, list[int]]:
-    """Each pipeline stage's live workers (``ranks``: rank -> worker id; ``alive``: worker ids),
-    replica 0's first: where the stage's final weights can come from, in the order to ask. Those
-    in ``late`` (they missed a ping: gone, or only slow) come after the others, not never."""
-    out = {}
-    for s in range(topo.pp):
-        held = [ranks[topo.rank(d, s)] for d in range(topo.dp) if ranks[topo.rank(d, s)] in alive]
-        out[s] = [w for w in held if w not in late] + [w for w in held if w in late]
-    return out
-
-
-def take_stages(order: dict[int, list[int]], ask: Callable[[dict[int, int]], dict]) -> tuple[dict, dict]:
-    """Each stage's answer from the first of its workers (``order``: stage -> worker ids) that
-    gives one. ``ask`` ({stage: worker} -> {stage: its answer, or the exception it raised})
-    asks one worker of every stage still open at once; a stage whose worker failed asks its
-    next. Returns ({stage: (worker, answer)} of the stages answered, {worker: why} of those
-    that failed); a stage none of whose workers answered is in neither."""
-    queues = {s: list(ws) for s, ws in order.items()}
-    got: dict[int, tuple] = {}
-    failed: dict[int, str] = {}
-    while True:
-        asks = {s: q.pop(0) for s, q in queues.items() if s not in got and q}
-        if not asks:
-            return got, failed
-        for s, answer in ask(asks).items():
-            if isinstance(answer, BaseException):
-                failed[asks[s]] = error_line(answer)
-            else:
-                got[s] = (asks[s], answer)
-
-
-def snapshot_cover(parts: dict[int, tuple[list[int], str]], need: set[int], alive_nodes: set[str]) -> list[int] | None:
-    """Ranks of a snapshot's parts (rank -> (blocks, node its object is on)) that sit on live
-    nodes and together hold every block of ``need``; None if they do not."""
-    picked, seen = [], set()
-    for r, (blocks, node) in sorted(parts.items()):
-        mine = set(blocks) & need
-        if node in alive_nodes and mine and not mine <= seen:
-            picked.append(r)
-            seen |= mine
-    return picked if seen >= need else None
-
-
-def lost_stages_error(run: str, step: int, lost: dict[int, list[tuple[int, int, str]]],
-                      blocks: dict[int, list[int]], newest_snapshot: int | None) -> RunError:
-    """The error of final weights that cannot be gathered. ``lost``: stage -> (replica, worker,
-    why) of each of its workers; ``blocks``: stage -> its blocks; ``newest_snapshot``: the newest
-    step with a snapshot kept, which the emergency copy falls back to."""
-    stages = "; ".join(
-        f"stage {s} (blocks {_spans(blocks[s])}) has no live replica ("
-        + "; ".join(f"replica {d}, worker {w}: {why}" for d, w, why in gone) + ")"
-        for s, gone in sorted(lost.items()))
-    return RunError(
-        f"run {run}: the final weights of step {step} cannot be gathered: {stages} and no snapshot of step "
-        f"{step} holds {'it' if len(lost) == 1 else 'them'} on a live node; "
-        + (f"the newest snapshot kept is of step {newest_snapshot}: the emergency copy saves the newest one that "
-           "survives" if newest_snapshot is not None else "no snapshot is kept to save instead"))
-
-
-def _spans(blocks: list[int]) -> str:
-    """Blocks as runs of consecutive ids: [3, 4, 8, 9] -> '3..4, 8..9'."""
-    spans: list[list[int]] = []
-    for b in sorted(blocks):
-        if spans and b == spans[-1][1] + 1:
-            spans[-1][1] = b
-        else:
-            spans.append([b, b])
-    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in spans)
-
-
 class RunSaver:
     def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, snapshots: SnapshotStore,
                  durable: DurableStore | None, writer: Callable[[], DurableWriter | None],
                  ps: Callable[[], ParameterServers | None]):
         self.cfg, self.run, self.pool, self.snapshots, self.durable = cfg, run, pool, snapshots, durable
         self._writer, self._ps = writer, ps
-        self.unsaved: dict | None = None   # weights gathered for a save that failed, for the driver
         self.emergency_done = False
         # kind hf: the resolved transformers config, recorded with the weights for the export.
         self.hf_config = recorded_config(cfg.model)
+        self.weights = FinalWeights(cfg, run, pool, snapshots, self._meta, self._hf)
 
     def _meta(self, step: int) -> dict:
         run = self.run
@@ -135,10 +64,10 @@ class RunSaver:
         return meta
 
     def gather_state(self) -> dict:
-        """Full model state of the last step: each stage from its first live replica (every
-        replica holds the same weights), else from the snapshot of the step. Workers found gone
-        are dropped (the durable and emergency saves then read only what lives). Raises
-        :class:`RunError` naming each stage none of which is left."""
+        """Full model state of the last step, in this process, for a caller that asked for it
+        (``Trainer.fit(return_model_state=True)``; the saves never gather): each stage from its
+        first live replica (every replica holds the same weights), else from the snapshot of the
+        step. Raises :class:`RunError` naming each stage none of which is left."""
         run = self.run
         topo, wids = run.plan.topology, sorted(set(run.ranks.values()))
         gone = {w: "no longer in the pool" for w in wids if w not in self.pool}
@@ -204,59 +133,56 @@ class RunSaver:
         bits = {n: torch.bfloat16 for sh in shards for n, a in sh["params"].items() if a.dtype == np.int16}
         return weights_from_shards(shards, bits)
 
-    def final(self, state: dict) -> dict:
-        """Write the final durable checkpoint (with storage) and ``state`` (the weights gathered
-        from the live workers) to ``run.output_dir``; ``{"durable_path", "model_path"}``.
+    def final(self) -> dict:
+        """Write the final durable checkpoint (with storage) and the weights of the last step to
+        ``run.output_dir``, each part where it is (``final_weights``);
+        ``{"durable_path", "model_path", "hf_path"}``.
 
-        Raises :class:`SaveError` naming what was not saved."""
+        Raises :class:`SaveError` naming what was not saved, and where each unsaved part is kept."""
         run = self.run
         missing, out = [], {"durable_path": None, "model_path": None, "hf_path": None}
+        # A ping first: a worker lost with its node holds no part of the durable checkpoint, and
+        # is asked for its stage's weights after the other replicas, not before.
+        wids = sorted(w for w in set(run.ranks.values()) if w in self.pool)
+        late = frozenset(self.pool.dead_among(wids))
         if self._writer():
             try:
-                out["durable_path"] = self._final_durable()
+                out["durable_path"] = self._final_durable(late)
             except Exception as e:  # noqa: BLE001 - named in the SaveError below
                 missing.append(f"the final durable checkpoint of step {run.step} in "
                                f"{self.cfg.checkpoint.storage} ({type(e).__name__}: {e})")
-        where = self.cfg.run.output_dir
+        kept: list[dict] = []
         try:
-            t0 = time.perf_counter()
-            out["model_path"] = save_weights(where, state, self._meta(run.step), self.cfg.failure.storage_retries)
-            run.event("weights_saved", step=run.step, path=out["model_path"], seconds=time.perf_counter() - t0,
-                      tensors=len(state))
-            log.info("[%s] weights of step %d saved to %s", run.name, run.step, out["model_path"])
+            written = self.weights.write(self.cfg.run.output_dir, late)
+            out["model_path"], out["hf_path"] = written["model_path"], written["hf_path"]
+        except PartsNotSaved as e:
+            kept = e.parts
+            missing.append(f"the weights ({e})")
         except WeightsError as e:
             missing.append(f"the weights ({e})")
-        if self.cfg.model.kind == "hf" and not missing:
-            out["hf_path"] = self._hf_folder(state, where)
         if missing:
-            self.unsaved = state
-            raise SaveError(f"run {run.name} trained {run.step} steps but did not save " + "; ".join(missing)
-                            + ". The driver keeps the weights it could gather (error.model_state).")
+            err = SaveError(f"run {run.name} trained {run.step} steps but did not save " + "; ".join(missing)
+                            + (". Each unsaved part is kept on its node where named (error.parts)." if kept else ""))
+            err.parts = kept
+            raise err
         return out
 
-    def _hf_folder(self, state: dict, where: str) -> str | None:
-        """The Hugging Face folder beside the weights (``<output_dir>/hf``). Not a condition of
-        FINISHED: the weights file holds the same tensors and ``export --hf`` makes it again."""
-        run = self.run
-        try:
-            path = write_hf_folder(state, self.cfg.model, f"{where.rstrip('/')}/hf", self.hf_config)
-        except Exception as e:  # noqa: BLE001 - reported; the weights file is saved
-            run.event("checkpoint_problem", step=run.step, detail=f"the Hugging Face folder was not written: "
-                                                                 f"{type(e).__name__}: {e}")
+    def _hf(self) -> tuple[dict, object] | None:
+        """(global -> Hugging Face name, the transformers config) of a ``kind: hf`` model."""
+        if self.cfg.model.kind != "hf":
             return None
-        log.info("[%s] Hugging Face folder at %s", run.name, path)
-        return path
+        return hf_names(self.cfg.model, self.hf_config)
 
-    def _final_durable(self) -> str:
+    def _final_durable(self, late: frozenset) -> str:
         run = self.run
         self._writer().wait()
         topo = run.plan.topology
-        live = {r: w for r, w in run.ranks.items() if w in self.pool}
+        live = {r: w for r, w in run.ranks.items() if w in self.pool and w not in late}
         whole = len(live) == len(run.ranks)
         # With a worker gone (gather_state dropped it), only parts with a copy that lives are read.
-        refs = (self._writer().shards(run.step) if whole
-                else self._writer().shards(run.step, self.pool.nodes(), set(live.values())))
-        if not refs:
+        parts = (self._writer().shards(run.step) if whole
+                 else self._writer().shards(run.step, self.pool.nodes(), set(live.values())))
+        if not parts:
             # The last step has no snapshot kept (none due, or dropped): export one from every
             # live rank, and write each stage's first live replica's part, whatever becomes of
             # their copies.
@@ -266,13 +192,16 @@ class RunSaver:
             if self._ps():
                 self._ps().snapshot(run.step)
             order = stage_replicas(topo, run.ranks, set(live.values()))
-            refs = ((self._writer().shards(run.step) if whole or self._ps() else [])
-                    or ([exported[ws[0]] for ws in order.values()] if all(order.values()) else []))
-        if not refs:
+            parts = ((self._writer().shards(run.step) if whole or self._ps() else [])
+                     or ([(exported[ws[0]], self.pool[ws[0]].node, self.pool[ws[0]].actor) for ws in order.values()]
+                         if all(order.values()) else []))
+        if not parts:
             raise RuntimeError(f"no snapshot of step {run.step} covers every block")
-        path = self._writer().write(run.step, refs, list(run.history), run.plan.describe(), raise_errors=True)
-        # Read back: the files verify against the manifest's checksums.
-        self.durable.load(run.step)
+        path = self._writer().write(run.step, parts, list(run.history), run.plan.describe(), raise_errors=True)
+        # Each part was read back against its checksum by its writer; the manifest is read here.
+        manifest = self.durable.read_manifest(path.rstrip("/").rpartition("/")[2])
+        if manifest.get("step") != run.step or not manifest.get("files"):
+            raise RuntimeError(f"the manifest at {path} does not describe step {run.step}'s parts")
         return path
 
     def emergency(self, why: str) -> str | None:
@@ -299,13 +228,8 @@ class RunSaver:
         return path
 
     def _emergency_weights(self) -> str | None:
-        run = self.run
-        alive_nodes, alive_workers = self.pool.nodes(), set(self.pool.workers)
         for step in reversed(self.snapshots.committed_steps()):
-            refs = self.snapshots.covering(step, len(run.counts), alive_nodes, alive_workers)
-            if refs:
-                shards = ray.get(refs, timeout=self.cfg.comm.timeout_s)
-                state = weights_from_shards(shards)
-                return save_weights(self.cfg.run.output_dir, state, self._meta(step), self.cfg.failure.storage_retries,
-                                    name=f"model-step-{step:08d}.safetensors")
+            path = self.weights.write_snapshot(step, self.cfg.run.output_dir, len(self.run.counts))
+            if path:
+                return path
         return None

@@ -374,13 +374,14 @@ class SnapshotStore:
         return next((h for h in sorted(e.pinned) if h in alive_workers), None)
 
     def covering(self, step: int, n_blocks: int, alive_nodes: set[str] | None = None,
-                 alive_workers: set[int] | None = None) -> list | None:
+                 alive_workers: set[int] | None = None, with_nodes: bool = False) -> list | None:
         """Refs of parts of ``step`` that together hold every block, or None if they do not.
 
         With ``alive_*`` (what survives, to restore or save from): only a committed snapshot,
         and only its parts with a surviving copy. Without them (the durable writer's "write this
         step now"): the kept snapshot's parts as they are, committed or not yet; its write
-        reads them and fails on any that never came.
+        reads them and fails on any that never came. ``with_nodes``: (ref, node of its object,
+        the worker that made it, its blocks).
         """
         snap = self.snaps.get(step)
         if snap is None or (alive_nodes is not None and snap.committed_at is None):
@@ -390,6 +391,6 @@ class SnapshotStore:
             if alive_nodes is not None and e.node not in alive_nodes and not e.pinned & (alive_workers or set()):
                 continue
             if not set(e.blocks) <= seen:
-                picked.append(e.ref)
+                picked.append((e.ref, e.node, e.wid, list(e.blocks)) if with_nodes else e.ref)
                 seen |= set(e.blocks)
         return picked if seen >= set(range(n_blocks)) else None

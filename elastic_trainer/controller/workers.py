@@ -80,20 +80,21 @@ def get_all(refs: dict, ranks: dict, timeout: float, what: str,
             progress: Callable[[list[int]], dict] | None = None) -> dict:
     """Results of one call per rank (``refs``: rank -> ref; ``ranks``: rank -> worker id). A dead
     worker ends the wait at once (the others would only time out waiting for it); failures raise
-    a WorkerError naming them. ``progress(worker ids)``: each one's count of work done; past
-    ``timeout``, the wait goes on for another ``timeout`` each time a pending worker's count
-    has moved since the last look (slow, not stuck), and ends when none has."""
+    a WorkerError naming them. ``progress(worker ids)``: each one's count of work done in
+    this call, from (0, 0); asked only past ``timeout``, when the wait goes on for another
+    ``timeout`` each time a pending worker's count has moved since the last look (slow, not
+    stuck), and ends when none has."""
     deadline = time.perf_counter() + timeout
     pending = {ref: r for r, ref in refs.items()}
     out, bad = {}, {}
-    seen = progress([ranks[r] for r in refs]) if progress else {}
+    seen: dict = {}   # a set-up's count starts at nothing (``worker.setup_progress``)
     while pending and not bad:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
         if not ready:
             if progress is None:
                 break
             now = progress([ranks[r] for r in pending.values()])
-            if not any(now.get(w) is not None and now.get(w) != seen.get(w) for w in now):
+            if not any(now.get(w) is not None and now.get(w) != seen.get(w, (0, 0)) for w in now):
                 break
             log.info("%s: still making progress past %gs (%s); waiting on", what, timeout,
                      ", ".join(f"worker {w}: {now[w]}" for w in sorted(now)))
@@ -151,7 +152,7 @@ class WorkerPool:
         # "snapshot" hands over snapshot parts, whose object-store writes overlap the next step.
         self._actor_cls = ray.remote(
             max_concurrency=16,
-            concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4, "snapshot": 2})(TrainWorker)
+            concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4, "snapshot": 2, "storage": 1})(TrainWorker)
 
     def __len__(self) -> int:
         return len(self.workers)

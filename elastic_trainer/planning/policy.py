@@ -65,8 +65,13 @@ def replan_row(rows: Sequence[dict], cfg: TrainerConfig) -> dict | None:
     return min(ok, key=rank_key) if ok else None
 
 
+def layout_key(dp: int, pp: int, stage_bounds) -> tuple:
+    """A layout as ``choose_plan``'s ``avoid`` names it."""
+    return dp, pp, tuple(tuple(b) for b in stage_bounds)
+
+
 def choose_plan(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float | None = None,
-                constants: dict | None = None) -> PlanChoice | None:
+                constants: dict | None = None, avoid: frozenset | set = frozenset()) -> PlanChoice | None:
     """The fastest predicted layout on at most ``n_workers`` workers that fits ``worker_memory_bytes`` each.
 
     ``constants``: a constants document (:func:`constants.load_constants`);
@@ -75,7 +80,7 @@ def choose_plan(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float |
     global batch stays ``cfg.train.global_batch_size``; the micro-batches per
     replica follow from ``dp``. None when no layout is feasible or fits:
     :func:`no_plan_reason` then says why, :func:`rejected_plans` lists each
-    layout left out.
+    layout left out. ``avoid``: layouts (``layout_key``) found not to fit at a set-up.
     """
     if n_workers == 0:
         return None
@@ -88,6 +93,8 @@ def choose_plan(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: float |
                                   refuse_unmeasured=False)
     except NothingFits:
         return None
+    if avoid:
+        rows = [r for r in rows if layout_key(r["dp"], r["pp"], r["stage_bounds"]) not in avoid]
     best = replan_row(rows, cfg)
     if best is None:
         return None

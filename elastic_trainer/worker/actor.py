@@ -35,10 +35,12 @@ from .heartbeat_relay import relay_pings
 from .lease_order import LeaseOrder
 from .liveness import process_mark, running
 from .memory_kills import grow_until_killed, memory_limit, oom_kills
+from .memory_use import cuda_peak_bytes, peak_rss_bytes, reset_peaks, rss_bytes
 from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .setup_progress import PROGRESS
+from .weights_writer import write_stage
 from .snapshot_serving import SnapshotServing
 
 if TYPE_CHECKING:
@@ -131,6 +133,22 @@ class TrainWorker(SnapshotServing, GroupControl):
             "memory_limit": memory_limit(),
         }
 
+    @ray.method(concurrency_group="storage")
+    def write_durable_part(self, store_spec: tuple, step: int, index: int, shard: dict) -> dict:
+        """Write ``shard`` (a snapshot part this worker made: its object is on this node) as part
+        ``index`` of the durable checkpoint of ``step`` and read it back (``DurableStore.write_part``);
+        its manifest entry. Beside steps, on a thread of its own."""
+        from ..checkpoint.durable import DurableStore
+
+        entry = DurableStore(*store_spec).write_part(step, index, shard)
+        entry["node"] = ray.get_runtime_context().get_node_id()
+        return entry
+
+    @ray.method(concurrency_group="storage")
+    def write_weights(self, job: dict) -> dict:
+        """Write this rank's stage as its part of the final weights (``weights_writer.write_stage``)."""
+        return write_stage(self.trainer.state_dict(), job, ray.get_runtime_context().get_node_id())
+
     @ray.method(concurrency_group="control")
     def setup_progress(self) -> tuple[int, int]:
         """(units, bytes) of set-up work done so far (``setup_progress``): moving means slow, not stuck."""
@@ -199,7 +217,11 @@ class TrainWorker(SnapshotServing, GroupControl):
     def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
                collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world, group_keys, keep) -> dict:
         t = [time.perf_counter()]
+        PROGRESS.begin()
         cfg = TrainerConfig.model_validate(cfg_json)
+        peak_device = self.gpu if cfg.scaling.uses_gpu else torch.device("cpu")
+        idle_rss = rss_bytes()
+        reset_peaks(peak_device)
         self._hold_on_failure = cfg.failure.keep_groups
         self.reset(keep={role: group_keys[role] for role in keep if role in group_keys})
         held = self._held_blocks(cfg) if sources else None
@@ -236,7 +258,10 @@ class TrainWorker(SnapshotServing, GroupControl):
         self.trainer, self.rank = trainer, rank
         log.info("[%s] worker %d: rank %d of dp=%d x pp=%d, blocks %s, at step %d (%s)", self.run_name,
                  self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
-        return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step,
+        memory = {"idle_rss_bytes": idle_rss, "setup_peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
+                  "setup_peak_device_bytes": cuda_peak_bytes(peak_device)}
+        reset_peaks(peak_device)   # from here, each step's peak
+        return {"rank": rank, "stages": trainer.stage_ids, "blocks": trainer.blocks, "step": step, "memory": memory,
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
                 "world": joined, "carried": carried, "group_parts": dict(self.groups.join_timings),
                 "timings": dict(zip(SETUP_PARTS, (b - a for a, b in zip(t, t[1:])))),
@@ -320,6 +345,8 @@ class TrainWorker(SnapshotServing, GroupControl):
             self._step_ended(step)
         self._done_step = step
         self._idle_since = time.perf_counter()
+        peak, peak_device = peak_rss_bytes(), cuda_peak_bytes(self.trainer.device)
+        reset_peaks(self.trainer.device)   # the next step's peak starts from what is resident now
         return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
                 "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
                 "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
@@ -332,6 +359,8 @@ class TrainWorker(SnapshotServing, GroupControl):
                 # The whole call here (what the controller's driving cannot save, the rank's own
                 # Python between its passes included).
                 "call_s": time.perf_counter() - t0,
+                # The peak resident memory since the last step's (and the device's, on a GPU).
+                "peak_rss_bytes": peak, "peak_device_bytes": peak_device,
                 "ended_at": time.time()}   # wall clock: how long the next step's grant kept it waiting
 
     @ray.method(concurrency_group="train")

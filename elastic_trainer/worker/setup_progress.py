@@ -13,12 +13,17 @@ import threading
 
 
 class SetupProgress:
-    """A count of the units of work done by this process's set-ups, and their bytes."""
+    """A count of the units of work done by this process's set-up, and their bytes."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.units = 0
         self.nbytes = 0
+
+    def begin(self) -> None:
+        """A set-up starts: its count starts at nothing."""
+        with self._lock:
+            self.units = self.nbytes = 0
 
     def tick(self, nbytes: int = 0) -> None:
         with self._lock:

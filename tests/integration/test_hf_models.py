@@ -139,8 +139,14 @@ def check_export(cfg, result, tmp_path):
         hf_logits = loaded(input_ids=x).logits
     state = load_weights(result.model_path)
     torch.testing.assert_close(hf_logits, blocks_logits(cfg, state, x), rtol=1e-5, atol=1e-5)
-    # The run wrote the same folder at its end.
+    # The run wrote the same folder at its end, each pipeline rank its own part, and it loads.
+    pp = cfg.parallel.pp
     assert result.hf_path and os.path.isfile(os.path.join(result.hf_path, "config.json"))
+    assert sorted(f for f in os.listdir(result.hf_path) if f.endswith(".safetensors")) == [
+        f"model-{k:05d}-of-{pp:05d}.safetensors" for k in range(1, pp + 1)]
+    own = transformers.AutoModelForCausalLM.from_pretrained(result.hf_path, local_files_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(own(input_ids=x).logits, hf_logits, rtol=1e-5, atol=1e-5)
     return state, json.loads((out / "config.json").read_text())
 
 

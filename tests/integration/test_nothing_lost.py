@@ -2,6 +2,8 @@
 that belong to their run, a bounded object store with a slow holder, and an emergency copy on any
 error. Node losses at start-up and during a recovery's set-up: tests/integration/test_soak.py."""
 
+import os
+import shutil
 import statistics
 
 import pytest
@@ -40,7 +42,12 @@ def test_the_weights_are_saved_and_a_failed_save_fails_the_run(cluster, corpus_d
     cfg = config(corpus_dir, "weights", steps=6, parallel={"dp": 2, "pp": 2},
                  run={"name": "weights", "output_dir": str(tmp_path / "out")})
     result = Trainer(cfg, verbose=False).fit()
-    assert result.model_path == str(tmp_path / "out" / "model.safetensors")
+    # Each stage's part by its own rank, the index last: nothing else in the folder.
+    assert result.model_path == str(tmp_path / "out")
+    assert sorted(os.listdir(result.model_path)) == ["model-00001-of-00002.safetensors",
+                                                     "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    saved = [e for e in result.events if e["kind"] == "weights_saved"][-1]
+    assert [p["file"] for p in saved["parts"]] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     weights = load_weights(result.model_path)
     ref_losses, ref_state = reference_run(cfg, cfg.train.steps + 1)
     # Loaded into the same blocks, the weights give the next step's loss of one process that ran
@@ -49,13 +56,23 @@ def test_the_weights_are_saved_and_a_failed_save_fails_the_run(cluster, corpus_d
     assert result.final_loss == pytest.approx(ref_losses[-2], rel=1e-4)
     assert [e for e in result.events if e["kind"] == "state"][-1]["to"] == "FINISHED"
 
-    # A folder that cannot be made (a file stands in its place): FAILED, and the weights come back.
+    # A folder that cannot be made (a file stands in its place): FAILED, and each part is kept on
+    # its writer's node, where the error says; nothing is carried to the driver.
     (tmp_path / "file").write_text("in the way")
     bad = cfg.with_overrides(["run.name=weights2", f"run.output_dir={tmp_path / 'file' / 'out'}"])
-    with pytest.raises(SaveError, match=r"trained 6 steps but did not save the weights") as info:
+    with pytest.raises(SaveError, match=r"trained 6 steps but did not save the weights .*model-00001-of-00002"
+                                        r".*kept on node") as info:
         Trainer(bad, verbose=False).fit()
-    kept = info.value.model_state
-    assert set(kept) == set(weights) and all(torch.equal(kept[k], weights[k]) for k in weights)
+    parts = info.value.parts
+    assert [p["file"] for p in parts] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    try:
+        kept = {}
+        for p in parts:
+            assert p["fallback"] and p["node"] in str(info.value) and p["fallback"] in str(info.value)
+            kept.update(load_weights(p["fallback"]))
+        assert set(kept) == set(weights) and all(torch.equal(kept[k], weights[k]) for k in weights)
+    finally:
+        shutil.rmtree(os.path.dirname(parts[0]["fallback"]), ignore_errors=True)
 
 
 def test_durable_checkpoints_belong_to_their_run(cluster, corpus_dir, tmp_path):
@@ -63,7 +80,12 @@ def test_durable_checkpoints_belong_to_their_run(cluster, corpus_dir, tmp_path):
     ck = {"storage": str(storage), "durable_every": 2, "keep_durable": 2}
     first = Trainer(config(corpus_dir, "own1", steps=8, checkpoint=ck), verbose=False).fit()
     theirs = sorted(p.name for p in storage.glob(f"step-*-{first.run_id}"))
-    assert len(theirs) == 2 and first.model_path == str(storage / "own1" / "model.safetensors")
+    assert len(theirs) == 2 and first.model_path == str(storage / "own1")
+    # Each part was written on the node of the worker that made it, not by the controller.
+    nodes = {w["node_id"] for w in first.workers}
+    for e in (e for e in first.events if e["kind"] == "durable_checkpoint"):
+        assert e["parts"] and all(p["node"] in nodes and p["bytes"] > 0 for p in e["parts"]), e
+        assert e["bytes"] == sum(p["bytes"] for p in e["parts"])
     # A second run in the same storage, not resumed, stops earlier: its pruning leaves the
     # first run's later checkpoints alone and keeps its own.
     second = Trainer(config(corpus_dir, "own2", steps=4, checkpoint=ck), verbose=False).fit()
@@ -136,5 +158,5 @@ def test_any_controller_error_saves_the_newest_snapshot_first(cluster, corpus_di
     cfg = config(corpus_dir, "crash2", steps=30, run={"name": "crash2", "output_dir": str(out)})
     with pytest.raises(RuntimeError, match=r"injected controller error at step \d+"):
         Trainer(cfg, verbose=False, on_step=crash_soon("crash2")).fit()
-    [saved] = out.glob("model-step-*.safetensors")
+    [saved] = out.glob("model-step-*")
     assert int(saved.name[11:19]) >= 3 and len(load_weights(str(saved))) > 0

@@ -34,7 +34,7 @@ def test_a_failed_durable_write_is_an_event_a_warning_and_a_line_at_once(tmp_pat
 
     writer = DurableWriter(DurableStore(storage, "run1", retries=0), cfg, {}, SnapshotStore(1, 2), 2, event, "dur")
     with caplog.at_level(logging.WARNING, logger="elastic_trainer.controller.durable_writer"):
-        assert writer.save(2, [_shard(2)], [], {}) is None
+        assert writer.write(2, [(_shard(2), None, None)], [], {}) is None
     # Recorded before the call returns, on the writer's own thread: not first found at the end.
     assert [e["kind"] for e in events] == ["durable_failed"]
     failed = events[0]
@@ -51,9 +51,9 @@ def test_a_failed_durable_write_is_an_event_a_warning_and_a_line_at_once(tmp_pat
 
     # The storage comes back: the next write lands, and a later failure names it as the newest kept.
     (tmp_path / "file").unlink()
-    assert writer.save(4, [_shard(4)], [], {}) == f"{storage}/step-00000004-run1"
+    assert writer.write(4, [(_shard(4), None, None)], [], {}) == f"{storage}/step-00000004-run1"
     (tmp_path / "file" / "ck" / "step-00000006-run1").write_text("in the way")
-    assert writer.save(6, [_shard(6)], [], {}) is None
+    assert writer.write(6, [(_shard(6), None, None)], [], {}) is None
     assert [e["kind"] for e in events] == ["durable_failed", "durable_checkpoint", "durable_failed"]
     out = io.StringIO()
     ProgressPrinter(cfg, out).event(events[-1])

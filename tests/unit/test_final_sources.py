@@ -1,8 +1,8 @@
 """Where the final weights of each pipeline stage come from: replica 0's worker, else another live
 DP replica of the stage, else the snapshot of the final step on a live node, else an error naming
-the stage and what is gone (controller/saving.py)."""
+the stage and what is gone (controller/final_sources.py)."""
 
-from elastic_trainer.controller.saving import lost_stages_error, snapshot_cover, stage_replicas, take_stages
+from elastic_trainer.controller.final_sources import lost_stages_error, snapshot_cover, stage_replicas, take_stages
 from elastic_trainer.errors import RunError
 from elastic_trainer.parallel.topology import Topology
 

@@ -151,3 +151,32 @@ def test_a_memory_kill_found_during_a_replan_names_its_own_failures_recovery_not
     ev = replanner.pending_event
     assert (ev["failure"], ev["cause"]) == (2, "memory")
     assert [e["worker"] for e in run.events if e["kind"] == "memory_kill"] == [5, 7]
+
+
+class _OomSetup(_Setup):
+    """Runs out of memory setting up ``unfit`` (dp, pp) layouts; any other sets up."""
+
+    def __init__(self, unfit):
+        super().__init__()
+        self.unfit = unfit
+
+    def apply(self, plan, restore, sources, durable_refs, ranks=None, reuse_world=None, whole=None):
+        self.calls.append({"layout": (plan.topology.dp, plan.topology.pp), "ranks": ranks})
+        if (plan.topology.dp, plan.topology.pp) in self.unfit:
+            raise WorkerError("workers failed to set up: worker 0: OutOfMemoryError: CUDA out of memory. "
+                              "Tried to allocate 2.00 GiB")
+        return plan.describe()
+
+
+def test_a_layout_that_runs_out_of_memory_at_its_setup_is_not_retried_nor_chosen_again():
+    cfg, run = _run(RunState.RECOVERING)
+    setup = _OomSetup(unfit={(1, 2)})
+    replanner, budget = _replanner(cfg, run, setup, _Pool([0, 1]))
+    failed = SimpleNamespace(step=9, started=0.0, dropped=[], first_signal=None)
+    # Every worker is alive, so the plan would be kept as it is: it ran out of memory, so the
+    # policy chooses again, leaving it out.
+    replanner.carry_out(ReplanOrder("raised", detected=0.5, failed=failed, plan_before=run.plan.describe()))
+    assert [c["layout"] for c in setup.calls] == [(1, 2), (2, 1)] and budget.failures == 1
+    [unfit] = [e for e in run.events if e["kind"] == "layout_unfit"]
+    assert (unfit["dp"], unfit["pp"]) == (1, 2) and "out of memory" in unfit["detail"]
+    assert list(replanner.unfit) == [(1, 2, ((0, 4), (4, len(run.counts))))]
