@@ -166,8 +166,18 @@ class DurableStore:
 
     def commit(self, step: int, files: list[dict], meta: dict) -> str:
         """Write the manifest of ``step``'s checkpoint, once every part in ``files`` (their
-        ``write_part`` entries) is written: the checkpoint exists from this moment."""
+        ``write_part`` entries) is written: the checkpoint exists from this moment. Every part
+        must be there as seen from here (a local path that is not one shared filesystem holds
+        each on its writer's machine): else a ``CheckpointError`` naming them, and no manifest."""
         d = self.step_dir(step)
+        infos = self._retry(lambda: self.fs.get_file_info([f"{d}/{f['name']}" for f in files]), f"listing {d}")
+        unseen = [f for f, info in zip(files, infos) if info.type != pafs.FileType.File or info.size != f["bytes"]]
+        if unseen:
+            raise CheckpointError(
+                f"checkpoint.storage({self.uri!r}) is not one storage for every node: "
+                + "; ".join(f"{f['name']} (written on node {f.get('node', '?')})" for f in unseen)
+                + f" not in {d} as seen from here; give checkpoint.storage a shared filesystem or an object "
+                "store URI (s3://, gs://)")
         entries = [{k: f[k] for k in ("name", "sha256", "bytes", "blocks")} for f in files]
         manifest = {"format": FORMAT, "step": step, "run_id": self.run_id, "created": time.time(),
                     "files": entries, **meta}

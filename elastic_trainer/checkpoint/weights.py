@@ -92,6 +92,15 @@ def save_weights(where: str, state: dict[str, torch.Tensor], metadata: dict, ret
     return write_safetensors(where, name, state, metadata, retries)["path"]
 
 
+def unseen_parts(where: str, parts: list[dict]) -> list[dict]:
+    """Those of ``parts`` (``write_safetensors`` entries, written by other processes, perhaps on
+    other machines) that ``where`` does not show here with their size: a local path that is not
+    one shared filesystem holds each part on its own writer's machine."""
+    fs, root = resolve_filesystem(where)
+    infos = fs.get_file_info([f"{root.rstrip('/')}/{p['file']}" for p in parts])
+    return [p for p, info in zip(parts, infos) if info.type != pafs.FileType.File or info.size != p["bytes"]]
+
+
 def write_index(where: str, parts: list[dict], metadata: dict, retries: int = 3) -> str:
     """Write ``<where>/model.safetensors.index.json`` for ``parts`` (``write_safetensors`` entries,
     every one written and verified): each tensor's file, the total size, and ``metadata``. The

@@ -22,7 +22,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..checkpoint.weights import WeightsError, part_file, weights_from_shards, write_index
+from ..checkpoint.weights import WeightsError, part_file, unseen_parts, weights_from_shards, write_index
 from ..config import TrainerConfig
 from ..worker.weights_writer import write_stage
 from .final_sources import lost_stages_error, snapshot_cover, stage_replicas, take_stages
@@ -107,6 +107,7 @@ class FinalWeights:
                 + (f"kept on node {b['node']} at {b['fallback']}" if b["fallback"] else f"not kept on node {b['node']}")
                 for b in bad), bad)
         parts = [answers[s]["part"] for s in range(topo.pp)]
+        self._check_seen(where, parts, answers)
         path = write_index(where, parts, meta, self.cfg.failure.storage_retries)
         hf_path = self._hf_index(hf, hf_where, [answers[s]["hf"] for s in range(topo.pp)]) if hf else None
         report = [{"file": p["file"], "bytes": p["bytes"], "seconds": round(p["seconds"], 3),
@@ -115,6 +116,20 @@ class FinalWeights:
                   tensors=sum(len(p["names"]) for p in parts), parts=report)
         log.info("[%s] weights of step %d saved to %s (%d parts)", run.name, run.step, path, len(parts))
         return {"model_path": path, "hf_path": hf_path, "parts": report}
+
+    def _check_seen(self, where: str, parts: list[dict], answers: dict) -> None:
+        """Every part, written on its rank's node, is there for the index to name: else
+        ``where`` is a local path on machines that do not share it, and the folder is split."""
+        unseen = unseen_parts(where, parts)
+        if unseen:
+            node_of = {answers[s]["part"]["file"]: answers[s]["node"] for s in answers}
+            raise PartsNotSaved(
+                f"run.output_dir({where!r}) is not one storage for every node: "
+                + "; ".join(f"{p['file']} was written on node {node_of[p['file']]} at {p['path']} and is not "
+                            "there as seen from the controller's node" for p in unseen)
+                + ". Give run.output_dir a shared filesystem or an object store URI (s3://, gs://)",
+                [{"file": p["file"], "stage": None, "node": node_of[p["file"]], "fallback": p["path"],
+                  "error": "not on the controller's node"} for p in unseen])
 
     def _from_snapshot(self, stage: int, job: dict) -> dict | None:
         """Stage ``stage``'s part written from the snapshot of the last step, by a task on a node

@@ -40,6 +40,7 @@ from .node_fate import watch_raylet
 from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .setup_progress import PROGRESS
+from .step_answer import step_answer
 from .weights_writer import write_stage
 from .snapshot_serving import SnapshotServing
 
@@ -345,23 +346,8 @@ class TrainWorker(SnapshotServing, GroupControl):
             self._step_ended(step)
         self._done_step = step
         self._idle_since = time.perf_counter()
-        peak, peak_device = peak_rss_bytes(), cuda_peak_bytes(self.trainer.device)
-        reset_peaks(self.trainer.device)   # the next step's peak starts from what is resident now
-        return {"rank": self.rank, "loss": r.loss, "compute_s": r.compute_s, "comm_time_s": r.comm_s,
-                "exposed_comm_s": r.exposed_comm_s, "comm_bytes": r.comm_bytes, "dense_bytes": r.dense_bytes,
-                "cursor": r.cursor, "loss_scale": r.loss_scale, "skipped": r.skipped,
-                "snapshot_wait_s": r.snapshot_wait_s, "lr": r.lr, "forward_s": r.forward_s,
-                "backward_s": r.backward_s, "optimizer_s": r.optimizer_s, "wait_s": r.wait_s,
-                "micro_batches": r.micro_batches, "passes_steady_s": r.passes_steady_s,
-                "passes_shape": r.passes_shape,
-                "snapshot_bytes": job.nbytes if job and put_blocks else 0,
-                "snapshot_buffer_bytes": self.trainer.snapshots.buffer_bytes, "copied": copied,
-                # The whole call here (what the controller's driving cannot save, the rank's own
-                # Python between its passes included).
-                "call_s": time.perf_counter() - t0,
-                # The peak resident memory since the last step's (and the device's, on a GPU).
-                "peak_rss_bytes": peak, "peak_device_bytes": peak_device,
-                "ended_at": time.time()}   # wall clock: how long the next step's grant kept it waiting
+        return step_answer(self.rank, r, job.nbytes if job and put_blocks else 0,
+                           self.trainer.snapshots.buffer_bytes, copied, t0, self.trainer.device)
 
     @ray.method(concurrency_group="train")
     def train_lease(self, first: int, count: int, snapshot_last: bool, put_blocks: list[int] | None = None,

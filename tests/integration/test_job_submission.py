@@ -115,8 +115,8 @@ def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
     assert "run jobtest: final loss" in logs
     # No flags for the one node: the workers are packed onto it, and the run says what that means.
     assert "placement: 4 workers on 1 node: losing that node loses every copy" in logs
-    assert f"weights: {tmp_path / 'jobtest' / 'model.safetensors'}" in logs
-    assert (tmp_path / "jobtest" / "model.safetensors").exists()
+    assert f"weights: {tmp_path / 'jobtest'}\n" in logs
+    assert (tmp_path / "jobtest" / "model.safetensors.index.json").exists()
     assert f"run report: {tmp_path / 'jobtest.png'}" in logs and (tmp_path / "jobtest.png").exists()
     # The run's metrics on the head's export port, while it ran.
     assert step_metric is not None and step_metric >= 1, "no ray_elastic_trainer_step series for the run"

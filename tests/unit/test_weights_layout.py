@@ -75,3 +75,18 @@ def test_durable_parts_are_written_one_by_one_and_committed_by_the_manifest(tmp_
     assert seen == ["step-00000005-r1"] and problems == [] and manifest["run_name"] == "x"
     assert [s["blocks"] for s in shards] == [[0], [1]] and shards[1]["params"]["blocks.1.w"][0] == 1.0
     assert "seconds" not in manifest["files"][0]
+
+
+def test_parts_written_on_other_machines_are_found_missing_before_the_index_or_manifest(tmp_path):
+    from elastic_trainer.checkpoint.weights import unseen_parts
+
+    # A part whose writer's local path is not this machine's: it is not here, or not whole.
+    here = write_safetensors(str(tmp_path / "out"), part_file(0, 2), {"a": torch.ones(2)}, {})
+    elsewhere = dict(here, file=part_file(1, 2), names=["b"])
+    assert unseen_parts(str(tmp_path / "out"), [here, elsewhere]) == [elsewhere]
+    store = DurableStore(str(tmp_path / "ck"), run_id="r1")
+    written = store.write_part(3, 0, _shard(3, [0], 1.0))
+    ghost = dict(written, name="shard-001.pt", node="n2")
+    with pytest.raises(CheckpointError, match=r"not one storage for every node: shard-001.pt \(written on node n2\)"):
+        store.commit(3, [written, ghost], {})
+    assert not (tmp_path / "ck" / "step-00000003-r1" / "manifest.json").exists()
