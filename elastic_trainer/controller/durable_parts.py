@@ -51,7 +51,12 @@ class DurableParts:
 
     def __init__(self, store: DurableStore, timeout_s: float):
         self.store, self.timeout_s = store, timeout_s
-        self.spec = (store.uri, store.run_id, store.retries, store.backoff_s)
+
+    @property
+    def spec(self) -> tuple:
+        # Read at each call: a resumed run adopts the run id it continues after this was made.
+        s = self.store
+        return s.uri, s.run_id, s.retries, s.backoff_s
 
     def write(self, step: int, parts: list[tuple]) -> list[dict]:
         """Write ``parts`` ((object ref, node id or None, the live worker actor that made it or
