@@ -102,4 +102,6 @@ class DurableParts:
             _raise_cause(e)
         except ray.exceptions.GetTimeoutError:
             raise CheckpointError(f"checkpoint {name}: its parts were not all read in {self.timeout_s:g}s") from None
+        except ray.exceptions.RayError as e:   # a reader's node or process lost
+            raise CheckpointError(f"checkpoint {name}: a part's reader was lost: {type(e).__name__}: {e}") from None
         return [part for _, part in pairs]

@@ -83,8 +83,15 @@ class FinalWeights:
 
         alive = {w for w in set(run.ranks.values()) if w in self.pool}
         order = stage_replicas(topo, run.ranks, alive, late)
-        got, failed = take_stages(order, lambda asks: ask_all(
-            {s: self.pool[w].actor.write_weights.remote(job(s)) for s, w in asks.items()}, self.timeout_s))
+        def ask(asks: dict[int, int]) -> dict:
+            answers = ask_all({s: self.pool[w].actor.write_weights.remote(job(s)) for s, w in asks.items()},
+                              self.timeout_s)
+            # A writer past its time may still be writing the file the stage's next replica will:
+            # it is killed before that one starts.
+            self.pool.drop([asks[s] for s, a in answers.items() if isinstance(a, TimeoutError)])
+            return answers
+
+        got, failed = take_stages(order, ask)
         answers = {s: a for s, (_, a) in got.items()}
         left = sorted(set(range(topo.pp)) - set(got))
         for s in left:
@@ -109,7 +116,12 @@ class FinalWeights:
         parts = [answers[s]["part"] for s in range(topo.pp)]
         self._check_seen(where, parts, answers)
         path = write_index(where, parts, meta, self.cfg.failure.storage_retries)
-        hf_path = self._hf_index(hf, hf_where, [answers[s]["hf"] for s in range(topo.pp)]) if hf else None
+        hf_errors = [a["hf_error"] for a in answers.values() if a.get("hf_error")]
+        if hf and hf_errors:
+            run.event("checkpoint_problem", step=run.step,
+                      detail=f"the Hugging Face folder was not written: {'; '.join(hf_errors)}")
+        hf_path = (self._hf_index(hf, hf_where, [answers[s]["hf"] for s in range(topo.pp)])
+                   if hf and not hf_errors else None)
         report = [{"file": p["file"], "bytes": p["bytes"], "seconds": round(p["seconds"], 3),
                    "node": answers[s]["node"]} for s, p in enumerate(parts)]
         run.event("weights_saved", step=run.step, path=path, seconds=time.perf_counter() - t0,

@@ -25,21 +25,25 @@ def fallback_dir(run_name: str) -> str:
 def write_stage(state: dict[str, torch.Tensor], job: dict, node: str) -> dict:
     """Write ``state`` (this rank's tensors by global name) as ``job`` says: ``where``, ``file``,
     ``meta``, ``retries``, ``run``, and ``hf`` (None, or ``where``, ``file`` and ``names``:
-    global -> Hugging Face name of the tensors it writes). ``{"node", "part", "hf"}`` (their
-    ``write_safetensors`` entries), or where the write failed ``{"node", "error", "fallback"}``
-    (the part's path on this node, None if that failed too)."""
+    global -> Hugging Face name of the tensors it writes). ``{"node", "part", "hf", "hf_error"}``
+    (their ``write_safetensors`` entries; the HF part's error, if it failed), or where the part
+    failed ``{"node", "error", "fallback"}`` (the part's path on this node, None if that failed too)."""
     try:
         part = write_safetensors(job["where"], job["file"], state, job["meta"], job["retries"])
-        hf = None
-        if job.get("hf"):
-            names = job["hf"]["names"]
-            hf = write_safetensors(job["hf"]["where"], job["hf"]["file"],
-                                   {names[n]: t for n, t in state.items() if n in names}, {"format": "pt"},
-                                   job["retries"], as_json=False)
-        return {"node": node, "part": part, "hf": hf}
     except WeightsError as e:
         try:
             kept = write_safetensors(fallback_dir(job["run"]), job["file"], state, job["meta"], 1)["path"]
         except WeightsError:
             kept = None
         return {"node": node, "error": str(e), "fallback": kept}
+    hf, hf_error = None, None
+    if job.get("hf"):
+        # The Hugging Face folder is not a condition of the weights: its failure is told apart.
+        names = job["hf"]["names"]
+        try:
+            hf = write_safetensors(job["hf"]["where"], job["hf"]["file"],
+                                   {names[n]: t for n, t in state.items() if n in names}, {"format": "pt"},
+                                   job["retries"], as_json=False)
+        except WeightsError as e:
+            hf_error = str(e)
+    return {"node": node, "part": part, "hf": hf, "hf_error": hf_error}

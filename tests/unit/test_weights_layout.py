@@ -90,3 +90,14 @@ def test_parts_written_on_other_machines_are_found_missing_before_the_index_or_m
     with pytest.raises(CheckpointError, match=r"not one storage for every node: shard-001.pt \(written on node n2\)"):
         store.commit(3, [written, ghost], {})
     assert not (tmp_path / "ck" / "step-00000003-r1" / "manifest.json").exists()
+
+
+def test_a_stage_whose_hf_part_fails_still_writes_its_weights_and_says_so(tmp_path):
+    from elastic_trainer.worker.weights_writer import write_stage
+
+    (tmp_path / "file").write_text("in the way")
+    job = {"where": str(tmp_path / "out"), "file": part_file(0, 1), "meta": {"step": 1}, "retries": 0, "run": "r",
+           "hf": {"where": str(tmp_path / "file" / "hf"), "file": part_file(0, 1), "names": {"blocks.0.w": "w"}}}
+    got = write_stage({"blocks.0.w": torch.ones(2)}, job, "n1")
+    assert "error" not in got and got["part"]["file"] == part_file(0, 1) and got["hf"] is None
+    assert "was not saved" in got["hf_error"] and got["node"] == "n1"
