@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -18,7 +19,7 @@ from .controller.controller import ControllerActor
 from .controller.saving import SaveError  # noqa: F401  (a run's error, importable from here)
 from .data.dataset import ensure_prepared
 from .data.splits import data_order, open_datasets
-from .errors import DataError
+from .errors import DataError, ElasticTrainerError
 from .models.hf import load_hf_config
 from .models.build import whole_build_warning
 from .models.factory import resolve_factory
@@ -164,6 +165,13 @@ class Trainer:
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"])
             return False
+        started_here = _started_cluster()
+        if started_here:
+            # `ray start --head` ran on this machine: join it, as `ray.init()` would (Ray refuses
+            # a cluster of our own size while that one runs).
+            with _loopback_kept(started_here):
+                ray.init(address=started_here)
+            return False
         res = cfg.scaling.resources_per_worker
         num_cpus = max(os.cpu_count() or 1, int(res.get("CPU", 1) * cfg.world_size + 0.999))
         # A local cluster is for this machine only: keep it on loopback.
@@ -214,8 +222,9 @@ class Trainer:
             try:
                 out = ray.get(done_ref)
             except ray.exceptions.RayTaskError as e:
-                # Ray colours the remote traceback; the report's title wants plain text.
-                cause = e.as_instanceof_cause()
+                # Our own errors say all in their message (the controller's log has the trace); an
+                # unexpected one keeps the remote traceback. Ray colours it; the report wants text.
+                cause = e.cause if isinstance(e.cause, ElasticTrainerError) else e.as_instanceof_cause()
                 error = re.sub(r"\x1b\[[0-9;]*m", "", str(cause))
                 self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": error}])
                 raise cause from None
@@ -261,3 +270,29 @@ def _check_vocab(vocab: int | None, datasets: list) -> None:
             raise DataError(f"{ds.source!r} holds token ids up to {top}, but the model's vocabulary has {vocab} "
                             f"(ids 0..{vocab - 1}): raise the model's vocab_size to at least {top + 1}, or "
                             "tokenize with a matching tokenizer")
+
+
+def _started_cluster() -> str | None:
+    """The address the last `ray start` on this machine left, if that cluster still runs."""
+    try:
+        from ray._private.services import find_bootstrap_address
+        return find_bootstrap_address(None)
+    except Exception:  # a private Ray helper: its absence means "none known"
+        return None
+
+
+@contextlib.contextmanager
+def _loopback_kept(address: str):
+    """Ray resolves a loopback cluster address to this machine's routable address (where the
+    cluster does not listen) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: a head started with
+    `--node-ip-address 127.0.0.1` is joined on loopback, as that variable would."""
+    from ray._private import ray_constants
+
+    loopback = address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "::1", "[::1]")
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    if loopback:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before

@@ -37,6 +37,7 @@ import hashlib
 import io
 import json
 import threading
+import warnings
 import time
 
 import numpy as np
@@ -76,11 +77,14 @@ def parse_dirname(name: str) -> tuple[int, str | None] | None:
 
 
 def _tensors(obj):
-    """numpy arrays -> tensors, through nested dicts (what weights_only loading accepts)."""
+    """numpy arrays -> tensors, through nested dicts (what weights_only loading accepts), without
+    a copy: the arrays are the object store's read-only views, and the tensors are only saved."""
     if isinstance(obj, dict):
         return {k: _tensors(v) for k, v in obj.items()}
     if isinstance(obj, np.ndarray | np.generic):
-        return torch.from_numpy(np.array(obj))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(np.ascontiguousarray(obj) if obj.ndim else np.asarray(obj))
     return obj
 
 
@@ -94,7 +98,7 @@ def _arrays(obj):
 
 def _to_torch(shard: dict) -> dict:
     return {
-        "params": {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in shard["params"].items()},
+        "params": _tensors(shard["params"]),
         "optim": _tensors(shard["optim"]),
         "comm": _tensors(shard.get("comm") or {}),
         "comm_meta": _tensors(shard.get("comm_meta") or {}),

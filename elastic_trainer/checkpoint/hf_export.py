@@ -78,8 +78,8 @@ def hf_names(model: ModelSection, hf_config: dict | None = None) -> tuple[dict[s
     """(global parameter name -> Hugging Face name, followers of a tie left out; the
     ``transformers`` config) of an HF model, from its config on the meta device."""
     if model.kind != "hf":
-        raise ExportError(f"--hf needs a run of model.kind 'hf'; this one is {model.kind!r} (its weights "
-                          "file, by global block names, is already loadable with safetensors)")
+        raise ExportError(f"--hf needs a run of model.kind 'hf'; this one is {model.kind!r} (its weights, "
+                          "by global block names, load with elastic_trainer.checkpoint.weights.load_weights)")
     try:
         config = load_hf_config(hf_config or model.hf_config, model.init_from)
     except ElasticTrainerError as e:

@@ -58,3 +58,22 @@ def test_the_straggler_demo_says_when_no_share_can_move():
     assert "--set train.micro_batch_size=1 gives 8 per replica" in balancing_hint(demo)
     assert balancing_hint(demo.with_overrides(["train.micro_batch_size=1"])) is None
     assert balancing_hint(demo.with_overrides(["balance.mode=detect"])) is None
+
+
+def test_the_command_imports_a_factory_beside_the_job(tmp_path, monkeypatch, capsys):
+    """As `python -m elastic_trainer` does: a user's model module in the working directory imports."""
+    import sys
+
+    from elastic_trainer.cli import main as command
+
+    (tmp_path / "usermix_model.py").write_text(
+        "from torch import nn\n"
+        "def build(only_blocks=None):\n"
+        "    return [nn.Embedding(16, 8), nn.Linear(8, 16)], nn.CrossEntropyLoss()\n")
+    (tmp_path / "job.yaml").write_text(
+        "model: {factory: 'usermix_model:build'}\ndata: {path: x, seq_len: 8}\n"
+        "parallel: {dp: 1, pp: 2}\ntrain: {global_batch_size: 2, micro_batch_size: 1}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert command(["plan", "job.yaml", "--json"]) == 0
+    assert [s["params"] for s in json.loads(capsys.readouterr().out)["stages"]] == [128, 144]
