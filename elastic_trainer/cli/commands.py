@@ -9,6 +9,7 @@ import sys
 from ..checkpoint.compat import ACCEPTABLE
 from ..config import TrainerConfig
 from ..errors import ConfigError, ElasticTrainerError
+from .plan_view import cmd_plan
 
 
 def _with_straggler(cfg: TrainerConfig, rank: int, factor: float) -> TrainerConfig:
@@ -73,61 +74,6 @@ def _cmd_run(args) -> int:
         result = Trainer(cfg).fit(resume=resume, accept_change=accept)
     print(f"run {result.run_name}: final loss {result.final_loss:.4f} after {len(result.history)} steps"
           + (f", {len(result.failures)} failure(s) survived" if result.failures else ""))
-    return 0
-
-
-def _cmd_plan(args) -> int:
-    from ..models.build import whole_build_warning
-    from ..planning.constants import load_constants
-    from ..planning.plan import make_plan
-    from ..planning.planner import format_candidates, predict_candidates, recommend
-    from ..planning.policy import replan_row
-
-    cfg = TrainerConfig.from_yaml(args.job, args.set)
-    whole = whole_build_warning(cfg.model)
-    if whole:
-        print(f"warning: {whole}", file=sys.stderr)
-    plan = make_plan(cfg)
-    out = plan.describe()
-    out.pop("rank_nodes")
-    out["micro_batches_per_replica"] = cfg.micro_batches
-    out["schedule"] = cfg.parallel.schedule
-    out["backend"] = cfg.scaling.resolved_backend()
-    workers = cfg.world_size if args.workers is None else args.workers
-    if workers < 1:
-        raise ConfigError(f"--workers must be >= 1; got {workers}")
-    gb = cfg.scaling.worker_memory_gb if args.memory_gb is None else args.memory_gb
-    if gb is not None and not gb > 0:
-        raise ConfigError(f"--memory-gb must be > 0; got {gb}")
-    memory = None if gb is None else gb * (1 << 30)
-    path = args.constants or cfg.comm.constants
-    constants = load_constants(path) if path else None
-    # A constants file may also carry the compute rate of its machine (see planner.predict_candidates).
-    rows = predict_candidates(cfg, workers, constants, (constants or {}).get("compute"), worker_memory_bytes=memory)
-    best, reason = recommend(rows)
-    # What a run of this job would re-plan to on these workers after a failure: same model, same rows,
-    # but the run keeps its codec and sync (planning.policy.choose_plan picks the same).
-    replan = replan_row(rows, cfg)
-    if args.json:
-        # The plan's own keys stay at the top level, as before predictions existed.
-        out["predictions"] = {"workers": workers, "constants": rows[0]["constants_source"] if rows else None,
-                              "worker_memory_bytes": memory, "candidates": rows, "recommended": best,
-                              "reason": reason, "replan": replan}
-        print(json.dumps(out, indent=2))
-        return 0
-    print(format_candidates(rows))
-    print()
-    print(f"recommended: {reason}")
-    if replan is not None:
-        print(f"re-plan after a failure on {workers} worker(s), keeping compression {cfg.comm.compression} and sync "
-              f"{cfg.comm.sync}: dp={replan['dp']} pp={replan['pp']}, predicted {replan['total_s'] * 1e3:.1f} "
-              f"ms/step, {replan['memory_bytes'] / 1e6:.1f} MB/worker")
-    if constants is None and (cfg.scaling.uses_gpu or out["backend"] == "nccl"):
-        print("caution: the built-in constants, compute rate and codec costs are one CPU thread and gloo over "
-              "loopback; for this GPU job give --constants FILE with your own alpha/beta and a 'compute' entry")
-    print()
-    print("the job as configured:")
-    print(json.dumps(out, indent=2))
     return 0
 
 
@@ -339,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true",
                       help="print JSON: the plan's keys as before, plus 'predictions' (candidates, recommendation, "
                            "and 'replan': the layout a run re-plans to on these workers)")
-    plan.set_defaults(fn=_cmd_plan)
+    plan.set_defaults(fn=cmd_plan)
     bc = sub.add_parser("bench-comm", help="Measure all-reduce algorithms over local processes and fit alpha/beta.",
                         description="Time ring, tree and chunked all-reduce over --procs local gloo processes "
                                     "(loopback TCP), print an nccl-tests style table, the loopback TCP limit, "

@@ -38,7 +38,9 @@ class ScalingSection(_Strict):
                                           "set through Ray's runtime_env.")
     min_workers: int = Field(1, ge=1, description="Below this many live workers the run waits for nodes, then stops.")
     max_workers: int | None = Field(None, ge=1, description="Grow up to this many workers when nodes join; default: dp * pp.")
-    worker_memory_gb: float | None = Field(None, gt=0, description="Memory a worker may use; plans that do not fit are not chosen. Default: no bound.")
+    worker_memory_gb: float | None = Field(
+        None, gt=0, description="Memory a worker may use; plans that do not fit are not chosen. Default: what a "
+                                "worker has: a GPU's memory, or a CPU worker's share of its node's memory.")
     grow_check_s: float = Field(5.0, gt=0, description="How often to look for new nodes at step boundaries.")
 
     @property

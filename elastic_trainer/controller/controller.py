@@ -62,6 +62,7 @@ from .ps_group import ParameterServers
 from .queries import ControllerQueries
 from .failure_budget import FailureBudget
 from .growth import Growth
+from .memory_bound import resolve_memory_bound
 from .memory_kills import MemoryKills
 from .recovery import Recovery
 from .replan import Replanner
@@ -188,6 +189,7 @@ class Controller:
             # The re-plan reads comm.constants: a missing or bad file must stop the run now,
             # not at its first node loss.
             run_constants(cfg)
+            resolve_memory_bound(cfg, self.run_name)   # before the start is held to it
             run.counts = block_param_counts(cfg.model)
             if self.durable:
                 self.writer = DurableWriter(self.durable, cfg, self.cfg_json, self.snapshots, len(run.counts),

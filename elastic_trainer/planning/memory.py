@@ -1,8 +1,16 @@
-"""Bytes one worker holds under a layout: its parameters' state plus the activations its schedule keeps alive.
+"""Bytes one worker holds under a layout, buffer by buffer, device and host apart.
 
-``memory = params * BYTES_PER_PARAM + peak activation bytes``, for the rank
-that needs the most (every replica is the same, so one pipeline's ranks
-decide).
+Per parameter of the rank's own blocks (:class:`MemoryModel`, from the run's
+config): the fp32 weight and its gradient, AdamW's two moments, the fp32
+gradient buckets a data-parallel all-reduce flattens the gradients into
+(every bucket is alive at the end of the backward), the error-feedback
+residual of int8/topk/powersgd or DiLoCo's outer copy and momentum; then
+activations (below). Those live on the worker's device. In host memory: the
+rank's local snapshot copies (``checkpoint.snapshots_kept`` of them, weights
+and moments each) and the process itself (interpreter, torch, Ray: measured
+here at about 320 MiB). On a CPU worker device and host are one memory, and a
+worker's bound holds the sum; on a GPU the bound holds the device's part.
+Every replica is the same, so one pipeline's ranks decide.
 
 Activations: a stage keeps what autograd saved for a micro-batch (and, in a
 pipeline, the stage's output) from that micro-batch's forward until its
@@ -33,15 +41,84 @@ for ``precision: bf16``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .layouts import Layout
 from .model_shape import ModelShape
 
-# What a worker keeps per parameter: fp32 weight and gradient, AdamW's two
-# moments, and one snapshot copy in host memory. Left out, as they exist for
-# some configs only: the error-feedback residual of int8/topk/powersgd and
-# DiLoCo's outer copy and momentum (4 and 8 bytes more); a bound set close to
-# the limit should leave room for them.
-BYTES_PER_PARAM = 4 * 5
+# The process before any model: a Ray worker with torch and this package imported (VmRSS, measured
+# on this project's CPU build; a CUDA context adds its own device memory, not counted).
+RUNTIME_BYTES = 320 << 20
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What a run keeps per parameter of a rank's blocks, in bytes, by buffer (see the module's doc)."""
+
+    weights: int = 4           # fp32 master weights
+    grads: int = 4             # fp32 .grad
+    optimizer: int = 8         # AdamW exp_avg, exp_avg_sq
+    buckets: int = 4           # fp32 flat bucket copies of the gradients (dp > 1 and an all-reduce)
+    extra: int = 0             # error-feedback residual (4) or DiLoCo's outer copy and momentum (8)
+    snapshots_kept: int = 2    # local snapshot copies, each weights + moments, in host memory
+    gpu: bool = False          # device memory apart from host memory
+    runtime: int = RUNTIME_BYTES
+
+    @classmethod
+    def of(cls, cfg) -> "MemoryModel":
+        """The model of a run's config (``TrainerConfig``)."""
+        c = cfg.comm
+        extra = 8 if c.sync == "diloco" else 4 if c.compression in ("int8", "topk", "powersgd") else 0
+        return cls(buckets=4 if c.sync == "allreduce" else 0, extra=extra,
+                   snapshots_kept=cfg.checkpoint.snapshots_kept, gpu=cfg.scaling.uses_gpu)
+
+    @property
+    def per_param(self) -> int:
+        """Bytes a parameter costs where every buffer is there (dp > 1, CPU)."""
+        return self.weights + self.grads + self.optimizer + self.buckets + self.extra + self.snapshot_bytes
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.snapshots_kept * (self.weights + self.optimizer)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's bytes, by buffer: ``device`` and ``host`` apart, ``bounded`` what a
+    worker's memory bound holds (both on a CPU worker, the device's part on a GPU)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    buckets: int
+    extra: int
+    activations: int
+    snapshots: int
+    runtime: int
+    gpu: bool = False
+
+    @property
+    def device(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.buckets + self.extra + self.activations
+
+    @property
+    def host(self) -> int:
+        return self.snapshots + self.runtime + (0 if self.gpu else self.device)
+
+    @property
+    def bounded(self) -> int:
+        return self.device if self.gpu else self.host
+
+    @property
+    def state(self) -> int:
+        """The bounded bytes other than activations."""
+        return self.bounded - self.activations
+
+    def parts(self) -> dict[str, int]:
+        """Each buffer's bytes, for ``elastic-trainer plan`` and the run report."""
+        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+                "grad_buckets": self.buckets, "comm_state": self.extra, "activations": self.activations,
+                "snapshots": self.snapshots, "runtime": self.runtime, "device": self.device, "host": self.host}
 
 
 def in_flight(schedule: str, m: int, pp: int, stage: int) -> int:
@@ -67,15 +144,15 @@ def stage_activation_bytes(layout: Layout, shape: ModelShape, stage: int, checkp
     return saved + (shape.out_bytes[b - 1] if layout.pp > 1 else 0)
 
 
-def rank_memory(layout: Layout, shape: ModelShape, schedule: str,
-                checkpointing: bool = False) -> list[tuple[int, int]]:
-    """``(state bytes, peak activation bytes)`` of each PP rank of ``layout``."""
+def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing: bool = False,
+                model: MemoryModel = MemoryModel()) -> list[RankMemory]:
+    """Each PP rank's bytes under ``layout`` (:class:`RankMemory`)."""
     counts = shape.param_counts
     out = []
     for r in range(layout.pp):
         stages = layout.stages_of(r)
         blocks = layout.blocks_of(r)
-        state = sum(counts[b] for b in blocks) * BYTES_PER_PARAM
+        n = sum(counts[b] for b in blocks)
         acts = [stage_activation_bytes(layout, shape, s, checkpointing) for s in stages]
         if len(stages) > 1:
             peak = _interleaved_peak(acts, layout.micro_batches, layout.pp, r)
@@ -83,15 +160,18 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str,
             peak = acts[0] * in_flight(schedule, layout.micro_batches, layout.pp, r)
         if checkpointing and shape.saved_bytes is not None:
             peak += max(shape.saved_bytes[b] for b in blocks)  # the block being recomputed
-        out.append((state, peak))
+        out.append(RankMemory(
+            weights=n * model.weights, grads=n * model.grads, optimizer=n * model.optimizer,
+            buckets=n * model.buckets if layout.dp > 1 else 0, extra=n * model.extra if layout.dp > 1 else 0,
+            activations=peak, snapshots=n * model.snapshot_bytes, runtime=model.runtime, gpu=model.gpu))
     return out
 
 
-def worker_memory(layout: Layout, shape: ModelShape, schedule: str,
-                  checkpointing: bool = False) -> tuple[int, int]:
-    """``(total bytes, activation bytes)`` of the rank of ``layout`` that needs the most memory."""
-    state, act = max(rank_memory(layout, shape, schedule, checkpointing), key=sum)
-    return state + act, act
+def worker_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing: bool = False,
+                  model: MemoryModel = MemoryModel()) -> tuple[int, int]:
+    """``(bounded bytes, activation bytes)`` of the rank of ``layout`` that needs the most memory."""
+    top = max(rank_memory(layout, shape, schedule, checkpointing, model), key=lambda m: m.bounded)
+    return top.bounded, top.activations
 
 
 def _interleaved_peak(acts: list[int], m: int, pp: int, rank: int) -> int:

@@ -59,7 +59,7 @@ from ..errors import ConfigError
 from . import cost_model
 from .constants import CODEC_S_PER_ELEMENT, DEFAULT_CONSTANTS, OVERLAP_EFFICIENCY, alpha_beta, flops_rate
 from .layouts import NothingFits, feasible_layouts, no_layout_message
-from .memory import worker_memory
+from .memory import MemoryModel, worker_memory
 from .model_shape import model_shape
 from .sync_cost import ALLREDUCE_CODECS, dp_sync_cost
 
@@ -151,15 +151,18 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
     if not layouts:
         raise NothingFits(no_layout_message(cfg, workers, len(counts)))
     checkpointing = cfg.train.activation_checkpointing == "blocks"
-    sized = [(lay, *worker_memory(lay, shape, cfg.parallel.schedule, checkpointing)) for lay in layouts]
+    model = MemoryModel.of(cfg)
+    sized = [(lay, *worker_memory(lay, shape, cfg.parallel.schedule, checkpointing, model)) for lay in layouts]
     if worker_memory_bytes is not None:
         fitting = [s for s in sized if s[1] <= worker_memory_bytes]
         if not fitting:
             lay, need, act = min(sized, key=lambda s: s[1])
+            proc = 0 if model.gpu else model.runtime
             raise NothingFits(
                 f"no dp x pp on {workers} worker(s) fits {_mib(worker_memory_bytes)} per worker; the smallest, "
-                f"dp={lay.dp} pp={lay.pp}, needs {_mib(need)} ({_mib(need - act)} of parameter state, "
-                f"{_mib(act)} of activations): give workers more memory or the run more workers")
+                f"dp={lay.dp} pp={lay.pp}, needs {_mib(need)} ({_mib(need - act - proc)} of parameter state, "
+                f"{_mib(act)} of activations, {_mib(proc)} the process itself): give workers more memory or the "
+                "run more workers")
         sized = fitting
     t, par, c = cfg.train, cfg.parallel, cfg.comm
     virtual = par.stages_per_rank

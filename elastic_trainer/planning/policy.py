@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from .constants import flops_rate, run_constants
 from .layouts import (Layout, NothingFits, Rejection, describe_rejections, feasible_layouts, layouts_of_any_size,
                       listed, rejected_layouts)
-from .memory import BYTES_PER_PARAM, rank_memory
+from .memory import MemoryModel, RankMemory, in_flight, rank_memory, stage_activation_bytes
 from .model_shape import model_shape
 from .plan import Plan
 from .planner import predict_candidates, rank_key, serves
@@ -132,13 +132,31 @@ def cut_fits(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, worker_memory_b
     the planner's memory model (always, where no bound is set)."""
     if worker_memory_bytes is None:
         return True
-    return max(map(sum, _rank_needs(cfg, _layout(cfg, dp, pp, stage_bounds)))) <= worker_memory_bytes
+    return max(m.bounded for m in _rank_needs(cfg, _layout(cfg, dp, pp, stage_bounds))) <= worker_memory_bytes
 
 
 def memory_bound(cfg: TrainerConfig) -> float | None:
     """``scaling.worker_memory_gb`` in bytes, the bound plans are held to; None: no bound."""
     gb = cfg.scaling.worker_memory_gb
     return gb * (1 << 30) if gb else None
+
+
+def rank_estimates(cfg: TrainerConfig, dp: int, pp: int, stage_bounds) -> list[dict]:
+    """Each PP rank's bytes under ``dp x pp`` cut into ``stage_bounds``, buffer by buffer
+    (:meth:`RankMemory.parts`), with ``bounded`` (what ``scaling.worker_memory_gb`` holds),
+    ``micro_batches_in_flight`` and ``activation_per_micro_batch`` (for ``elastic-trainer plan``)."""
+    lay = _layout(cfg, dp, pp, stage_bounds)
+    shape = model_shape(cfg)
+    ckpt = cfg.train.activation_checkpointing == "blocks"
+    out = []
+    for r, m in enumerate(_rank_needs(cfg, lay)):
+        stages = lay.stages_of(r)
+        per_mb = sum(stage_activation_bytes(lay, shape, st, ckpt) for st in stages)
+        flight = (in_flight(cfg.parallel.schedule, lay.micro_batches, pp, r) if len(stages) == 1
+                  else None)  # interleaved: chunks of several stages, see planning.memory
+        out.append({"rank": r, **m.parts(), "bounded": m.bounded, "activation_per_micro_batch": per_mb,
+                    "micro_batches_in_flight": flight})
+    return out
 
 
 def check_start(cfg: TrainerConfig, plan: Plan) -> None:
@@ -156,7 +174,7 @@ def check_start(cfg: TrainerConfig, plan: Plan) -> None:
     bound = gb * (1 << 30)
     topo = plan.topology
     ranks = _rank_needs(cfg, _layout(cfg, topo.dp, topo.pp, plan.stage_bounds))
-    need = max(map(sum, ranks))
+    need = max(m.bounded for m in ranks)
     if need <= bound:
         return
     n = topo.world_size
@@ -175,9 +193,9 @@ def check_start(cfg: TrainerConfig, plan: Plan) -> None:
     raise ConfigError(
         f"parallel.dp({topo.dp}) x parallel.pp({topo.pp}), stages {[list(b) for b in plan.stage_bounds]}, does "
         f"not fit scaling.worker_memory_gb({gb:g}) = {_mib(bound)} a worker by the planner's memory model "
-        f"({BYTES_PER_PARAM} B of state a parameter, its host snapshot copy included, plus live activations): "
-        + ", ".join(f"pp rank {r} needs {_mib(st + act)} ({_mib(st)} parameter state + {_mib(act)} activations)"
-                    for r, (st, act) in enumerate(ranks))
+        f"({_model_words(cfg)}): "
+        + ", ".join(f"pp rank {r} needs {_mib(m.bounded)} ({_mib(m.state)} parameter state + "
+                    f"{_mib(m.activations)} activations)" for r, m in enumerate(ranks))
         + f"; {would}")
 
 
@@ -194,7 +212,8 @@ def rejected_plans(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: floa
     over = []
     for lay in feasible_layouts(cfg, counts, n_workers):
         ranks = _rank_needs(cfg, lay)
-        r, (st, act) = max(enumerate(ranks), key=lambda x: sum(x[1]))
+        r, top = max(enumerate(ranks), key=lambda x: x[1].bounded)
+        st, act = top.state, top.activations
         if st + act > worker_memory_bytes:
             extra = st + act - worker_memory_bytes
             over.append(Rejection(lay.dp, lay.pp, "memory", f"over {_mib(worker_memory_bytes)} a worker",
@@ -236,13 +255,22 @@ def _layout(cfg: TrainerConfig, dp: int, pp: int, stage_bounds) -> Layout:
                   max(1, t.global_batch_size // (dp * t.micro_batch_size)), cfg.parallel.stages_per_rank)
 
 
-def _rank_needs(cfg: TrainerConfig, lay: Layout) -> list[tuple[int, int]]:
-    """``(state, activations)`` bytes of each PP rank, as the planner counts them."""
-    return rank_memory(lay, model_shape(cfg), cfg.parallel.schedule, cfg.train.activation_checkpointing == "blocks")
+def _rank_needs(cfg: TrainerConfig, lay: Layout) -> list[RankMemory]:
+    """Each PP rank's bytes, as the planner counts them."""
+    return rank_memory(lay, model_shape(cfg), cfg.parallel.schedule, cfg.train.activation_checkpointing == "blocks",
+                       MemoryModel.of(cfg))
+
+
+def _model_words(cfg: TrainerConfig) -> str:
+    m = MemoryModel.of(cfg)
+    where = "device memory: the host's snapshot copies apart" if m.gpu else "host memory"
+    return (f"{where}; a parameter costs {m.per_param} B with every buffer, weights, gradients, moments, "
+            f"gradient buckets and {m.snapshots_kept} snapshot copies, plus live activations and "
+            f"{_mib(m.runtime)} of process")
 
 
 def _sized(cfg: TrainerConfig, layouts: list[Layout]) -> list[tuple[Layout, int]]:
-    return [(lay, max(map(sum, _rank_needs(cfg, lay)))) for lay in layouts]
+    return [(lay, max(m.bounded for m in _rank_needs(cfg, lay))) for lay in layouts]
 
 
 def _beyond(cfg: TrainerConfig, n_workers: int, bound: float | None) -> str:

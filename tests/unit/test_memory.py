@@ -8,7 +8,7 @@ from elastic_trainer.config import TrainerConfig
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.models import build_model
 from elastic_trainer.planning.layouts import Layout, NothingFits
-from elastic_trainer.planning.memory import BYTES_PER_PARAM, in_flight, rank_memory
+from elastic_trainer.planning.memory import MemoryModel, RankMemory, in_flight, rank_memory
 from elastic_trainer.planning.model_shape import ModelShape, model_shape
 from elastic_trainer.planning.planner import predict_candidates
 
@@ -69,14 +69,37 @@ def test_rank_memory_is_state_plus_live_activations():
     shape = ModelShape((((10,),),) * 4, (7,) * 4, (100,) * 4)
     lay = Layout(dp=1, pp=2, stage_bounds=((0, 2), (2, 4)), micro_batches=4)
     stage = 2 * 100 + 7
-    assert rank_memory(lay, shape, "1f1b") == [(20 * BYTES_PER_PARAM, 2 * stage), (20 * BYTES_PER_PARAM, stage)]
-    assert rank_memory(lay, shape, "gpipe") == [(20 * BYTES_PER_PARAM, 4 * stage)] * 2
+    acts = lambda ranks: [m.activations for m in ranks]  # noqa: E731
+    assert acts(rank_memory(lay, shape, "1f1b")) == [2 * stage, stage]
+    assert acts(rank_memory(lay, shape, "gpipe")) == [4 * stage] * 2
     # Interleaved, 2 virtual stages a rank, 4 micro-batches in 2 rounds of 2: rank 0 warms up with
     # (2-1)*2 + 2*(2-1) = 4 forwards and runs one more before its first backward; rank 1 with 2, then 1.
     inter = Layout(dp=1, pp=2, stage_bounds=((0, 1), (1, 2), (2, 3), (3, 4)), micro_batches=4, stages_per_rank=2)
     one = 100 + 7
-    assert rank_memory(inter, shape, "interleaved") == [(20 * BYTES_PER_PARAM, 5 * one),
-                                                        (20 * BYTES_PER_PARAM, 3 * one)]
+    assert acts(rank_memory(inter, shape, "interleaved")) == [5 * one, 3 * one]
+
+
+def test_every_buffer_is_counted_and_host_and_device_apart():
+    shape = ModelShape((((10,),),) * 4, (7,) * 4, (100,) * 4)
+    one = Layout(dp=1, pp=2, stage_bounds=((0, 2), (2, 4)), micro_batches=4)
+    two = Layout(dp=2, pp=2, stage_bounds=((0, 2), (2, 4)), micro_batches=2)
+    cpu = MemoryModel(runtime=1000)
+    r0 = rank_memory(one, shape, "1f1b", model=cpu)[0]
+    # 20 parameters: fp32 weights, grads, two moments; two snapshot copies of weights and moments.
+    assert (r0.weights, r0.grads, r0.optimizer, r0.buckets, r0.snapshots) == (80, 80, 160, 0, 2 * 240)
+    assert r0.device == 80 + 80 + 160 + 2 * 207 and r0.host == r0.device + 480 + 1000 == r0.bounded
+    # With replicas, the gradient buckets' fp32 copies and a codec's residual count too.
+    int8 = MemoryModel(extra=4, runtime=0)
+    r0 = rank_memory(two, shape, "1f1b", model=int8)[0]
+    assert (r0.buckets, r0.extra) == (80, 80)
+    # On a GPU the bound holds the device; the snapshot copies and the process are host memory.
+    gpu = rank_memory(one, shape, "1f1b", model=MemoryModel(gpu=True, runtime=1000))[0]
+    assert gpu.bounded == gpu.device == 320 + 2 * 207 and gpu.host == 480 + 1000
+    cfg = TrainerConfig.model_validate({**small().model_dump(), "comm": {"compression": "int8"},
+                                        "checkpoint": {"snapshots_kept": 1}})
+    m = MemoryModel.of(cfg)
+    assert (m.extra, m.snapshots_kept, m.per_param, m.gpu) == (4, 1, 4 + 4 + 8 + 4 + 4 + 12, False)
+    assert isinstance(r0, RankMemory) and r0.parts()["grad_buckets"] == 80
 
 
 def test_a_memory_bound_drops_layouts_and_names_what_would_fit():

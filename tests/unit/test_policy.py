@@ -4,7 +4,7 @@ import json
 
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.planning import model_shape as model_shape_module
-from elastic_trainer.planning.memory import BYTES_PER_PARAM
+from elastic_trainer.planning.memory import MemoryModel
 from elastic_trainer.planning.model_shape import model_shape
 from elastic_trainer.planning.planner import predict_candidates, rank_key, serves
 from elastic_trainer.planning.policy import choose_plan, no_plan_reason, rejected_plans
@@ -44,21 +44,27 @@ def test_the_choice_is_the_planners_fastest_row_of_the_configured_codec_and_sync
             assert f"with {cfg.comm.compression} {cfg.comm.sync}:" in c.reason
 
 
+def _one_worker_need(cfg) -> int:
+    return next(r["memory_bytes"] for r in predict_candidates(cfg, 1) if (r["dp"], r["pp"]) == (1, 1))
+
+
 def test_memory_counts_activations_and_a_pipeline_can_fit_where_one_worker_cannot():
     cfg = demo()
     shape = model_shape(cfg)
-    state = sum(shape.param_counts) * BYTES_PER_PARAM
-    # Twice the parameter state: that alone would fit one worker; with its activations it does not.
-    bound = 2 * state
+    m = MemoryModel.of(cfg)
+    # A byte under what one worker needs: the whole model's state does not fit; half of it, with a
+    # pipeline stage's activations, does.
+    bound = _one_worker_need(cfg) - 1
     assert choose_plan(cfg, 1, bound) is None
     two = choose_plan(cfg, 2, bound)
     assert two is not None and (two.dp, two.pp) == (1, 2) and two.memory_bytes <= bound
     # 1f1b: stage s holds min(m, pp - s) of the m = 4 micro-batches, each its blocks' saved tensors and its
-    # output; the loss's saved tensors count to the last block.
+    # output; the loss's saved tensors count to the last block. No replicas: no gradient buckets.
     need = []
     for s, (a, b) in enumerate(two.stage_bounds):
         act = sum(shape.saved_bytes[a:b]) + shape.out_bytes[b - 1]
-        need.append(sum(shape.param_counts[a:b]) * BYTES_PER_PARAM + min(4, 2 - s) * act)
+        per_param = m.weights + m.grads + m.optimizer + m.snapshot_bytes
+        need.append(sum(shape.param_counts[a:b]) * per_param + m.runtime + min(4, 2 - s) * act)
     assert two.memory_bytes == max(need)
     assert "MiB per worker of" in two.reason
 
@@ -113,8 +119,7 @@ def test_a_model_that_cannot_run_on_meta_is_still_replanned():
 
 def test_when_nothing_fits_the_reasons_say_which_layout_is_over_memory_by_how_much_and_what_would_fit():
     cfg = demo()
-    state = sum(model_shape(cfg).param_counts) * BYTES_PER_PARAM
-    bound = 2 * state
+    bound = _one_worker_need(cfg) - 1
     assert choose_plan(cfg, 1, bound) is None
     [one] = rejected_plans(cfg, 1, bound)
     need = next(r["memory_bytes"] for r in predict_candidates(cfg, 1) if (r["dp"], r["pp"]) == (1, 1))
