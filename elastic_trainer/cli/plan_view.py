@@ -84,4 +84,7 @@ def format_rank_memory(ranks: list[dict], cfg, gb: float | None) -> str:
         lines.append(f"{r['rank']:>5} {mib(r['weights']):>8} {mib(r['grads']):>8} {mib(r['optimizer']):>10} "
                      f"{mib(r['grad_buckets']):>8} {mib(r['comm_state']):>11}  {acts:<41} "
                      f"{mib(r['snapshots']):>10} {mib(r['runtime']):>8} {mib(r['device']):>8} {mib(r['host']):>8}")
+    store = max(r["object_store"] for r in ranks)
+    lines.append(f"(besides: up to {mib(store)} MiB of a rank's snapshot parts, checkpoint.replicas x snapshots_kept "
+                 "copies, in the nodes' object stores)")
     return "\n".join(lines)

@@ -7,9 +7,13 @@ gradient buckets a data-parallel all-reduce flattens the gradients into
 residual of int8/topk/powersgd or DiLoCo's outer copy and momentum; then
 activations (below). Those live on the worker's device. In host memory: the
 rank's local snapshot copies (``checkpoint.snapshots_kept`` of them, weights
-and moments each) and the process itself (interpreter, torch, Ray: measured
-here at about 320 MiB). On a CPU worker device and host are one memory, and a
+and moments each; none on a CPU rank without replicas, which lends its live
+tensors to the object store instead) and the process itself (interpreter, torch, Ray: measured
+here at about 400 MiB, a worker after its set-up before it builds). On a CPU worker device and host are one memory, and a
 worker's bound holds the sum; on a GPU the bound holds the device's part.
+Apart from the worker: each snapshot part's ``checkpoint.replicas`` copies in
+the nodes' object stores (shared memory Ray caps at its ``object_store_memory``
+and spills to disk beyond), reported, not held to the worker's bound.
 Every replica is the same, so one pipeline's ranks decide.
 
 Activations: a stage keeps what autograd saved for a micro-batch (and, in a
@@ -46,9 +50,9 @@ from dataclasses import dataclass
 from .layouts import Layout
 from .model_shape import ModelShape
 
-# The process before any model: a Ray worker with torch and this package imported (VmRSS, measured
-# on this project's CPU build; a CUDA context adds its own device memory, not counted).
-RUNTIME_BYTES = 320 << 20
+# The process before any model: a Ray worker with torch, this package, its groups and its data (VmRSS at
+# set-up before the build, GPT and HF Llama alike, CPU build; a CUDA context adds device memory, not counted).
+RUNTIME_BYTES = 400 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class MemoryModel:
     buckets: int = 4           # fp32 flat bucket copies of the gradients (dp > 1 and an all-reduce)
     extra: int = 0             # error-feedback residual (4) or DiLoCo's outer copy and momentum (8)
     snapshots_kept: int = 2    # local snapshot copies, each weights + moments, in host memory
+    replicas: int = 2          # copies of each snapshot part in the nodes' object stores
     gpu: bool = False          # device memory apart from host memory
     runtime: int = RUNTIME_BYTES
 
@@ -70,7 +75,8 @@ class MemoryModel:
         c = cfg.comm
         extra = 8 if c.sync == "diloco" else 4 if c.compression in ("int8", "topk", "powersgd") else 0
         return cls(buckets=4 if c.sync == "allreduce" else 0, extra=extra,
-                   snapshots_kept=cfg.checkpoint.snapshots_kept, gpu=cfg.scaling.uses_gpu)
+                   snapshots_kept=cfg.checkpoint.snapshots_kept, replicas=cfg.checkpoint.replicas,
+                   gpu=cfg.scaling.uses_gpu)
 
     @property
     def per_param(self) -> int:
@@ -96,6 +102,7 @@ class RankMemory:
     snapshots: int
     runtime: int
     gpu: bool = False
+    object_store: int = 0   # the rank's snapshot parts in the nodes' object stores: not its own memory
 
     @property
     def device(self) -> int:
@@ -118,7 +125,8 @@ class RankMemory:
         """Each buffer's bytes, for ``elastic-trainer plan`` and the run report."""
         return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
                 "grad_buckets": self.buckets, "comm_state": self.extra, "activations": self.activations,
-                "snapshots": self.snapshots, "runtime": self.runtime, "device": self.device, "host": self.host}
+                "snapshots": self.snapshots, "runtime": self.runtime, "device": self.device, "host": self.host,
+                "object_store": self.object_store}
 
 
 def in_flight(schedule: str, m: int, pp: int, stage: int) -> int:
@@ -163,7 +171,11 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing:
         out.append(RankMemory(
             weights=n * model.weights, grads=n * model.grads, optimizer=n * model.optimizer,
             buckets=n * model.buckets if layout.dp > 1 else 0, extra=n * model.extra if layout.dp > 1 else 0,
-            activations=peak, snapshots=n * model.snapshot_bytes, runtime=model.runtime, gpu=model.gpu))
+            # A CPU rank that puts its whole state (no replica shares the parts) lends its live tensors:
+            # the object-store part is then its only copy (worker.snapshot_serving).
+            activations=peak, snapshots=n * model.snapshot_bytes if model.gpu or layout.dp > 1 else 0,
+            runtime=model.runtime, gpu=model.gpu,
+            object_store=n * model.replicas * model.snapshot_bytes // layout.dp))
     return out
 
 

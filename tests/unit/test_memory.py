@@ -85,14 +85,17 @@ def test_every_buffer_is_counted_and_host_and_device_apart():
     two = Layout(dp=2, pp=2, stage_bounds=((0, 2), (2, 4)), micro_batches=2)
     cpu = MemoryModel(runtime=1000)
     r0 = rank_memory(one, shape, "1f1b", model=cpu)[0]
-    # 20 parameters: fp32 weights, grads, two moments; two snapshot copies of weights and moments.
-    assert (r0.weights, r0.grads, r0.optimizer, r0.buckets, r0.snapshots) == (80, 80, 160, 0, 2 * 240)
-    assert r0.device == 80 + 80 + 160 + 2 * 207 and r0.host == r0.device + 480 + 1000 == r0.bounded
-    # With replicas, the gradient buckets' fp32 copies and a codec's residual count too.
+    # 20 parameters: fp32 weights, grads, two moments. No replica shares the snapshot parts, so a CPU
+    # rank lends its live tensors: the object store holds 2 replicas x 2 kept of weights + moments.
+    assert (r0.weights, r0.grads, r0.optimizer, r0.buckets, r0.snapshots) == (80, 80, 160, 0, 0)
+    assert r0.object_store == 2 * 2 * 240
+    assert r0.device == 80 + 80 + 160 + 2 * 207 and r0.host == r0.device + 1000 == r0.bounded
+    # With replicas: the gradient buckets' fp32 copies, a codec's residual, and two local snapshot
+    # copies; each replica puts half of the parts.
     int8 = MemoryModel(extra=4, runtime=0)
     r0 = rank_memory(two, shape, "1f1b", model=int8)[0]
-    assert (r0.buckets, r0.extra) == (80, 80)
-    # On a GPU the bound holds the device; the snapshot copies and the process are host memory.
+    assert (r0.buckets, r0.extra, r0.snapshots, r0.object_store) == (80, 80, 2 * 240, 2 * 240)
+    # On a GPU the bound holds the device; the (pinned) snapshot copies and the process are host memory.
     gpu = rank_memory(one, shape, "1f1b", model=MemoryModel(gpu=True, runtime=1000))[0]
     assert gpu.bounded == gpu.device == 320 + 2 * 207 and gpu.host == 480 + 1000
     cfg = TrainerConfig.model_validate({**small().model_dump(), "comm": {"compression": "int8"},

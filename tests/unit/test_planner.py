@@ -298,11 +298,11 @@ def test_plan_shows_memory_and_the_replan_for_the_configured_codec(tmp_path, cap
     assert "MB/worker" in out
     assert re.search(r"^re-plan after a failure on 3 worker\(s\), keeping compression none and sync allreduce: "
                      r"dp=\d pp=\d, predicted [\d.]+ ms/step, [\d.]+ MB/worker$", out, re.M)
-    assert main(["plan", str(DEMO), "--workers", "4", "--json", "--memory-gb", "0.35",
+    assert main(["plan", str(DEMO), "--workers", "4", "--json", "--memory-gb", "0.43",
                  "--set", "comm.compression=int8"]) == 0
     shown = json.loads(capsys.readouterr().out)
     pred = shown["predictions"]
-    assert pred["worker_memory_bytes"] == 0.35 * (1 << 30)
+    assert pred["worker_memory_bytes"] == 0.43 * (1 << 30)
     # The configured layout's bytes per rank, buffer by buffer; int8 adds its residual beside the buckets.
     ranks = shown["memory_per_rank"]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["micro_batches_in_flight"] == 2
