@@ -148,24 +148,25 @@ class DurableStore:
         if shard["step"] != step:
             raise ValueError(f"a part of step {shard['step']} given for step {step}")
         t0 = time.perf_counter()
-        buf = io.BytesIO()
-        torch.save(_to_torch(shard), buf)
-        data = buf.getvalue()
-        del buf
+        obj = _to_torch(shard)
         d, name = self.step_dir(step), f"shard-{index:03d}.pt"
-        digest = hashlib.sha256(data).hexdigest()
+        written: dict = {}
 
         def write():
+            # Streamed through a hash: no copy of the part is made in memory, however large.
             self.fs.create_dir(d, recursive=True)
             with self.fs.open_output_stream(f"{d}/{name}") as f:
-                f.write(data)
-            # Read back by its writer: the manifest will vouch for this checksum.
-            back = hashlib.sha256(_read(self.fs, f"{d}/{name}")).hexdigest()
-            if back != digest:
-                raise OSError(f"{d}/{name} reads back with sha256 {back[:12]}.., written {digest[:12]}..")
+                out = _HashingWriter(f)
+                torch.save(obj, out)
+            # Read back by its writer, a chunk at a time: the manifest will vouch for this checksum.
+            back = _sha256_of(self.fs, f"{d}/{name}")
+            if back != out.sha256.hexdigest():
+                raise OSError(f"{d}/{name} reads back with sha256 {back[:12]}.., written "
+                              f"{out.sha256.hexdigest()[:12]}..")
+            written.update(sha256=back, bytes=out.nbytes)
 
         self._retry(write, f"writing {d}/{name}")
-        return {"name": name, "sha256": digest, "bytes": len(data), "blocks": list(shard["blocks"]),
+        return {"name": name, "sha256": written["sha256"], "bytes": written["bytes"], "blocks": list(shard["blocks"]),
                 "seconds": time.perf_counter() - t0}
 
     def commit(self, step: int, files: list[dict], meta: dict) -> str:
@@ -369,3 +370,30 @@ def read_parts(store: DurableStore, name: str, manifest: dict) -> list[dict]:
 def _read(fs, path: str) -> bytes:
     with fs.open_input_stream(path) as f:
         return f.read()
+
+
+_CHUNK = 8 << 20
+
+
+class _HashingWriter:
+    """A write-only file for ``torch.save`` that hashes and counts what passes to ``out``."""
+
+    def __init__(self, out):
+        self.out, self.sha256, self.nbytes = out, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha256.update(b)
+        self.nbytes += len(b)
+        self.out.write(b)
+        return len(b)
+
+    def flush(self) -> None:
+        pass
+
+
+def _sha256_of(fs, path: str) -> str:
+    h = hashlib.sha256()
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

@@ -143,13 +143,24 @@ class PlanSetup:
                               lambda: plan_block_costs(cfg, topo.dp), cfg.parallel.stages_per_rank)
         self.snapshots.set_plan(plan)
         self.snapshots.rolled_back(restored)   # later snapshots are no longer the run's state
-        self.schedule.restart(restored)
+        self.schedule.restart(restored, self._snapshot_scale(plan))
         # Steps after the restored one were rolled back: they will be run again, with their evaluations.
         self.evaluator.rolled_back(restored)
         desc = run.apply_plan(plan, ranks, restored, restoring=restore is not None)
         self.driver.steps_since_setup = 0
         self.last_setup_s = time.perf_counter() - started
         return desc
+
+    def _snapshot_scale(self, plan) -> dict | None:
+        """The heaviest rank's snapshot bytes (weights and moments, 12 a parameter) and the predicted
+        step time of ``plan``, for ``memory_every: auto`` to carry its last choice over (None: unknown)."""
+        topo, counts = plan.topology, self.run.counts
+        if not counts or not self.schedule.auto:
+            return None
+        stages = [sum(counts[a:b]) for a, b in plan.stage_bounds]
+        heaviest = max(sum(stages[r::topo.pp]) for r in range(topo.pp))
+        row = plan_row(self.cfg, topo.dp, topo.pp)
+        return {"snapshot_bytes": 12 * heaviest, "step_s": row["total_s"]} if row else None
 
     def _progress(self, wids: list[int]) -> dict:
         """Each worker's set-up progress (``worker.setup_progress``), None where it did not answer."""

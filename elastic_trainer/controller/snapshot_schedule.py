@@ -15,6 +15,16 @@ its checkpoint frequency. After every (re)plan:
    pinning work competing for the same cores); interval = the fewest periods
    with cost / (interval x period time) <= max_overhead.
 
+After a re-plan, where a choice was made under an earlier plan, the
+interval is first estimated from it: a snapshot's cost in proportion to the
+heaviest rank's state, the period to the planner's predicted step time. An
+estimate of 3 or more periods is taken at once and checked against the steps
+it runs (no extra snapshot): ``CYCLES`` snapshot cycles against the median of
+the periods that neither take a snapshot nor follow one; cost = median(cycle)
+- interval x median(clean period); the interval is then chosen from that
+cost as above. A shorter estimate (cheap snapshots, or a slow one to measure
+closely) is measured as at the start.
+
 A period is one step, or with local SGD / DiLoCo the ``comm.local_steps``
 steps between two meetings of the replicas (a snapshot must hold one model,
 so it is taken only where they have just met). A step at which a durable
@@ -30,6 +40,7 @@ from ..config import TrainerConfig
 
 WARMUP = 3
 SAMPLES = 5
+CYCLES = 3
 
 
 class SnapshotSchedule:
@@ -48,19 +59,45 @@ class SnapshotSchedule:
         self._without: list[float] = []
         self._period_s = 0.0
         self._requested = False
+        self._done = False
+        self._scale: dict | None = None         # the plan in force's scale (see restart)
+        self._choice_scale: dict | None = None  # the scale of the plan ``choice`` was made under
+        self._verify: dict | None = None        # checking an estimated interval (see restart)
 
-    def restart(self, step: int) -> None:
-        """A plan was set up at ``step`` (its state is a snapshot or the seed): measure again."""
+    def restart(self, step: int, scale: dict | None = None) -> None:
+        """A plan was set up at ``step`` (its state is a snapshot or the seed): measure again.
+        ``scale`` ({"snapshot_bytes", "step_s"}: the new plan's heaviest rank's state and its
+        predicted step time) lets a choice made under an earlier plan estimate the interval, then
+        checked against the steps it runs (see the module's doc)."""
         self.last_taken = step
         self._start_period = -(-step // self.unit)
         self._with, self._without, self._period_s = [], [], 0.0
-        if self.auto:
-            self.interval = 1
+        self._done, self._verify, self._scale = False, None, scale
+        if not self.auto:
+            return
+        self.interval = 1
+        before = self._choice_scale
+        if self.choice and scale and before and before["snapshot_bytes"] > 0 and before["step_s"] > 0:
+            cost = self.choice["snapshot_cost_s"] * scale["snapshot_bytes"] / before["snapshot_bytes"]
+            period = self.choice["step_s"] * self.unit * scale["step_s"] / before["step_s"]
+            k = self._interval_for(cost, period)
+            if k >= 3:
+                self.interval = k
+                self._verify = {"estimate": k, "since": None, "cycle_s": 0.0, "cycles": [], "clean": []}
+
+    def _interval_for(self, cost: float, period_s: float) -> int:
+        budget = self.cfg.checkpoint.max_overhead
+        return max(1, math.ceil(cost / (budget * period_s) - 1e-9)) if period_s > 0 else 1
 
     def _phase(self, step: int) -> str:
-        """'warmup', 'with', 'gap', 'without' while measuring (auto only), else 'chosen'."""
+        """'warmup', 'with', 'gap', 'without' while measuring, 'verify' while checking an estimate
+        (auto only), else 'chosen'."""
         k = -(-step // self.unit) - self._start_period  # period of the step, from 1 after the set-up
-        if not self.auto or self.choice_done:
+        if not self.auto:
+            return "chosen"
+        if self._verify is not None:
+            return "verify"
+        if self.choice_done:
             return "chosen"
         if k <= WARMUP:
             return "warmup"
@@ -72,7 +109,7 @@ class SnapshotSchedule:
 
     @property
     def choice_done(self) -> bool:
-        return len(self._without) >= SAMPLES
+        return self._done
 
     def _meets(self, step: int) -> bool:
         return step % self.unit == 0
@@ -102,7 +139,7 @@ class SnapshotSchedule:
             return True
         if phase in ("gap", "without"):
             return False
-        return step - self.last_taken >= self.interval * self.unit
+        return step - self.last_taken >= self.interval * self.unit   # chosen, or an estimate checked
 
     def taken(self, step: int) -> None:
         self.last_taken = step
@@ -117,23 +154,50 @@ class SnapshotSchedule:
         if not self._meets(step):
             return None
         period_s, self._period_s = self._period_s, 0.0
+        if phase == "verify":
+            return self._check(step, period_s)
         if phase == "with":
             self._with.append(period_s)
         elif phase == "without":
             self._without.append(period_s)
-        if not self.choice_done:
+        if len(self._without) < SAMPLES:
             return None
         with_s, without_s = statistics.median(self._with), statistics.median(self._without)
-        cost = max(0.0, with_s - without_s)
+        return self._choose(step, max(0.0, with_s - without_s), without_s, snapshots=WARMUP + SAMPLES)
+
+    def _check(self, step: int, period_s: float) -> dict | None:
+        """A period under an estimated interval: a snapshot's cycle, and the clean periods in it."""
+        v = self._verify
+        # Whether this period's step takes a snapshot: the run observes a step before ``taken``.
+        if self.last_taken == step or self.due(step):
+            if v["since"] is not None and v["since"] + 1 == self.interval:
+                v["cycles"].append(v["cycle_s"])
+            v["since"], v["cycle_s"] = 0, period_s
+        elif v["since"] is not None:
+            v["since"] += 1
+            v["cycle_s"] += period_s
+            if v["since"] >= 2:   # the period after a snapshot carries its copy
+                v["clean"].append(period_s)
+        if len(v["cycles"]) < CYCLES or not v["clean"]:
+            return None
+        clean = statistics.median(v["clean"])
+        cost = max(0.0, statistics.median(v["cycles"]) - self.interval * clean)
+        self._verify = None
+        return self._choose(step, cost, clean, snapshots=0, estimated=v["estimate"])
+
+    def _choose(self, step: int, cost: float, period_s: float, snapshots: int, estimated: int | None = None) -> dict:
         budget = self.cfg.checkpoint.max_overhead
-        self.interval = max(1, math.ceil(cost / (budget * without_s) - 1e-9)) if without_s > 0 else 1
+        self.interval = self._interval_for(cost, period_s)
+        self._done, self._choice_scale = True, self._scale
         self.choice = {
-            "step": step, "interval": self.interval * self.unit, "snapshot_cost_s": cost, "step_s": without_s / self.unit,
-            "expected_overhead": cost / (self.interval * without_s) if without_s > 0 else 0.0,
+            "step": step, "interval": self.interval * self.unit, "snapshot_cost_s": cost, "step_s": period_s / self.unit,
+            "expected_overhead": cost / (self.interval * period_s) if period_s > 0 else 0.0,
             "max_overhead": budget,
             # A failure restores the last committed snapshot: up to one interval of steps is run again,
             # and one more while the newest snapshot is still being pinned.
             "redo_steps": self.interval * self.unit + 1,
+            # Snapshots taken only to measure (beyond what the interval takes), and the estimate checked.
+            "measuring_snapshots": snapshots, "estimated_interval": None if estimated is None else estimated * self.unit,
         }
         return self.choice
 

@@ -8,12 +8,15 @@ residual of int8/topk/powersgd or DiLoCo's outer copy and momentum; then
 activations (below). Those live on the worker's device. In host memory: the
 rank's local snapshot copies (``checkpoint.snapshots_kept`` of them, weights
 and moments each; none on a CPU rank without replicas, which lends its live
-tensors to the object store instead) and the process itself (interpreter, torch, Ray: measured
+tensors to the object store instead), the parts it puts into its node's object
+store (``snapshots_kept`` of its 1/dp share: written through the worker's own
+mapping of the store, so its resident set holds them) and the process itself (interpreter, torch, Ray: measured
 here at about 400 MiB, a worker after its set-up before it builds). On a CPU worker device and host are one memory, and a
 worker's bound holds the sum; on a GPU the bound holds the device's part.
-Apart from the worker: each snapshot part's ``checkpoint.replicas`` copies in
-the nodes' object stores (shared memory Ray caps at its ``object_store_memory``
-and spills to disk beyond), reported, not held to the worker's bound.
+Apart from the worker: the other ``checkpoint.replicas - 1`` copies of each
+part, pinned in other nodes' object stores (shared memory Ray caps at its
+``object_store_memory`` and spills to disk beyond), reported, not held to the
+worker's bound.
 Every replica is the same, so one pipeline's ranks decide.
 
 Activations: a stage keeps what autograd saved for a micro-batch (and, in a
@@ -171,11 +174,13 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing:
         out.append(RankMemory(
             weights=n * model.weights, grads=n * model.grads, optimizer=n * model.optimizer,
             buckets=n * model.buckets if layout.dp > 1 else 0, extra=n * model.extra if layout.dp > 1 else 0,
-            # A CPU rank that puts its whole state (no replica shares the parts) lends its live tensors:
-            # the object-store part is then its only copy (worker.snapshot_serving).
-            activations=peak, snapshots=n * model.snapshot_bytes if model.gpu or layout.dp > 1 else 0,
-            runtime=model.runtime, gpu=model.gpu,
-            object_store=n * model.replicas * model.snapshot_bytes // layout.dp))
+            # Local copies, except on a CPU rank that puts its whole state (no replica shares the parts):
+            # it lends its live tensors (worker.snapshot_serving). The parts a rank puts into its node's
+            # object store were written through its own mapping of the store: its resident set counts them.
+            activations=peak, runtime=model.runtime, gpu=model.gpu,
+            snapshots=(n * model.snapshot_bytes if model.gpu or layout.dp > 1 else 0)
+            + n * model.snapshot_bytes // layout.dp,
+            object_store=n * (model.replicas - 1) * model.snapshot_bytes // layout.dp))
     return out
 
 

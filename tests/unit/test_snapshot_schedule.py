@@ -1,7 +1,7 @@
 """memory_every: auto measures a snapshot's cost after each set-up and picks the interval that fits the budget."""
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.snapshot_schedule import SAMPLES, WARMUP, SnapshotSchedule
+from elastic_trainer.controller.snapshot_schedule import CYCLES, SAMPLES, WARMUP, SnapshotSchedule
 
 
 def _cfg(**checkpoint):
@@ -9,17 +9,19 @@ def _cfg(**checkpoint):
     return TrainerConfig.model_validate(raw)
 
 
-def _run(sched, steps, step_s, cost_s, start=0):
-    """Drive ``sched`` over ``steps`` after a set-up at ``start``: a step costs ``step_s``, plus
-    ``cost_s`` when it takes a snapshot. Returns the steps that took one and the choice."""
-    sched.restart(start)
+def _run(sched, steps, step_s, cost_s, start=0, scale=None):
+    """Drive ``sched`` over ``steps`` after a set-up at ``start`` (``scale``: the plan's, see
+    ``restart``): a step costs ``step_s``, plus ``cost_s`` when it takes a snapshot. Returns the
+    steps that took one and the choice."""
+    sched.restart(start, scale)
     taken, choice = [], None
     for step in range(start + 1, start + steps + 1):
         snap = sched.due(step)
+        # As the run does (controller.step_loop): the step is observed, then its snapshot recorded.
+        choice = sched.observe(step, step_s + (cost_s if snap else 0.0)) or choice
         if snap:
             taken.append(step)
             sched.taken(step)
-        choice = sched.observe(step, step_s + (cost_s if snap else 0.0)) or choice
     return taken, choice
 
 
@@ -66,3 +68,29 @@ def test_local_sgd_measures_in_periods_between_meetings():
     taken, choice = _run(sched, 120, 0.1, 0.06)  # 0.06 s a snapshot, once per 0.4 s period: 15%
     assert all(s % 4 == 0 for s in taken)
     assert choice["interval"] == 12 and choice["step"] == 4 * (WARMUP + 2 * SAMPLES + 1)
+
+
+def test_a_replan_estimates_from_the_last_choice_and_checks_it_with_no_extra_snapshot():
+    sched = SnapshotSchedule(_cfg(max_overhead=0.05))
+    _, first = _run(sched, 60, 0.1, 0.02, scale={"snapshot_bytes": 1000, "step_s": 0.1})
+    assert first["interval"] == 4 and first["measuring_snapshots"] == WARMUP + SAMPLES
+    # The new plan's heaviest rank holds twice the state, its step predicted as long: the cost is
+    # estimated at 0.04 s, so every 8 steps; measured, a snapshot costs 0.06 s: every 12 from then.
+    taken, choice = _run(sched, 80, 0.1, 0.06, start=60, scale={"snapshot_bytes": 2000, "step_s": 0.1})
+    assert choice["estimated_interval"] == 8 and choice["measuring_snapshots"] == 0
+    assert abs(choice["snapshot_cost_s"] - 0.06) < 1e-9 and choice["interval"] == 12
+    # CYCLES whole cycles of the estimate, closed by the next snapshot; no other snapshot taken.
+    assert choice["step"] == 68 + CYCLES * 8
+    assert taken == list(range(68, choice["step"] + 1, 8)) + list(range(choice["step"] + 12, 141, 12))
+    # A plan whose step is predicted twice as long halves the interval's estimate.
+    sched.restart(140, {"snapshot_bytes": 2000, "step_s": 0.2})
+    assert sched.interval == 6 and sched.describe()["measuring"]
+
+
+def test_a_short_estimate_or_none_measures_as_at_the_start():
+    sched = SnapshotSchedule(_cfg(max_overhead=0.05))
+    _run(sched, 60, 0.1, 0.02, scale={"snapshot_bytes": 1000, "step_s": 0.1})
+    sched.restart(60, {"snapshot_bytes": 250, "step_s": 0.1})   # estimate: 1 step; measured closely
+    assert sched.interval == 1 and sched._phase(61) == "warmup"
+    sched.restart(60)                                             # no scale: measured
+    assert sched._phase(61) == "warmup"

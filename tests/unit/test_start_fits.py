@@ -37,10 +37,10 @@ def fitting(cfg: TrainerConfig, n: int, bound: float) -> set[tuple[int, int]]:
 
 def test_a_start_over_the_bound_fails_naming_the_layout_its_needs_and_what_fits():
     # Between what the demo's 2 x 2 needs and what 1 x 4 on the same four workers needs.
-    cfg = demo("scaling.worker_memory_gb=0.42")
+    cfg = demo("scaling.worker_memory_gb=0.43")
     plan = make_plan(cfg)
     per_rank = needs(cfg, plan)
-    bound = 0.42 * (1 << 30)
+    bound = 0.43 * (1 << 30)
     assert max(map(sum, per_rank)) > bound and not cut_fits(cfg, 2, 2, plan.stage_bounds, bound)
     would = fitting(cfg, 4, bound)
     assert would and (2, 2) not in would   # the re-plan on these four workers would run; the start did not check
@@ -48,7 +48,7 @@ def test_a_start_over_the_bound_fails_naming_the_layout_its_needs_and_what_fits(
         check_start(cfg, plan)
     msg = str(e.value)
     assert "parallel.dp(2) x parallel.pp(2)" in msg and "stages [[0, 3], [3, 6]]" in msg
-    assert "scaling.worker_memory_gb(0.42)" in msg
+    assert "scaling.worker_memory_gb(0.43)" in msg
     # Each pipeline rank's bytes as the planner counts them: parameter state and activations apart.
     for r, (state, act) in enumerate(per_rank):
         assert (f"pp rank {r} needs {(state + act) / MIB:.1f} MiB ({state / MIB:.1f} MiB parameter state + "
@@ -63,9 +63,9 @@ def test_a_start_over_the_bound_fails_naming_the_layout_its_needs_and_what_fits(
 
 
 def test_nothing_fitting_the_workers_says_so_and_names_the_bound_that_would():
-    cfg = demo("scaling.worker_memory_gb=0.414")
+    cfg = demo("scaling.worker_memory_gb=0.42")
     plan = make_plan(cfg)
-    assert not fitting(cfg, 4, 0.414 * (1 << 30))
+    assert not fitting(cfg, 4, 0.42 * (1 << 30))
     with pytest.raises(ConfigError, match=r"no dp x pp on 4 worker\(s\) fits") as e:
         check_start(cfg, plan)
     assert "scaling.worker_memory_gb >= " in str(e.value)
