@@ -9,8 +9,9 @@ activations (below). Those live on the worker's device. In host memory: the
 rank's local snapshot copies (``checkpoint.snapshots_kept`` of them, weights
 and moments each; none on a CPU rank without replicas, which lends its live
 tensors to the object store instead), the parts it puts into its node's object
-store (``snapshots_kept`` of its 1/dp share: written through the worker's own
-mapping of the store, so its resident set holds them) and the process itself (interpreter, torch, Ray: measured
+store (``snapshots_kept`` of its 1/dp share, and the next while it is put:
+written through the worker's own mapping of the store, its resident set holds
+them; measured, see docs/models.md) and the process itself (interpreter, torch, Ray: measured
 here at about 400 MiB, a worker after its set-up before it builds). On a CPU worker device and host are one memory, and a
 worker's bound holds the sum; on a GPU the bound holds the device's part.
 Apart from the worker: the other ``checkpoint.replicas - 1`` copies of each
@@ -178,8 +179,9 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing:
             # it lends its live tensors (worker.snapshot_serving). The parts a rank puts into its node's
             # object store were written through its own mapping of the store: its resident set counts them.
             activations=peak, runtime=model.runtime, gpu=model.gpu,
+            # The store holds the kept parts while the next is put: one more than kept.
             snapshots=(n * model.snapshot_bytes if model.gpu or layout.dp > 1 else 0)
-            + n * model.snapshot_bytes // layout.dp,
+            + n * (model.snapshot_bytes + model.weights + model.optimizer) // layout.dp,
             object_store=n * (model.replicas - 1) * model.snapshot_bytes // layout.dp))
     return out
 

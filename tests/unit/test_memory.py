@@ -87,18 +87,19 @@ def test_every_buffer_is_counted_and_host_and_device_apart():
     r0 = rank_memory(one, shape, "1f1b", model=cpu)[0]
     # 20 parameters: fp32 weights, grads, two moments. No replica shares the snapshot parts, so a CPU
     # rank lends its live tensors and keeps no local copy; the 2 kept parts it put into its node's
-    # store (weights + moments each) are in its resident set, the other replica's on another node.
-    assert (r0.weights, r0.grads, r0.optimizer, r0.buckets, r0.snapshots) == (80, 80, 160, 0, 2 * 240)
+    # store (weights + moments each), and the next while it is put, are in its resident set; the
+    # other replica's are on another node.
+    assert (r0.weights, r0.grads, r0.optimizer, r0.buckets, r0.snapshots) == (80, 80, 160, 0, 3 * 240)
     assert r0.object_store == 2 * 240
-    assert r0.device == 80 + 80 + 160 + 2 * 207 and r0.host == r0.device + 480 + 1000 == r0.bounded
+    assert r0.device == 80 + 80 + 160 + 2 * 207 and r0.host == r0.device + 720 + 1000 == r0.bounded
     # With replicas: the gradient buckets' fp32 copies, a codec's residual, two local snapshot copies,
     # and half the parts put (each replica puts half).
     int8 = MemoryModel(extra=4, runtime=0)
     r0 = rank_memory(two, shape, "1f1b", model=int8)[0]
-    assert (r0.buckets, r0.extra, r0.snapshots, r0.object_store) == (80, 80, 2 * 240 + 240, 240)
+    assert (r0.buckets, r0.extra, r0.snapshots, r0.object_store) == (80, 80, 2 * 240 + 3 * 120, 240)
     # On a GPU the bound holds the device; the (pinned) snapshot copies and the process are host memory.
     gpu = rank_memory(one, shape, "1f1b", model=MemoryModel(gpu=True, runtime=1000))[0]
-    assert gpu.bounded == gpu.device == 320 + 2 * 207 and gpu.host == 2 * 480 + 1000
+    assert gpu.bounded == gpu.device == 320 + 2 * 207 and gpu.host == 2 * 240 + 3 * 240 + 1000
     cfg = TrainerConfig.model_validate({**small().model_dump(), "comm": {"compression": "int8"},
                                         "checkpoint": {"snapshots_kept": 1}})
     m = MemoryModel.of(cfg)

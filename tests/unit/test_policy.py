@@ -64,7 +64,7 @@ def test_memory_counts_activations_and_a_pipeline_can_fit_where_one_worker_canno
     for s, (a, b) in enumerate(two.stage_bounds):
         act = sum(shape.saved_bytes[a:b]) + shape.out_bytes[b - 1]
         # No replicas: the live tensors are lent, the parts put into the node's store are the copies.
-        per_param = m.weights + m.grads + m.optimizer + m.snapshot_bytes
+        per_param = m.weights + m.grads + m.optimizer + m.snapshot_bytes + m.weights + m.optimizer
         need.append(sum(shape.param_counts[a:b]) * per_param + m.runtime + min(4, 2 - s) * act)
     assert two.memory_bytes == max(need)
     assert "MiB per worker of" in two.reason
