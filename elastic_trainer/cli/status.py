@@ -83,13 +83,15 @@ def format_status(st: dict) -> str:
     pace, slow = st.get("pace") or {}, st.get("stragglers") or {}
     memory = st.get("memory") or {}
     step_peak, setup = memory.get("step_peak_rss_bytes") or {}, memory.get("setup") or {}
+    device_peak = memory.get("step_peak_device_bytes") or {}
     for w in by_rank:
         p = pace.get(str(w["rank"]))
-        peak = step_peak.get(str(w["rank"]))
+        peak, on_device = step_peak.get(str(w["rank"])), device_peak.get(str(w["rank"]))
         at_setup = (setup.get(w["rank"]) or setup.get(str(w["rank"])) or {}).get("setup_peak_rss_bytes")
         lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}"
                      + (f" pace {p:.2f}" if p is not None else "")
                      + (f" memory {peak / 2**20:.0f} MiB" if peak else "")
+                     + (f" device {on_device / 2**20:.0f} MiB" if on_device else "")
                      + (f" (set-up peak {at_setup / 2**20:.0f} MiB)" if at_setup else "")
                      + (f" STRAGGLER since step {slow[w['rank']]}" if w["rank"] in slow else ""))
     if st.get("shares"):

@@ -19,6 +19,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..checkpoint.durable import CheckpointError, DurableStore
 
+# A part's write (a durable part, a stage's weights) may take this long at the least: its storage
+# calls retry within it.
+PART_TIMEOUT_S = 300.0
+
 
 def _store(spec: tuple) -> DurableStore:
     uri, run_id, retries, backoff_s = spec

@@ -27,11 +27,8 @@ from typing import Callable
 
 from ..checkpoint.durable import DurableStore
 from ..config import TrainerConfig
-from .durable_parts import DurableParts
+from .durable_parts import PART_TIMEOUT_S, DurableParts
 from .snapshots import SnapshotStore
-
-# A part's write may take this long at the least (its storage calls retry within it).
-_PART_TIMEOUT_S = 300.0
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +46,7 @@ class DurableWriter:
         self.delay_s = 0.0  # a chaos hook (Controller.inject_fault): each write holds this long first
         self.last_written: int | None = None   # the newest step this writer has written
         self._thread: threading.Thread | None = None
-        self.parts = DurableParts(store, max(_PART_TIMEOUT_S, cfg.comm.timeout_s))
+        self.parts = DurableParts(store, max(PART_TIMEOUT_S, cfg.comm.timeout_s))
         self.actor_of = actor_of   # worker id -> its live actor (None: gone), which writes its own parts
 
     def shards(self, step: int, alive_nodes: set[str] | None = None, alive_workers: set[int] | None = None) -> list:

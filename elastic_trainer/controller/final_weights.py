@@ -25,15 +25,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..checkpoint.weights import WeightsError, part_file, unseen_parts, weights_from_shards, write_index
 from ..config import TrainerConfig
 from ..worker.weights_writer import write_stage
+from .durable_parts import PART_TIMEOUT_S
 from .final_sources import lost_stages_error, snapshot_cover, stage_replicas, take_stages
 from .run_record import RunRecord
 from .snapshots import SnapshotStore
 from .workers import WorkerPool, ask_all
 
 log = logging.getLogger(__name__)
-
-# A part's write may take this long at the least (its storage calls retry within it).
-_PART_TIMEOUT_S = 300.0
 
 
 class PartsNotSaved(WeightsError):
@@ -59,7 +57,7 @@ class FinalWeights:
         """``meta(step)``: what the weights record; ``hf()``: (global -> Hugging Face name, the
         transformers config) for ``model.kind: hf``, else None."""
         self.cfg, self.run, self.pool, self.snapshots, self._meta, self._hf = cfg, run, pool, snapshots, meta, hf
-        self.timeout_s = max(_PART_TIMEOUT_S, cfg.comm.timeout_s)
+        self.timeout_s = max(PART_TIMEOUT_S, cfg.comm.timeout_s)
 
     def write(self, where: str, late: frozenset = frozenset()) -> dict:
         """Write the weights of the last step to ``where``: ``{"model_path", "hf_path", "parts"}``;

@@ -67,6 +67,7 @@ class ControllerQueries:
                     "pace": run.rank_figures.last().get("pace") or {},
                     # Each rank's peak resident memory in the last step, and at its set-up.
                     "memory": {"step_peak_rss_bytes": run.rank_figures.last().get("rank_peak_rss_bytes") or {},
+                               "step_peak_device_bytes": run.rank_figures.last().get("rank_peak_device_bytes") or {},
                                "setup": self.setup_memory()},
                     "stragglers": self.balance.tracker.stragglers,
                     "shares": list(self.balance.shares) if self.balance.shares else self.balance.shares,

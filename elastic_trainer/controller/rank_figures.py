@@ -15,7 +15,7 @@ import collections
 
 # What balance.observe adds to a step's record, one value per rank (keys are str(rank)), and each
 # rank's peak resident memory in the step (worker.memory_use).
-RANK_FIELDS = ("rank_compute_s", "rank_wait_s", "pace", "rank_peak_rss_bytes")
+RANK_FIELDS = ("rank_compute_s", "rank_wait_s", "pace", "rank_peak_rss_bytes", "rank_peak_device_bytes")
 # Steps kept for a driver that polls late: about a minute of 10 ms steps.
 KEEP = 4096
 

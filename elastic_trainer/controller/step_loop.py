@@ -203,9 +203,10 @@ class StepLoop:
         for ev in self.balance.observe(step, out.results, record, where, out.shares):
             named = named or ev["kind"] == "straggler"
             run.event(ev.pop("kind"), **ev)
-        peaks = {str(o["rank"]): o["peak_rss_bytes"] for o in out.results.values() if o.get("peak_rss_bytes")}
-        if peaks:
-            record["rank_peak_rss_bytes"] = dict(sorted(peaks.items(), key=lambda kv: int(kv[0])))
+        for key, field in (("peak_rss_bytes", "rank_peak_rss_bytes"), ("peak_device_bytes", "rank_peak_device_bytes")):
+            peaks = {str(o["rank"]): o[key] for o in out.results.values() if o.get(key)}
+            if peaks:
+                record[field] = dict(sorted(peaks.items(), key=lambda kv: int(kv[0])))
         moves = Moves()
         try:
             moves = self.balance.act(step, named)

@@ -141,6 +141,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX + "rank_peak_rss_bytes", GAUGE,
                "Each rank's peak resident memory in the last step (the kernel's VmHWM, reset every step).", "bytes",
                "throughput", "step_per_rank", field="rank_peak_rss_bytes", tag_keys=("run", "rank")),
+    MetricSpec(PREFIX + "rank_peak_device_bytes", GAUGE,
+               "Each GPU rank's peak device memory in the last step (torch.cuda.max_memory_allocated, reset "
+               "every step).", "bytes", "throughput", "step_per_rank", field="rank_peak_device_bytes",
+               tag_keys=("run", "rank")),
     MetricSpec(PREFIX + "stragglers", COUNTER,
                "Ranks that turned slow: pace past 1 + balance.threshold over balance.window steps.", "ranks",
                "throughput", "straggler"),
