@@ -70,6 +70,17 @@ def _pace_grid(figures: list[dict] | None):
     return grid, ranks, figures[0]["step"], figures[-1]["step"]
 
 
+def _memory_lines(figures: list[dict] | None) -> dict[int, tuple[list[int], list[float]]]:
+    """Each rank's (steps, peak resident GiB in that step) from the per-rank figures."""
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for f in figures or []:
+        for k, v in (f.get("rank_peak_rss_bytes") or {}).items():
+            steps, gib = out.setdefault(int(k), ([], []))
+            steps.append(f["step"])
+            gib.append(v / (1 << 30))
+    return out
+
+
 def report_figure(history: list[dict], events: list[dict], title: str | None = None,
                   ranks: list[dict] | None = None):
     """The report as a matplotlib ``Figure`` (not yet saved); see ``write_report``."""
@@ -94,10 +105,11 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
 
     steps = [r["step"] for r in history]
     pace = _pace_grid(ranks)
-    fig = Figure(figsize=(10, 14 if pace is not None else 12), dpi=100)
+    memory = _memory_lines(ranks)
+    heights = [3, 3, 3, 3] + ([1.6] if pace is not None else []) + ([2.2] if memory else [])
+    fig = Figure(figsize=(10, 12 + 2 * (len(heights) - 4)), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(5 if pace is not None else 4, 1, sharex=True,
-                        gridspec_kw={"height_ratios": [3, 3, 3, 3, 1.6][:5 if pace is not None else 4]})
+    axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
     fig.suptitle(_title(history, events, title), fontsize=11)
 
     ax = axes[0]
@@ -146,6 +158,15 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
         ax.set_ylabel("rank pace")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="compute / median")
+    if memory:
+        ax = axes[-1]
+        # Each rank's peak resident memory in each step (VmHWM, reset every step).
+        for r, (at, gib) in sorted(memory.items()):
+            ax.plot(at, gib, linewidth=1.0, label=f"rank {r}")
+        ax.set_ylabel("peak memory (GiB)")
+        ax.set_ylim(bottom=0)
+        if len(memory) <= 8:
+            ax.legend(loc="lower right", fontsize=7, ncol=min(4, len(memory)))
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
 

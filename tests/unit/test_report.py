@@ -125,6 +125,24 @@ def test_report_shows_each_ranks_pace_as_a_heat_strip():
     assert _pace_grid(None) is None and _pace_grid([]) is None     # no per-rank figures: no strip
 
 
+def test_report_draws_each_ranks_peak_memory_per_step():
+    history = _history()
+    figures = [{"step": r["step"], "rank_compute_s": {"0": 0.1, "1": 0.1},
+                "rank_peak_rss_bytes": {"0": 2 << 30, "1": (3 << 30) if r["step"] >= 5 else (1 << 30)}}
+               for r in history]
+    fig = report_figure(history, _events(), ranks=figures)
+    [panel] = [ax for ax in fig.get_axes() if ax.get_ylabel() == "peak memory (GiB)"]
+    assert fig.get_axes().index(panel) == 5   # below the pace strip (its colour bar comes last)
+    lines = {ln.get_label(): ln for ln in panel.get_lines() if ln.get_label().startswith("rank")}
+    assert set(lines) == {"rank 0", "rank 1"}
+    assert list(lines["rank 1"].get_ydata())[-1] == 3.0 and list(lines["rank 0"].get_ydata()) == [2.0] * len(history)
+    assert _vlines(panel, FAILURE_COLOR) == [11]
+    # Without per-step memory, no panel: the pace strip is the last.
+    bare = [{k: v for k, v in f.items() if k != "rank_peak_rss_bytes"} for f in figures]
+    labels = [ax.get_ylabel() for ax in report_figure(history, _events(), ranks=bare).get_axes()]
+    assert "peak memory (GiB)" not in labels and labels[4] == "rank pace"
+
+
 def test_the_ranks_file_keeps_the_last_line_of_each_step_and_thins_a_long_run(tmp_path):
     from elastic_trainer.reporting.rank_file import RankFile, read_rank_figures
 
