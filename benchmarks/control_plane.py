@@ -95,8 +95,23 @@ def tiny_config(n: int, steps: int, name: str, corpus: str, lease: int | str = 1
         # batch of 3 N divides among the replicas left (3 N / 8 of them).
         raw["parallel"] = {"dp": n // pp, "pp": pp}
         raw["train"]["global_batch_size"] = 3 * n
-        raw["scaling"].update({"worker_memory_gb": 0.0003, "replica_placement": "spread"})
+        raw["scaling"].update({"worker_memory_gb": _half_model_bound(raw), "replica_placement": "spread"})
     return raw
+
+
+def _half_model_bound(raw: dict) -> float:
+    """GiB between what a rank of the pp=2 layout needs and what the whole model on one rank
+    needs, by the planner's memory model (the process itself is most of either)."""
+    from elastic_trainer import TrainerConfig
+    from elastic_trainer.models.factory import block_param_counts
+    from elastic_trainer.planning.plan import make_plan
+    from elastic_trainer.planning.policy import rank_estimates
+
+    cfg = TrainerConfig.model_validate(raw)
+    par = raw["parallel"]
+    two = max(r["bounded"] for r in rank_estimates(cfg, par["dp"], par["pp"], make_plan(cfg).stage_bounds))
+    whole = max(r["bounded"] for r in rank_estimates(cfg, 1, 1, [(0, len(block_param_counts(cfg.model)))]))
+    return (two + whole) / 2 / (1 << 30)
 
 
 def calls_per_step(history: list[dict]) -> float:

@@ -83,11 +83,6 @@ class MemoryModel:
                    gpu=cfg.scaling.uses_gpu)
 
     @property
-    def per_param(self) -> int:
-        """Bytes a parameter costs where every buffer is there (dp > 1, CPU)."""
-        return self.weights + self.grads + self.optimizer + self.buckets + self.extra + self.snapshot_bytes
-
-    @property
     def snapshot_bytes(self) -> int:
         return self.snapshots_kept * (self.weights + self.optimizer)
 

@@ -264,9 +264,9 @@ def _rank_needs(cfg: TrainerConfig, lay: Layout) -> list[RankMemory]:
 def _model_words(cfg: TrainerConfig) -> str:
     m = MemoryModel.of(cfg)
     where = "device memory: the host's snapshot copies apart" if m.gpu else "host memory"
-    return (f"{where}; a parameter costs {m.per_param} B with every buffer, weights, gradients, moments, "
-            f"gradient buckets and {m.snapshots_kept} snapshot copies, plus live activations and "
-            f"{_mib(m.runtime)} of process")
+    return (f"{where}: weights, gradients, moments, gradient buckets, {m.snapshots_kept} kept snapshots "
+            f"and the next, plus live activations and {_mib(m.runtime)} of process; `elastic-trainer plan` "
+            "shows each buffer")
 
 
 def _sized(cfg: TrainerConfig, layouts: list[Layout]) -> list[tuple[Layout, int]]:

@@ -12,12 +12,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(180)
 def test_a_start_over_the_memory_bound_fails_before_a_step(cluster, corpus_dir):
-    # The tiny GPT as 2 x 2 needs about 1.1 MiB on its heaviest rank; 1 x 4 about 0.7 MiB.
+    # The tiny GPT as 2 x 2 needs 0.39355 GiB on its heaviest rank (most of it the process itself);
+    # 1 x 4 0.39208 GiB.
     cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, parallel={"dp": 2, "pp": 2}, run={"name": "start-mem"},
-                                              train={"steps": 2}, scaling={"worker_memory_gb": 0.0008}))
+                                              train={"steps": 2}, scaling={"worker_memory_gb": 0.393}))
     steps = []
     with pytest.raises(ConfigError, match=r"parallel\.dp\(2\) x parallel\.pp\(2\), stages \[\[0, 4\], \[4, 8\]\], "
-                                          r"does not fit scaling\.worker_memory_gb\(0\.0008\)") as e:
+                                          r"does not fit scaling\.worker_memory_gb\(0\.393\)") as e:
         Trainer(cfg, verbose=False, on_step=steps.append).fit()
     assert steps == []
-    assert "dp=1 pp=4" in str(e.value) and "scaling.worker_memory_gb >= 0.0011 runs dp=2 pp=2" in str(e.value)
+    assert "dp=1 pp=4" in str(e.value) and "scaling.worker_memory_gb >= 0.394 runs dp=2 pp=2" in str(e.value)
