@@ -44,10 +44,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-NODES = 4
-# Each simulated node's object store: Ray's default (30% of this machine's memory per node) would
-# promise four times what the machine has; beyond the cap, Ray spills to disk.
-OBJECT_STORE_BYTES = 2 << 30
+NODES = 4   # one-CPU nodes with 2 GiB object stores: scale.py's start_cluster
 DATA_PATH = "~/.cache/elastic_trainer/stdlib-corpus-128"
 MB = 1e6
 
@@ -132,19 +129,6 @@ class ControllerWatch:
         self._thread.join()
         return {"pid": self.pid, "idle_bytes": self.idle, "peak_bytes": self.peak,
                 "above_idle_bytes": self.peak - (self.idle or 0)}
-
-
-def start_cluster():
-    """A head with no CPUs and NODES one-CPU nodes with OBJECT_STORE_BYTES each."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(NODES):
-        c.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES)
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    return c
 
 
 def one_run(raw: dict) -> dict:
@@ -254,6 +238,7 @@ def main() -> None:
 
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.models.factory import block_param_counts
+    from scale import start_cluster
 
     work = Path(tempfile.mkdtemp(prefix="et-memory-"))
     rows: dict = {}
@@ -267,7 +252,7 @@ def main() -> None:
           f"{model_bytes / 1e9:.2f} GB in fp32; dp=1 x pp=4 on {NODES} simulated nodes; work dir {work}")
     for label, init_from in runs:
         raw = job(args, f"mem-{label}", work, init_from)
-        cluster = start_cluster()
+        cluster, _ = start_cluster()
         try:
             row = one_run(raw)
             row["one_process_write"] = one_process_write(row["durable"], work)

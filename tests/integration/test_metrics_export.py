@@ -40,7 +40,7 @@ class Recorder:
         m.record_step({"step": 3, "loss": 1.5, "dp": 2, "pp": 1, "world_size": 2, "step_time_s": 0.5,
                        "tokens_per_s": 100.0, "comm_time_s": 0.1, "comm_bytes": 10, "exposed_comm_s": 0.05,
                        "compression_ratio": 2.0, "lr": 1e-3, "pace": {"0": 1.0, "1": 1.4},
-                       "rank_peak_rss_bytes": {"0": 1e8, "1": 2e8}})
+                       "rank_peak_rss_bytes": {"0": 1e8, "1": 2e8}, "rank_peak_device_bytes": {"0": 5e7, "1": 6e7}})
         m.record_step({"eval_loss": 1.4})
         for _ in range(2):
             m.record_event({"kind": "failure", "failure": "death"})
