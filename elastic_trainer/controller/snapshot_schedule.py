@@ -111,6 +111,12 @@ class SnapshotSchedule:
     def choice_done(self) -> bool:
         return self._done
 
+    @property
+    def steps_alike(self) -> bool:
+        """Whether every step must be driven alike (one at a time): while the interval is measured
+        with and without snapshots, not while an estimate is checked on the cycles leases follow."""
+        return self.auto and not self._done and self._verify is None
+
     def _meets(self, step: int) -> bool:
         return step % self.unit == 0
 
