@@ -107,7 +107,7 @@ class CheckpointSection(_Strict):
     memory_every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="Snapshot into the object store every N steps; 'auto' measures what a snapshot "
                             "costs and picks the interval that keeps it under max_overhead of step time "
-                            "(measured again after every re-plan).")
+                            "(after a re-plan, estimated from the last choice and checked, or measured again).")
     max_overhead: float = Field(
         0.05, gt=0.0, le=1.0, description="With memory_every 'auto': the share of step time snapshots may cost.")
     overlap: bool = Field(
