@@ -155,9 +155,19 @@ class DurableStore:
         def write():
             # Streamed through a hash: no copy of the part is made in memory, however large.
             self.fs.create_dir(d, recursive=True)
-            with self.fs.open_output_stream(f"{d}/{name}") as f:
-                out = _HashingWriter(f)
-                torch.save(obj, out)
+            out = None
+            try:
+                with self.fs.open_output_stream(f"{d}/{name}") as f:
+                    out = _HashingWriter(f)
+                    torch.save(obj, out)
+            except Exception:
+                with contextlib.suppress(OSError):   # a truncated part is no part (an object store commits on close)
+                    self.fs.delete_file(f"{d}/{name}")
+                # torch's zip writer may raise its own error over the storage's: the storage's says
+                # whether to retry.
+                if out is not None and out.error is not None:
+                    raise out.error from None
+                raise
             # Read back by its writer, a chunk at a time: the manifest will vouch for this checksum.
             back = _sha256_of(self.fs, f"{d}/{name}")
             if back != out.sha256.hexdigest():
@@ -380,11 +390,16 @@ class _HashingWriter:
 
     def __init__(self, out):
         self.out, self.sha256, self.nbytes = out, hashlib.sha256(), 0
+        self.error: OSError | None = None   # the storage's first error
 
     def write(self, b) -> int:
         self.sha256.update(b)
         self.nbytes += len(b)
-        self.out.write(b)
+        try:
+            self.out.write(b)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         return len(b)
 
     def flush(self) -> None:

@@ -85,6 +85,6 @@ def format_rank_memory(ranks: list[dict], cfg, gb: float | None) -> str:
                      f"{mib(r['grad_buckets']):>8} {mib(r['comm_state']):>11}  {acts:<41} "
                      f"{mib(r['snapshots']):>10} {mib(r['runtime']):>8} {mib(r['device']):>8} {mib(r['host']):>8}")
     store = max(r["object_store"] for r in ranks)
-    lines.append(f"(besides: up to {mib(store)} MiB of a rank's snapshot parts, checkpoint.replicas x snapshots_kept "
-                 "copies, in the nodes' object stores)")
+    lines.append(f"(besides: up to {mib(store)} MiB of a rank's snapshot parts in other nodes' object stores: "
+                 "(checkpoint.replicas - 1) x snapshots_kept copies)")
     return "\n".join(lines)

@@ -54,12 +54,12 @@ def lease_length(cfg: TrainerConfig, first: int, schedule: SnapshotSchedule, one
     evaluation or the last step, whichever comes first, and at most ``lease_cap`` (which
     ``step_s``, the measured step time, sets under ``lease_steps: auto``). One while
     ``memory_every: auto`` measures what a snapshot costs (its steps with and without must be
-    driven alike; an estimate after a re-plan is checked on whole cycles, leases and all), and
-    where the caller says so (``one_at_a_time``). ``snapshot_pending``: the step of a snapshot
+    driven alike, and so must an estimate's after a re-plan: a lease's record spreads its time
+    over its steps), and where the caller says so (``one_at_a_time``). ``snapshot_pending``: the step of a snapshot
     granted but not yet recorded (a lease sized ahead, ``schedule_after``)."""
     schedule = schedule_after(schedule, snapshot_pending)
     cap = lease_cap(cfg, step_s)
-    if cap <= 1 or one_at_a_time or schedule.steps_alike:
+    if cap <= 1 or one_at_a_time or (schedule.auto and not schedule.choice_done):
         return 1
     last = min(cfg.train.steps, first + cap - 1)
     ev = cfg.eval

@@ -1,11 +1,14 @@
 """The memory a worker may use, where ``scaling.worker_memory_gb`` is not set: what the worker has.
 
-A CPU worker's share of its node: the node's schedulable memory (Ray's
-``memory`` resource, what Ray leaves beside its object store) times the
-worker's share of the node's CPUs, at the smallest node a worker fits on. A
-GPU worker: its device's memory, asked of one GPU before any worker is
-placed (the host's snapshot copies are then counted apart, see
-``planning.memory``). The bound found is written into the run's config, so
+A CPU worker's share of its node: the node's memory (Ray's ``memory`` and
+``object_store_memory`` resources together: a worker's resident set holds
+the snapshot parts it puts into the store, see ``planning.memory``) over the
+workers the node holds (``scaling.workers_per_node``, else its CPUs over a
+worker's), at the smallest node a worker fits on. A GPU worker: its device's
+memory less ``GPU_HEADROOM`` (the CUDA context, NCCL's buffers and the
+caching allocator's slack, which the model does not count), asked of one GPU
+before any worker is placed (the host's snapshot copies are then counted
+apart). The bound found is written into the run's config, so
 the start, every re-plan and growth are held to it, and logged.
 """
 
@@ -20,17 +23,18 @@ from ..config import TrainerConfig
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 60.0
+GPU_HEADROOM = 0.1
 
 
-def host_share_bytes(nodes: list[dict], cpus_per_worker: float) -> int | None:
+def host_share_bytes(nodes: list[dict], cpus_per_worker: float, workers_per_node: int | None = None) -> int | None:
     """The smallest per-worker share of memory over the alive ``nodes`` (``ray.nodes()`` entries)
     that have room for a worker of ``cpus_per_worker`` CPUs; None where no node has."""
     shares = []
     for n in nodes:
         res = n.get("Resources") or {}
-        cpus, mem = res.get("CPU", 0.0), res.get("memory", 0.0)
+        cpus, mem = res.get("CPU", 0.0), res.get("memory", 0.0) + res.get("object_store_memory", 0.0)
         if n.get("Alive") and mem > 0 and cpus >= max(cpus_per_worker, 1e-9):
-            per_node = max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1
+            per_node = workers_per_node or (max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1)
             shares.append(mem / per_node)
     return int(min(shares)) if shares else None
 
@@ -48,16 +52,17 @@ def resolve_memory_bound(cfg: TrainerConfig, run_name: str) -> str | None:
     if sc.worker_memory_gb is not None:
         return None
     if sc.uses_gpu:
+        ref = ray.remote(num_gpus=sc.resources_per_worker.get("GPU", 1), num_cpus=0)(_device_bytes).remote()
         try:
-            probe = ray.remote(num_gpus=sc.resources_per_worker.get("GPU", 1), num_cpus=0)(_device_bytes)
-            nbytes = ray.get(probe.remote(), timeout=_PROBE_TIMEOUT_S)
+            nbytes = int(ray.get(ref, timeout=_PROBE_TIMEOUT_S) * (1 - GPU_HEADROOM))
         except Exception as e:  # no GPU free in time, or a driver error: say so and go unbounded
+            ray.cancel(ref, force=True)   # not to take a GPU later
             log.warning("[%s] no memory bound per worker: could not read a GPU's memory (%s); set "
                         "scaling.worker_memory_gb", run_name, e)
             return None
-        why = "the memory of a GPU"
+        why = f"a GPU's memory less {GPU_HEADROOM:.0%} for CUDA's own"
     else:
-        nbytes = host_share_bytes(ray.nodes(), sc.resources_per_worker.get("CPU", 1.0))
+        nbytes = host_share_bytes(ray.nodes(), sc.resources_per_worker.get("CPU", 1.0), sc.workers_per_node)
         if nbytes is None:
             return None
         why = "a worker's share of the smallest node's memory"

@@ -19,6 +19,7 @@ import ray
 
 from ..config import TrainerConfig
 from ..errors import WorkerError
+from ..planning.memory import MemoryModel
 from ..planning.plan import Plan
 from ..planning.policy import plan_block_costs, plan_row
 from .balance import Balance
@@ -143,7 +144,7 @@ class PlanSetup:
                               lambda: plan_block_costs(cfg, topo.dp), cfg.parallel.stages_per_rank)
         self.snapshots.set_plan(plan)
         self.snapshots.rolled_back(restored)   # later snapshots are no longer the run's state
-        self.schedule.restart(restored, self._snapshot_scale(plan))
+        self.schedule.restart(restored, lambda: self._snapshot_scale(plan))
         # Steps after the restored one were rolled back: they will be run again, with their evaluations.
         self.evaluator.rolled_back(restored)
         desc = run.apply_plan(plan, ranks, restored, restoring=restore is not None)
@@ -152,15 +153,17 @@ class PlanSetup:
         return desc
 
     def _snapshot_scale(self, plan) -> dict | None:
-        """The heaviest rank's snapshot bytes (weights and moments, 12 a parameter) and the predicted
-        step time of ``plan``, for ``memory_every: auto`` to carry its last choice over (None: unknown)."""
+        """The heaviest rank's snapshot bytes and the predicted step time of ``plan``, for
+        ``memory_every: auto`` to carry its last choice over (None: unknown). Asked only when the
+        schedule wants it (a choice to carry over, or one made)."""
         topo, counts = plan.topology, self.run.counts
         if not counts or not self.schedule.auto:
             return None
         stages = [sum(counts[a:b]) for a, b in plan.stage_bounds]
         heaviest = max(sum(stages[r::topo.pp]) for r in range(topo.pp))
         row = plan_row(self.cfg, topo.dp, topo.pp)
-        return {"snapshot_bytes": 12 * heaviest, "step_s": row["total_s"]} if row else None
+        m = MemoryModel.of(self.cfg)
+        return {"snapshot_bytes": (m.weights + m.optimizer) * heaviest, "step_s": row["total_s"]} if row else None
 
     def _progress(self, wids: list[int]) -> dict:
         """Each worker's set-up progress (``worker.setup_progress``), None where it did not answer."""

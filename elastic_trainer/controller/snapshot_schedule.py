@@ -19,10 +19,11 @@ After a re-plan, where a choice was made under an earlier plan, the
 interval is first estimated from it: a snapshot's cost in proportion to the
 heaviest rank's state, the period to the planner's predicted step time. An
 estimate of 3 or more periods is taken at once and checked against the steps
-it runs (no extra snapshot): ``CYCLES`` snapshot cycles against the median of
-the periods that neither take a snapshot nor follow one; cost = median(cycle)
-- interval x median(clean period); the interval is then chosen from that
-cost as above. A shorter estimate (cheap snapshots, or a slow one to measure
+it runs (no extra snapshot; one step at a time, as a measurement: a lease's
+record spreads its time over its steps): ``CYCLES`` snapshot cycles against
+the median of the periods that neither take a snapshot nor follow one; cost =
+median over cycles of (cycle - its periods x median(clean period)); the
+interval is then chosen from that cost as above. A shorter estimate (cheap snapshots, or a slow one to measure
 closely) is measured as at the start.
 
 A period is one step, or with local SGD / DiLoCo the ``comm.local_steps``
@@ -64,11 +65,12 @@ class SnapshotSchedule:
         self._choice_scale: dict | None = None  # the scale of the plan ``choice`` was made under
         self._verify: dict | None = None        # checking an estimated interval (see restart)
 
-    def restart(self, step: int, scale: dict | None = None) -> None:
+    def restart(self, step: int, scale=None) -> None:
         """A plan was set up at ``step`` (its state is a snapshot or the seed): measure again.
         ``scale`` ({"snapshot_bytes", "step_s"}: the new plan's heaviest rank's state and its
-        predicted step time) lets a choice made under an earlier plan estimate the interval, then
-        checked against the steps it runs (see the module's doc)."""
+        predicted step time, or a function returning it, asked only when wanted) lets a choice made
+        under an earlier plan estimate the interval, then checked against the steps it runs (see
+        the module's doc)."""
         self.last_taken = step
         self._start_period = -(-step // self.unit)
         self._with, self._without, self._period_s = [], [], 0.0
@@ -77,6 +79,8 @@ class SnapshotSchedule:
             return
         self.interval = 1
         before = self._choice_scale
+        if self.choice and before and before["snapshot_bytes"] > 0 and before["step_s"] > 0:
+            scale = self._scale_now()
         if self.choice and scale and before and before["snapshot_bytes"] > 0 and before["step_s"] > 0:
             cost = self.choice["snapshot_cost_s"] * scale["snapshot_bytes"] / before["snapshot_bytes"]
             period = self.choice["step_s"] * self.unit * scale["step_s"] / before["step_s"]
@@ -84,6 +88,11 @@ class SnapshotSchedule:
             if k >= 3:
                 self.interval = k
                 self._verify = {"estimate": k, "since": None, "cycle_s": 0.0, "cycles": [], "clean": []}
+
+    def _scale_now(self) -> dict | None:
+        if callable(self._scale):
+            self._scale = self._scale()
+        return self._scale
 
     def _interval_for(self, cost: float, period_s: float) -> int:
         budget = self.cfg.checkpoint.max_overhead
@@ -111,11 +120,6 @@ class SnapshotSchedule:
     def choice_done(self) -> bool:
         return self._done
 
-    @property
-    def steps_alike(self) -> bool:
-        """Whether every step must be driven alike (one at a time): while the interval is measured
-        with and without snapshots, not while an estimate is checked on the cycles leases follow."""
-        return self.auto and not self._done and self._verify is None
 
     def _meets(self, step: int) -> bool:
         return step % self.unit == 0
@@ -151,8 +155,9 @@ class SnapshotSchedule:
         self.last_taken = step
         self._requested = False
 
-    def observe(self, step: int, step_s: float) -> dict | None:
-        """Count a completed step's time; returns the choice once one is made (auto only)."""
+    def observe(self, step: int, step_s: float, snapshot: bool | None = None) -> dict | None:
+        """Count a completed step's time; returns the choice once one is made (auto only).
+        ``snapshot``: whether the step took one (None: as ``due`` says, read before ``taken``)."""
         if not self.auto or self.choice_done:
             return None
         phase = self._phase(step)
@@ -161,7 +166,7 @@ class SnapshotSchedule:
             return None
         period_s, self._period_s = self._period_s, 0.0
         if phase == "verify":
-            return self._check(step, period_s)
+            return self._check(step, period_s, self.due(step) if snapshot is None else snapshot)
         if phase == "with":
             self._with.append(period_s)
         elif phase == "without":
@@ -171,13 +176,14 @@ class SnapshotSchedule:
         with_s, without_s = statistics.median(self._with), statistics.median(self._without)
         return self._choose(step, max(0.0, with_s - without_s), without_s, snapshots=WARMUP + SAMPLES)
 
-    def _check(self, step: int, period_s: float) -> dict | None:
-        """A period under an estimated interval: a snapshot's cycle, and the clean periods in it."""
+    def _check(self, step: int, period_s: float, snapshot: bool) -> dict | None:
+        """A period under an estimated interval: a snapshot's cycle, and the clean periods in it.
+        A cycle is closed by the next snapshot, whatever took it (the interval, a durable
+        checkpoint, a request), and counted with its length."""
         v = self._verify
-        # Whether this period's step takes a snapshot: the run observes a step before ``taken``.
-        if self.last_taken == step or self.due(step):
-            if v["since"] is not None and v["since"] + 1 == self.interval:
-                v["cycles"].append(v["cycle_s"])
+        if snapshot:
+            if v["since"] is not None and v["since"] >= 1:
+                v["cycles"].append((v["cycle_s"], v["since"] + 1))
             v["since"], v["cycle_s"] = 0, period_s
         elif v["since"] is not None:
             v["since"] += 1
@@ -187,14 +193,14 @@ class SnapshotSchedule:
         if len(v["cycles"]) < CYCLES or not v["clean"]:
             return None
         clean = statistics.median(v["clean"])
-        cost = max(0.0, statistics.median(v["cycles"]) - self.interval * clean)
+        cost = max(0.0, statistics.median(total - n * clean for total, n in v["cycles"]))
         self._verify = None
         return self._choose(step, cost, clean, snapshots=0, estimated=v["estimate"])
 
     def _choose(self, step: int, cost: float, period_s: float, snapshots: int, estimated: int | None = None) -> dict:
         budget = self.cfg.checkpoint.max_overhead
         self.interval = self._interval_for(cost, period_s)
-        self._done, self._choice_scale = True, self._scale
+        self._done, self._choice_scale = True, self._scale_now()
         self.choice = {
             "step": step, "interval": self.interval * self.unit, "snapshot_cost_s": cost, "step_s": period_s / self.unit,
             "expected_overhead": cost / (self.interval * period_s) if period_s > 0 else 0.0,

@@ -229,7 +229,7 @@ class StepLoop:
         self.recovery.step_committed()
         self.replanner.step_committed()
         self._memory_kills()
-        choice = self.schedule.observe(step, record["step_time_s"])
+        choice = self.schedule.observe(step, record["step_time_s"], snapshot=bool(out.snapshot))
         if choice:
             run.event("snapshot_interval", **choice)
         ps = self._ps()

@@ -68,6 +68,7 @@ class MemoryModel:
     optimizer: int = 8         # AdamW exp_avg, exp_avg_sq
     buckets: int = 4           # fp32 flat bucket copies of the gradients (dp > 1 and an all-reduce)
     extra: int = 0             # error-feedback residual (4) or DiLoCo's outer copy and momentum (8)
+    extra_alone: bool = False  # kept without replicas too (DiLoCo's; a residual needs a peer)
     snapshots_kept: int = 2    # local snapshot copies, each weights + moments, in host memory
     replicas: int = 2          # copies of each snapshot part in the nodes' object stores
     gpu: bool = False          # device memory apart from host memory
@@ -78,7 +79,7 @@ class MemoryModel:
         """The model of a run's config (``TrainerConfig``)."""
         c = cfg.comm
         extra = 8 if c.sync == "diloco" else 4 if c.compression in ("int8", "topk", "powersgd") else 0
-        return cls(buckets=4 if c.sync == "allreduce" else 0, extra=extra,
+        return cls(buckets=4 if c.sync == "allreduce" else 0, extra=extra, extra_alone=c.sync == "diloco",
                    snapshots_kept=cfg.checkpoint.snapshots_kept, replicas=cfg.checkpoint.replicas,
                    gpu=cfg.scaling.uses_gpu)
 
@@ -167,17 +168,19 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing:
             peak = acts[0] * in_flight(schedule, layout.micro_batches, layout.pp, r)
         if checkpointing and shape.saved_bytes is not None:
             peak += max(shape.saved_bytes[b] for b in blocks)  # the block being recomputed
+        extra = model.extra if layout.dp > 1 or model.extra_alone else 0
+        one = model.weights + model.optimizer + extra   # a snapshot's bytes a parameter (comm state too)
+        kept = model.snapshots_kept
         out.append(RankMemory(
             weights=n * model.weights, grads=n * model.grads, optimizer=n * model.optimizer,
-            buckets=n * model.buckets if layout.dp > 1 else 0, extra=n * model.extra if layout.dp > 1 else 0,
+            buckets=n * model.buckets if layout.dp > 1 else 0, extra=n * extra,
             # Local copies, except on a CPU rank that puts its whole state (no replica shares the parts):
             # it lends its live tensors (worker.snapshot_serving). The parts a rank puts into its node's
-            # object store were written through its own mapping of the store: its resident set counts them.
+            # object store were written through its own mapping of the store: its resident set counts them,
+            # the kept ones and the next while it is put.
             activations=peak, runtime=model.runtime, gpu=model.gpu,
-            # The store holds the kept parts while the next is put: one more than kept.
-            snapshots=(n * model.snapshot_bytes if model.gpu or layout.dp > 1 else 0)
-            + n * (model.snapshot_bytes + model.weights + model.optimizer) // layout.dp,
-            object_store=n * (model.replicas - 1) * model.snapshot_bytes // layout.dp))
+            snapshots=(n * kept * one if model.gpu or layout.dp > 1 else 0) + n * (kept + 1) * one // layout.dp,
+            object_store=n * (model.replicas - 1) * kept * one // layout.dp))
     return out
 
 

@@ -39,8 +39,8 @@ that rank's:
   ``2 (m + pp - 1) (alpha + bytes * beta)``.
 
 Each row also carries the memory one worker needs on that layout
-(:func:`memory.worker_memory`: parameter state plus the activations the
-schedule keeps alive), and a memory bound drops the layouts over it.
+(:func:`memory.worker_memory`: every buffer of the rank that needs the most,
+for the run's own codec and sync, activations the schedule keeps alive included), and a memory bound drops the layouts over it.
 
 ``total_s = compute_s + exposed_comm_s``. Numbers are the steady state:
 PowerSGD after ``powersgd_start_step``, error feedback included in the
@@ -160,7 +160,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
             proc = 0 if model.gpu else model.runtime
             raise NothingFits(
                 f"no dp x pp on {workers} worker(s) fits {_mib(worker_memory_bytes)} per worker; the smallest, "
-                f"dp={lay.dp} pp={lay.pp}, needs {_mib(need)} ({_mib(need - act - proc)} of parameter state, "
+                f"dp={lay.dp} pp={lay.pp}, needs {_mib(need)} ({_mib(need - act - proc)} of state and snapshots, "
                 f"{_mib(act)} of activations, {_mib(proc)} the process itself): give workers more memory or the "
                 "run more workers")
         sized = fitting
@@ -351,7 +351,7 @@ def format_candidates(rows: Sequence[dict]) -> str:
                    + ("  <- as configured" if r["configured"] else ""))
     if rows:
         out.append(f"(comm: exposed DP sync + codec arithmetic + pipeline transfers; MB/step: DP bytes the "
-                   f"heaviest rank sends, push + pull for parameter_server; MB/worker: parameter state + live "
-                   f"activations of the rank that needs the most; constants: {rows[0]['constants_source']}; "
+                   f"heaviest rank sends, push + pull for parameter_server; MB/worker: what the rank that needs "
+                   f"the most holds, for the run's own codec and sync (each buffer: the memory table below); constants: {rows[0]['constants_source']}; "
                    f"compute: {rows[0]['compute_source']})")
     return "\n".join(out)

@@ -164,7 +164,7 @@ def check_start(cfg: TrainerConfig, plan: Plan) -> None:
     its stage cut), does not fit ``scaling.worker_memory_gb`` by the memory model a re-plan is held
     to (:func:`cut_fits`): before any worker is placed, rather than at the first out-of-memory.
 
-    The message names the layout, the bytes each pipeline rank needs (parameter state and
+    The message names the layout, the bytes each pipeline rank needs (state and
     activations apart), the bound, the layouts on as many workers that :func:`choose_plan`
     would accept, and the smallest ``worker_memory_gb`` that runs the layout as given.
     """
@@ -194,7 +194,7 @@ def check_start(cfg: TrainerConfig, plan: Plan) -> None:
         f"parallel.dp({topo.dp}) x parallel.pp({topo.pp}), stages {[list(b) for b in plan.stage_bounds]}, does "
         f"not fit scaling.worker_memory_gb({gb:g}) = {_mib(bound)} a worker by the planner's memory model "
         f"({_model_words(cfg)}): "
-        + ", ".join(f"pp rank {r} needs {_mib(m.bounded)} ({_mib(m.state)} parameter state + "
+        + ", ".join(f"pp rank {r} needs {_mib(m.bounded)} ({_mib(m.state)} of state, snapshots and process + "
                     f"{_mib(m.activations)} activations)" for r, m in enumerate(ranks))
         + f"; {would}")
 
@@ -217,7 +217,8 @@ def rejected_plans(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: floa
         if st + act > worker_memory_bytes:
             extra = st + act - worker_memory_bytes
             over.append(Rejection(lay.dp, lay.pp, "memory", f"over {_mib(worker_memory_bytes)} a worker",
-                                  f"needs {_mib(st + act)}, {_mib(extra)} over: {_mib(st)} parameter state + "
+                                  f"needs {_mib(st + act)}, {_mib(extra)} over: {_mib(st)} of state, snapshots "
+                                  "and process + "
                                   f"{_mib(act)} activations on pp rank {r}", st + act, math.ceil(extra)))
     return out + sorted(over, key=lambda x: x.need_bytes)
 
@@ -263,10 +264,13 @@ def _rank_needs(cfg: TrainerConfig, lay: Layout) -> list[RankMemory]:
 
 def _model_words(cfg: TrainerConfig) -> str:
     m = MemoryModel.of(cfg)
-    where = "device memory: the host's snapshot copies apart" if m.gpu else "host memory"
-    return (f"{where}: weights, gradients, moments, gradient buckets, {m.snapshots_kept} kept snapshots "
-            f"and the next, plus live activations and {_mib(m.runtime)} of process; `elastic-trainer plan` "
-            "shows each buffer")
+    buffers = "weights, gradients, moments" + (", gradient buckets" if m.buckets else "")
+    if m.gpu:
+        held = f"device memory: {buffers} and live activations (snapshot copies and the process are host memory)"
+    else:
+        held = (f"host memory: {buffers}, {m.snapshots_kept} kept snapshots and the next, live activations and "
+                f"{_mib(m.runtime)} of process")
+    return held + "; `elastic-trainer plan` shows each buffer"
 
 
 def _sized(cfg: TrainerConfig, layouts: list[Layout]) -> list[tuple[Layout, int]]:

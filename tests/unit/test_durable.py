@@ -1,10 +1,12 @@
 import threading
 
 import numpy as np
+import pyarrow.fs as pafs
 import pytest
 import torch
 
 from elastic_trainer.checkpoint.durable import CheckpointError, DurableStore
+from elastic_trainer.retry import StorageError
 from elastic_trainer.checkpoint.resume_lookup import load_resume, runs
 from elastic_trainer.checkpoint.state import export_shard, load_into, merge_shards
 
@@ -136,6 +138,53 @@ def test_a_transient_write_error_is_retried(tmp_path):
     store.fs = Flaky()
     store.save(5, [shard(5, [0, 1], 5.0)], {})
     assert not failures and store.load(5)[1]["step"] == 5
+
+
+def test_a_write_that_fails_midway_leaves_no_part_and_is_retried_on_the_storage_error(tmp_path):
+    store = DurableStore(str(tmp_path), run_id="r", retries=2, backoff_s=0.01)
+    real = store.fs
+    failures, seen = [1], []
+
+    class Breaks:
+        """An output stream whose storage fails after the part's first bytes."""
+
+        def __init__(self, inner):
+            self.inner, self.written = inner, 0
+
+        def write(self, b):
+            if failures and self.written:
+                failures.pop()
+                raise OSError("connection reset while uploading a part")
+            self.written += len(b)
+            return self.inner.write(b)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.inner.close()
+            seen.append(real.get_file_info(self.path).size)
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def open_output_stream(self, path, *a, **k):
+            out = Breaks(real.open_output_stream(path, *a, **k))
+            out.path = path
+            return out
+
+    store.fs = Flaky()
+    store.save(5, [shard(5, [0, 1], 5.0)], {})
+    # The first try stopped midway (torch's writer then raised over it): retried as the storage's
+    # error, and the whole part is what loads.
+    assert not failures and seen[0] < seen[1]   # then the manifest
+    assert store.load(5)[1]["step"] == 5
+    # Failing every time: the error names the storage's, and no truncated part is left behind.
+    failures.extend([1] * 3)
+    with pytest.raises(StorageError, match="connection reset while uploading a part"):
+        store.write_part(6, 0, shard(6, [0, 1], 6.0))
+    assert real.get_file_info(f"{store.step_dir(6)}/shard-000.pt").type == pafs.FileType.NotFound
 
 
 def test_shard_state_round_trips_through_adamw():

@@ -92,11 +92,14 @@ def test_every_buffer_is_counted_and_host_and_device_apart():
     assert (r0.weights, r0.grads, r0.optimizer, r0.buckets, r0.snapshots) == (80, 80, 160, 0, 3 * 240)
     assert r0.object_store == 2 * 240
     assert r0.device == 80 + 80 + 160 + 2 * 207 and r0.host == r0.device + 720 + 1000 == r0.bounded
-    # With replicas: the gradient buckets' fp32 copies, a codec's residual, two local snapshot copies,
-    # and half the parts put (each replica puts half).
+    # With replicas: the gradient buckets' fp32 copies, a codec's residual (which snapshots carry
+    # too: 16 bytes a parameter each), two local snapshot copies, and half the parts put.
     int8 = MemoryModel(extra=4, runtime=0)
     r0 = rank_memory(two, shape, "1f1b", model=int8)[0]
-    assert (r0.buckets, r0.extra, r0.snapshots, r0.object_store) == (80, 80, 2 * 240 + 3 * 120, 240)
+    assert (r0.buckets, r0.extra, r0.snapshots, r0.object_store) == (80, 80, 2 * 320 + 3 * 160, 320)
+    # A residual needs a peer; DiLoCo keeps its outer state without one.
+    assert rank_memory(one, shape, "1f1b", model=int8)[0].extra == 0
+    assert rank_memory(one, shape, "1f1b", model=MemoryModel(extra=8, extra_alone=True))[0].extra == 160
     # On a GPU the bound holds the device; the (pinned) snapshot copies and the process are host memory.
     gpu = rank_memory(one, shape, "1f1b", model=MemoryModel(gpu=True, runtime=1000))[0]
     assert gpu.bounded == gpu.device == 320 + 2 * 207 and gpu.host == 2 * 240 + 3 * 240 + 1000

@@ -17,6 +17,10 @@ def test_a_worker_gets_its_share_of_the_smallest_node_it_fits_on():
     # 16 GiB over the 4 one-CPU workers that node holds; the CPU-less head and the dead node do not count.
     assert host_share_bytes(nodes, 1.0) == 4 * GIB
     assert host_share_bytes(nodes, 2.0) == 8 * GIB
+    assert host_share_bytes(nodes, 1.0, workers_per_node=2) == 8 * GIB
+    # The object store counts too: a worker's resident set holds the parts it puts there.
+    store = [{"Alive": True, "Resources": {"CPU": 2, "memory": 6 * GIB, "object_store_memory": 2 * GIB}}]
+    assert host_share_bytes(store, 1.0) == 4 * GIB
     assert host_share_bytes(nodes, 16.0) is None   # no node has room for such a worker
     assert host_share_bytes([], 1.0) is None
 

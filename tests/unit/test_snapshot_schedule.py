@@ -18,7 +18,7 @@ def _run(sched, steps, step_s, cost_s, start=0, scale=None):
     for step in range(start + 1, start + steps + 1):
         snap = sched.due(step)
         # As the run does (controller.step_loop): the step is observed, then its snapshot recorded.
-        choice = sched.observe(step, step_s + (cost_s if snap else 0.0)) or choice
+        choice = sched.observe(step, step_s + (cost_s if snap else 0.0), snapshot=snap) or choice
         if snap:
             taken.append(step)
             sched.taken(step)
@@ -82,12 +82,19 @@ def test_a_replan_estimates_from_the_last_choice_and_checks_it_with_no_extra_sna
     # CYCLES whole cycles of the estimate, closed by the next snapshot; no other snapshot taken.
     assert choice["step"] == 68 + CYCLES * 8
     assert taken == list(range(68, choice["step"] + 1, 8)) + list(range(choice["step"] + 12, 141, 12))
-    # A plan whose step is predicted twice as long halves the interval's estimate; it is checked
-    # on the cycles leases run as usual (only measuring with and without drives steps one by one).
+    # A plan whose step is predicted twice as long halves the interval's estimate.
     sched.restart(140, {"snapshot_bytes": 2000, "step_s": 0.2})
-    assert sched.interval == 6 and sched.describe()["measuring"] and not sched.steps_alike
-    sched.restart(140)
-    assert sched.steps_alike
+    assert sched.interval == 6 and sched.describe()["measuring"]
+
+
+def test_an_estimate_is_checked_on_cycles_a_durable_checkpoint_cuts_short():
+    # Durable checkpoints every 10 steps take snapshots inside the estimated 12-step cycles: every
+    # cycle a snapshot closes counts, with its length.
+    sched = SnapshotSchedule(_cfg(max_overhead=0.05, durable_every=10, storage="/tmp/ck"))
+    _, first = _run(sched, 60, 0.1, 0.02, scale={"snapshot_bytes": 1000, "step_s": 0.1})
+    taken, choice = _run(sched, 80, 0.1, 0.06, start=60, scale={"snapshot_bytes": 2000, "step_s": 0.1})
+    assert choice is not None and choice["estimated_interval"] is not None
+    assert abs(choice["snapshot_cost_s"] - 0.06) < 1e-9 and choice["measuring_snapshots"] == 0
 
 
 def test_a_short_estimate_or_none_measures_as_at_the_start():

@@ -51,7 +51,7 @@ def test_a_start_over_the_bound_fails_naming_the_layout_its_needs_and_what_fits(
     assert "scaling.worker_memory_gb(0.43)" in msg
     # Each pipeline rank's bytes as the planner counts them: parameter state and activations apart.
     for r, (state, act) in enumerate(per_rank):
-        assert (f"pp rank {r} needs {(state + act) / MIB:.1f} MiB ({state / MIB:.1f} MiB parameter state + "
+        assert (f"pp rank {r} needs {(state + act) / MIB:.1f} MiB ({state / MIB:.1f} MiB of state, snapshots and process + "
                 f"{act / MIB:.1f} MiB activations)") in msg
     for dp, pp in would:
         assert f"dp={dp} pp={pp}" in msg
