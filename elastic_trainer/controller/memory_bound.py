@@ -2,9 +2,11 @@
 
 A CPU worker's share of its node: the node's memory (Ray's ``memory`` and
 ``object_store_memory`` resources together: a worker's resident set holds
-the snapshot parts it puts into the store, see ``planning.memory``) over the
-workers the node holds (``scaling.workers_per_node``, else its CPUs over a
-worker's), at the smallest node a worker fits on. A GPU worker: its device's
+the snapshot parts it puts into the store, see ``planning.memory``) less
+``HOST_HEADROOM`` (Ray's own processes, the driver and the controller; Ray's
+memory monitor kills at 95% of the node) over the workers the node holds
+(``scaling.workers_per_node``, else its CPUs over a worker's), at the
+smallest node a worker fits on. A GPU worker: its device's
 memory less ``GPU_HEADROOM`` (the CUDA context, NCCL's buffers and the
 caching allocator's slack, which the model does not count), asked of one GPU
 before any worker is placed (the host's snapshot copies are then counted
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT_S = 60.0
 GPU_HEADROOM = 0.1
+HOST_HEADROOM = 0.1
 
 
 def host_share_bytes(nodes: list[dict], cpus_per_worker: float, workers_per_node: int | None = None) -> int | None:
@@ -35,7 +38,7 @@ def host_share_bytes(nodes: list[dict], cpus_per_worker: float, workers_per_node
         cpus, mem = res.get("CPU", 0.0), res.get("memory", 0.0) + res.get("object_store_memory", 0.0)
         if n.get("Alive") and mem > 0 and cpus >= max(cpus_per_worker, 1e-9):
             per_node = workers_per_node or (max(1, int(cpus // cpus_per_worker)) if cpus_per_worker > 0 else 1)
-            shares.append(mem / per_node)
+            shares.append(mem * (1 - HOST_HEADROOM) / per_node)
     return int(min(shares)) if shares else None
 
 
