@@ -37,8 +37,8 @@ import hashlib
 import io
 import json
 import threading
-import warnings
 import time
+import warnings
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -47,6 +47,7 @@ import torch
 from ..data.dataset import resolve_filesystem
 from ..errors import ElasticTrainerError
 from ..retry import StorageError, with_retries
+from .weights import not_seen
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -137,6 +138,11 @@ class DurableStore:
     def _retry(self, fn, what: str):
         return with_retries(fn, f"{what} ({self.uri})", self.retries, self.backoff_s)
 
+    @property
+    def spec(self) -> tuple:
+        """What makes this store again in another process: ``DurableStore(*spec)``."""
+        return self.uri, self.run_id, self.retries, self.backoff_s
+
     def step_dir(self, step: int) -> str:
         """The directory of this run's checkpoint of ``step``."""
         return self._path(checkpoint_dirname(step, self.run_id))
@@ -185,8 +191,9 @@ class DurableStore:
         must be there as seen from here (a local path that is not one shared filesystem holds
         each on its writer's machine): else a ``CheckpointError`` naming them, and no manifest."""
         d = self.step_dir(step)
-        infos = self._retry(lambda: self.fs.get_file_info([f"{d}/{f['name']}" for f in files]), f"listing {d}")
-        unseen = [f for f, info in zip(files, infos) if info.type != pafs.FileType.File or info.size != f["bytes"]]
+        gone = self._retry(lambda: not_seen(self.fs, [f"{d}/{f['name']}" for f in files], [f["bytes"] for f in files]),
+                           f"listing {d}")
+        unseen = [files[i] for i in gone]
         if unseen:
             raise CheckpointError(
                 f"checkpoint.storage({self.uri!r}) is not one storage for every node: "
@@ -375,6 +382,16 @@ class DurableStore:
 def read_parts(store: DurableStore, name: str, manifest: dict) -> list[dict]:
     """Every part of a checkpoint, read and verified in this process."""
     return [store.read_part(name, entry, manifest["step"]) for entry in manifest["files"]]
+
+
+def write_part_here(spec: tuple, step: int, index: int, shard: dict) -> dict:
+    """``DurableStore(*spec).write_part`` in this process (a worker that made the part, or a task
+    on its node), its entry naming the node it was written on."""
+    import ray
+
+    entry = DurableStore(*spec).write_part(step, index, shard)
+    entry["node"] = ray.get_runtime_context().get_node_id()
+    return entry
 
 
 def _read(fs, path: str) -> bytes:

@@ -92,13 +92,20 @@ def save_weights(where: str, state: dict[str, torch.Tensor], metadata: dict, ret
     return write_safetensors(where, name, state, metadata, retries)["path"]
 
 
+def not_seen(fs, paths: list[str], sizes: list[int]) -> list[int]:
+    """The indices of ``paths`` (files written by other processes, perhaps on other machines)
+    that ``fs`` does not show here with their ``sizes``: a local path that is not one shared
+    filesystem holds each on its own writer's machine."""
+    infos = fs.get_file_info(paths)
+    return [i for i, (info, n) in enumerate(zip(infos, sizes)) if info.type != pafs.FileType.File or info.size != n]
+
+
 def unseen_parts(where: str, parts: list[dict]) -> list[dict]:
-    """Those of ``parts`` (``write_safetensors`` entries, written by other processes, perhaps on
-    other machines) that ``where`` does not show here with their size: a local path that is not
-    one shared filesystem holds each part on its own writer's machine."""
+    """Those of ``parts`` (``write_safetensors`` entries) that ``where`` does not show here
+    (``not_seen``)."""
     fs, root = resolve_filesystem(where)
-    infos = fs.get_file_info([f"{root.rstrip('/')}/{p['file']}" for p in parts])
-    return [p for p, info in zip(parts, infos) if info.type != pafs.FileType.File or info.size != p["bytes"]]
+    gone = not_seen(fs, [f"{root.rstrip('/')}/{p['file']}" for p in parts], [p["bytes"] for p in parts])
+    return [parts[i] for i in gone]
 
 
 def write_index(where: str, parts: list[dict], metadata: dict, retries: int = 3) -> str:

@@ -17,28 +17,19 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..checkpoint.durable import CheckpointError, DurableStore
+from ..checkpoint.durable import CheckpointError, DurableStore, write_part_here
 
 # A part's write (a durable part, a stage's weights) may take this long at the least: its storage
 # calls retry within it.
 PART_TIMEOUT_S = 300.0
 
 
-def _store(spec: tuple) -> DurableStore:
-    uri, run_id, retries, backoff_s = spec
-    return DurableStore(uri, run_id, retries, backoff_s)
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _write_part(spec: tuple, step: int, index: int, shard: dict) -> dict:
-    entry = _store(spec).write_part(step, index, shard)
-    entry["node"] = ray.get_runtime_context().get_node_id()
-    return entry
+_write_part = ray.remote(num_cpus=0, max_retries=0)(write_part_here)
 
 
 @ray.remote(num_cpus=0, num_returns=2, max_retries=0)
 def _read_part(spec: tuple, name: str, entry: dict, step: int):
-    shard = _store(spec).read_part(name, entry, step)
+    shard = DurableStore(*spec).read_part(name, entry, step)
     return entry["bytes"], shard
 
 
@@ -59,8 +50,7 @@ class DurableParts:
     @property
     def spec(self) -> tuple:
         # Read at each call: a resumed run adopts the run id it continues after this was made.
-        s = self.store
-        return s.uri, s.run_id, s.retries, s.backoff_s
+        return self.store.spec
 
     def write(self, step: int, parts: list[tuple]) -> list[dict]:
         """Write ``parts`` ((object ref, node id or None, the live worker actor that made it or

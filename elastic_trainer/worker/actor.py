@@ -139,11 +139,9 @@ class TrainWorker(SnapshotServing, GroupControl):
         """Write ``shard`` (a snapshot part this worker made: its object is on this node) as part
         ``index`` of the durable checkpoint of ``step`` and read it back (``DurableStore.write_part``);
         its manifest entry. Beside steps, on a thread of its own."""
-        from ..checkpoint.durable import DurableStore
+        from ..checkpoint.durable import write_part_here
 
-        entry = DurableStore(*store_spec).write_part(step, index, shard)
-        entry["node"] = ray.get_runtime_context().get_node_id()
-        return entry
+        return write_part_here(store_spec, step, index, shard)
 
     @ray.method(concurrency_group="storage")
     def write_weights(self, job: dict) -> dict:
