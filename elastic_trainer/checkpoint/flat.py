@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .dtypes import bits_dtype, numpy_dtype
+from .host_arena import HostArena
 
 _ALIGN = 64  # bytes: every array starts aligned, whatever the dtypes before it
 
@@ -80,11 +81,9 @@ class _BlockBuffer:
     shard built on it shares (made once: rebuilding 100 views a step cost as much
     as the copy itself)."""
 
-    def __init__(self, entries: list, nbytes: int, pinned: bool = False):
-        # Pinned (page-locked) host memory lets a device-to-host copy run asynchronously;
-        # the numpy array keeps the pinned tensor alive.
-        self.buf = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy() if pinned
-                    else np.empty(nbytes, dtype=np.uint8))
+    def __init__(self, entries: list, nbytes: int, arena: HostArena):
+        self.region = arena.take(nbytes)
+        self.buf = self.region.array
         self.entries = entries
         self.layout = (self.buf, entries)
         self.views = _entry_views(self.buf, entries)
@@ -108,15 +107,28 @@ class ShardExporter:
     to the object store, is never overwritten.
     """
 
-    def __init__(self, pinned: bool = False):
+    def __init__(self, arena: HostArena | None = None, pinned: bool = False):
+        """``arena``: where buffers come from (a worker's, kept across its re-plans); None: one
+        of its own without a bound, page-locked where ``pinned``."""
+        self.arena = arena if arena is not None else HostArena(None, pinned)
         self._pool: dict[int, list[_BlockBuffer]] = {}  # block -> its reusable buffers
-        self.pinned = pinned  # page-locked buffers, for copies from a GPU
         self.allocated = 0  # buffers made so far (a test reads it)
 
     @property
     def nbytes(self) -> int:
-        """Host memory held in buffers, in use or free."""
+        """Host memory in buffers, in use or kept for reuse (the arena may hold more, free)."""
         return sum(b.buf.nbytes for pool in self._pool.values() for b in pool)
+
+    def _drop(self, pool: list, buf: _BlockBuffer) -> None:
+        pool.remove(buf)
+        self.arena.give(buf.region)
+
+    def sweep(self, keep: set[int]) -> None:
+        """Give back the free buffers of blocks outside ``keep`` (a re-plan moved them away)."""
+        for block, pool in self._pool.items():
+            if block not in keep:
+                for b in [b for b in pool if b.free()]:
+                    self._drop(pool, b)
 
     def _buffer(self, block: int, entries: list, nbytes: int) -> _BlockBuffer:
         pool = self._pool.setdefault(block, [])
@@ -125,8 +137,8 @@ class ShardExporter:
             if s.entries == entries:
                 return s
         for s in free:  # the layout changed: a free buffer of another layout is no use
-            pool.remove(s)
-        buf = _BlockBuffer(entries, nbytes, self.pinned)
+            self._drop(pool, s)
+        buf = _BlockBuffer(entries, nbytes, self.arena)
         pool.append(buf)
         self.allocated += 1
         return buf
@@ -149,6 +161,7 @@ class ShardExporter:
                 else:
                     small.setdefault(name, {})[k] = np.asarray(v)
             per_block.setdefault(block_of(name), []).append((name, items))
+        self.sweep(set(per_block))
         layout, dst, src = {}, [], []
         params: dict = {}
         optim: dict = small  # built above for this shard alone; the tensors' views join it

@@ -117,6 +117,11 @@ class CheckpointSection(_Strict):
     snapshots_kept: int = Field(
         2, ge=1, description="Committed snapshots kept in the object store (with their pinned copies); each "
                              "worker keeps as many local copies, the newest. Older ones are let go.")
+    host_memory_gb: float | None = Field(
+        None, gt=0, description="Host memory per node for the workers' snapshot copy buffers (page-locked on a "
+                                "GPU), shared equally by the workers the node fits; each worker sizes its "
+                                "buffers within its share once and reuses them across re-plans. Copies past "
+                                "it go to pageable memory. Unset: half the node's memory (Ray's 'memory').")
     durable_every: int | None = Field(None, ge=1, description="Write a durable checkpoint every N steps (and at the end).")
     storage: str | None = Field(None, description="Directory or pyarrow filesystem URI for durable checkpoints.")
     keep_durable: int = Field(3, ge=1, description="Durable checkpoints kept; older ones are deleted.")

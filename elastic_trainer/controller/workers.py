@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..config import TrainerConfig
 from ..errors import ElasticTrainerError, WorkerError, error_line
 from ..naming import NAMESPACE, spare_name
+from ..planning.node_share import snapshot_host_budget
 from ..worker.actor import TrainWorker
 from ..worker.device import SHARE_GPUS_ENV
 from .placement import pick_nodes
@@ -179,6 +180,7 @@ class WorkerPool:
     def spawn(self, nodes: list[str], names: list[str] | None = None) -> None:
         """Start a worker on each node given (without waiting for it)."""
         res = dict(self.cfg.scaling.resources_per_worker)
+        node_res = {n["NodeID"]: n.get("Resources") or {} for n in ray.nodes()}
         for i, node in enumerate(nodes):
             wid = self._next_wid
             self._next_wid += 1
@@ -196,7 +198,8 @@ class WorkerPool:
             if env:
                 opts["runtime_env"] = {"env_vars": env}
             actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads,
-                                                         self.cfg.failure.allow_fault_injection)
+                                                         self.cfg.failure.allow_fault_injection,
+                                                         snapshot_host_budget(node_res.get(node, {}), self.cfg))
             self.joining[wid] = (actor, actor.info.remote(), node)
 
     def spawn_on_free_nodes(self) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import socket
 import threading
 import time
 import traceback
@@ -21,28 +19,27 @@ from typing import TYPE_CHECKING
 import ray
 import torch
 
+from ..checkpoint.flat import ShardExporter
+from ..checkpoint.host_arena import HostArena
 from ..config import TrainerConfig
 from ..errors import error_line
 from ..logs import configure_actor_logging
 from ..parallel.topology import Topology
 from .device import bind, current_visible, worker_device
-from .probe import probe_compute
 from .faults import FaultHooks
 from .group_address import bind_groups_to
 from .group_control import GroupControl
 from .group_keeper import GroupKeeper
-from .heartbeat_relay import relay_pings
 from .lease_order import LeaseOrder
-from .liveness import process_mark, running
-from .memory_kills import grow_until_killed, memory_limit, oom_kills
+from .memory_kills import grow_until_killed
 from .memory_use import cuda_peak_bytes, peak_rss_bytes, reset_peaks, rss_bytes
 from .node_fate import watch_raylet
-from .process_group import free_port
 from .restore_fetch import fetch_sources
 from .setup_progress import PROGRESS
 from .step_answer import step_answer
 from .weights_writer import write_stage
 from .snapshot_serving import SnapshotServing
+from .worker_questions import WorkerQuestions
 
 if TYPE_CHECKING:
     # Imported by the worker itself (``_stage_trainer``): torch.distributed.pipelining takes about
@@ -67,8 +64,11 @@ class InjectedFault(RuntimeError):
 
 
 
-class TrainWorker(SnapshotServing, GroupControl):
-    def __init__(self, run_name: str, worker_id: int, torch_threads: int | None, allow_faults: bool = False):
+class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
+    def __init__(self, run_name: str, worker_id: int, torch_threads: int | None, allow_faults: bool = False,
+                 host_budget: int | None = None):
+        """``host_budget``: bytes this worker's snapshot copy buffers may hold (its share of
+        ``checkpoint.host_memory_gb`` on its node; None: no bound)."""
         configure_actor_logging()
         self.run_name = run_name
         self.worker_id = worker_id
@@ -88,6 +88,8 @@ class TrainWorker(SnapshotServing, GroupControl):
         finally:
             gc.enable()
         self._init_snapshots()
+        self._host_budget = host_budget
+        self._exporter: ShardExporter | None = None   # made at the first set-up, kept for the worker's life
         # failure.allow_fault_injection gates every hook
         self.faults = FaultHooks(allow_faults, f"run {run_name!r} (worker {worker_id})")
         # torch.distributed's default group is process-wide: one set-up at a time. A set-up
@@ -116,24 +118,6 @@ class TrainWorker(SnapshotServing, GroupControl):
         # the collections that reset() runs on the recovery path (80 ms each otherwise).
         gc.freeze()
 
-    @ray.method(concurrency_group="control")
-    def info(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {
-            "worker_id": self.worker_id,
-            "pid": os.getpid(),
-            "mark": process_mark(),
-            "node_id": ctx.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(),
-            "group_iface": os.environ.get("GLOO_SOCKET_IFNAME"),
-            "gpu_ids": ray.get_gpu_ids(),
-            # The kernel's OOM kills in this worker's memory cgroup so far: a count that has risen
-            # when it is dead says memory killed it (controller.memory_kills).
-            "oom_kills": oom_kills(),
-            "memory_limit": memory_limit(),
-        }
-
     @ray.method(concurrency_group="storage")
     def write_durable_part(self, store_spec: tuple, step: int, index: int, shard: dict) -> dict:
         """Write ``shard`` (a snapshot part this worker made: its object is on this node) as part
@@ -147,37 +131,6 @@ class TrainWorker(SnapshotServing, GroupControl):
     def write_weights(self, job: dict) -> dict:
         """Write this rank's stage as its part of the final weights (``weights_writer.write_stage``)."""
         return write_stage(self.trainer.state_dict(), job, ray.get_runtime_context().get_node_id())
-
-    @ray.method(concurrency_group="control")
-    def setup_progress(self) -> tuple[int, int]:
-        """(units, bytes) of set-up work done so far (``setup_progress``): moving means slow, not stuck."""
-        return PROGRESS.read()
-
-    @ray.method(concurrency_group="control")
-    def reserve_port(self) -> int:
-        return free_port()
-
-    @ray.method(concurrency_group="control")
-    def ping(self) -> bool:
-        return True
-
-    @ray.method(concurrency_group="control")
-    def ping_node(self, mates: dict[int, tuple[int, str]]) -> dict[int, bool | None]:
-        """A heartbeat for this node: this worker answers, and says of each node-mate
-        (worker id -> (pid, mark)) whether its process runs (``liveness.running``)."""
-        return {w: running(pid, mark) for w, (pid, mark) in mates.items()}
-
-    @ray.method(concurrency_group="control")
-    def relay_pings(self, asks: dict, wait_s: float) -> dict:
-        """The controller's heartbeat question, asked of other nodes for it (``heartbeat_relay``)."""
-        return relay_pings(asks, wait_s, self.worker_id, self.ping_node)
-
-    @ray.method(concurrency_group="control")
-    def probe(self, products: int | None = None) -> tuple[float, int]:
-        """(seconds a fixed workload takes on this worker's device now, its size): how a benched
-        straggler shows it has recovered (``worker.probe``; ``products`` None sizes it)."""
-        bind(self.gpu)
-        return probe_compute(self.gpu, self.faults.slow, products)
 
     @ray.method(concurrency_group="control")
     def abort_setup(self, generation: int) -> None:
@@ -243,7 +196,7 @@ class TrainWorker(SnapshotServing, GroupControl):
         shards, moved = fetch_sources(sources, self.copies, aborted, self.worker_id) if sources else ([], {"bytes": 0, "seconds": 0.0})
         t.append(time.perf_counter())
         trainer = _stage_trainer()(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
-                               held=held)
+                                   held=held, exporter=self._snapshot_exporter(device))
         del held
         t.append(time.perf_counter())
         step = 0
@@ -265,6 +218,15 @@ class TrainWorker(SnapshotServing, GroupControl):
                 "world": joined, "carried": carried, "group_parts": dict(self.groups.join_timings),
                 "timings": dict(zip(SETUP_PARTS, (b - a for a, b in zip(t, t[1:])))),
                 "moved": moved, "build": trainer.build_info, "addresses": self.groups.addresses()}
+
+    def _snapshot_exporter(self, device: torch.device) -> ShardExporter:
+        """The worker's snapshot copy buffers: one arena within its budget, reused by every plan."""
+        if self._exporter is None:
+            label = f"[{self.run_name}] worker {self.worker_id}"
+            self._exporter = ShardExporter(HostArena(self._host_budget, pinned=device.type == "cuda", label=label))
+            log.info("%s: snapshot copy buffers within %s (its share of checkpoint.host_memory_gb)", label,
+                     "no bound" if self._host_budget is None else f"{self._host_budget / (1 << 30):.2f} GiB")
+        return self._exporter
 
     def _held_blocks(self, cfg: TrainerConfig):
         """The blocks of the last stage (kept by ``reset``), to reuse in the next if built alike."""

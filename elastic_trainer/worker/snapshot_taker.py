@@ -81,10 +81,12 @@ class SnapshotJob:
 class SnapshotTaker:
     """Takes one rank's snapshots (see the module docstring). ``wait_timeout_s`` bounds the barrier."""
 
-    def __init__(self, device: torch.device, wait_timeout_s: float):
+    def __init__(self, device: torch.device, wait_timeout_s: float, exporter: ShardExporter | None = None):
+        """``exporter``: the worker's, whose buffers outlive this plan (``checkpoint.host_arena``);
+        None: one of this taker's own."""
         self.device = device
         self.wait_timeout_s = wait_timeout_s
-        self.exporter = ShardExporter(pinned=device.type == "cuda")
+        self.exporter = exporter if exporter is not None else ShardExporter(pinned=device.type == "cuda")
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-copy")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.job: SnapshotJob | None = None

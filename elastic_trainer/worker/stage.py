@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..checkpoint.flat import ShardExporter
 from ..checkpoint.state import load_into, merge_shards, pick_comm
 from ..comm.algorithms import ring_allreduce_bytes
 from ..comm.stats import CommStats
@@ -85,9 +86,11 @@ class StageTrainer:
         ps: tuple | None = None,
         restoring: bool = False,
         held: dict[int, nn.Module] | None = None,
+        exporter: ShardExporter | None = None,
     ):
         """``restoring``: the state will be loaded from a snapshot, so blocks are not initialised
-        (see ``block_build``); ``held``: the blocks this worker's previous plan gave it, to reuse."""
+        (see ``block_build``); ``held``: the blocks this worker's previous plan gave it, to reuse;
+        ``exporter``: the worker's snapshot copy buffers, kept across its plans."""
         self.cfg, self.topo, self.rank, self.groups, self.device = cfg, topo, rank, groups, device
         self.replica, self.pp_rank = topo.coords(rank)
         p = cfg.parallel
@@ -117,7 +120,7 @@ class StageTrainer:
         del blocks
         self.params = [p for m in self.modules.values() for p in m.parameters()]
         self.optimizer = build_optimizer(self.params, cfg.train)
-        self.snapshots = SnapshotTaker(device, cfg.comm.timeout_s)
+        self.snapshots = SnapshotTaker(device, cfg.comm.timeout_s, exporter)
         named = list(self.named_parameters())
         comm = cfg.comm
         # The pipeline schedules are built not to scale gradients (scale_grads=False):
