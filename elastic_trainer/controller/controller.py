@@ -63,6 +63,7 @@ from .queries import ControllerQueries
 from .failure_budget import FailureBudget
 from .growth import Growth
 from .memory_bound import resolve_memory_bound
+from .store_room import warn_store_short
 from .memory_kills import MemoryKills
 from .recovery import Recovery
 from .replan import Replanner
@@ -243,6 +244,9 @@ class Controller:
         line = fault_tolerance(topo, rank_nodes, cfg.checkpoint.replicas)
         run.event("placement", nodes=len(set(nodes)), workers=topo.world_size, detail=line)
         log.info("[%s] placement: %s", self.run_name, line)
+        short = warn_store_short(cfg, plan, rank_nodes, self.run_name)
+        if short:
+            run.event("object_store_short", nodes=short)
         # Worker i starts as rank i, named after it (replica, stage) for the dashboard.
         self.pool.spawn([rank_nodes[r] for r in range(topo.world_size)],
                         [worker_name(self.run_name, r, *topo.coords(r)) for r in range(topo.world_size)])

@@ -102,7 +102,14 @@ class RankMemory:
     snapshots: int
     runtime: int
     gpu: bool = False
-    object_store: int = 0   # the rank's snapshot parts in the nodes' object stores: not its own memory
+    object_store: int = 0   # the other replicas' copies of its parts, in other nodes' object stores
+    parts_put: int = 0      # its own parts in its node's object store (counted in ``snapshots`` too)
+
+    @property
+    def store(self) -> int:
+        """Object-store bytes of this rank's snapshots: its own parts and one node's share of the
+        copies (each node holds about as many copies of others' parts as others hold of its)."""
+        return self.parts_put + self.object_store
 
     @property
     def device(self) -> int:
@@ -180,7 +187,8 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing:
             # the kept ones and the next while it is put.
             activations=peak, runtime=model.runtime, gpu=model.gpu,
             snapshots=(n * kept * one if model.gpu or layout.dp > 1 else 0) + n * (kept + 1) * one // layout.dp,
-            object_store=n * (model.replicas - 1) * kept * one // layout.dp))
+            object_store=n * (model.replicas - 1) * kept * one // layout.dp,
+            parts_put=n * (kept + 1) * one // layout.dp))
     return out
 
 

@@ -159,6 +159,11 @@ def rank_estimates(cfg: TrainerConfig, dp: int, pp: int, stage_bounds) -> list[d
     return out
 
 
+def rank_store_bytes(cfg: TrainerConfig, dp: int, pp: int, stage_bounds) -> list[int]:
+    """Each PP rank's snapshot bytes in object stores (:attr:`RankMemory.store`)."""
+    return [m.store for m in _rank_needs(cfg, _layout(cfg, dp, pp, stage_bounds))]
+
+
 def check_start(cfg: TrainerConfig, plan: Plan) -> None:
     """Raise a ``ConfigError`` where ``plan``, the layout a run starts on (``parallel.dp x pp`` and
     its stage cut), does not fit ``scaling.worker_memory_gb`` by the memory model a re-plan is held
