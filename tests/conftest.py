@@ -6,6 +6,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
+import shutil
 import tempfile
 
 import pytest
@@ -54,6 +55,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
+    shutil.rmtree(WEIGHTS_DIR, ignore_errors=True)   # the runs' weights: nothing of the tests stays behind
     # After the summary, leave without the interpreter's teardown: one full run in several
     # died there with SIGSEGV (rc 139) after every test had passed, in native threads of the
     # libraries the tests load (Ray, torch). The exit status stays pytest's own.
