@@ -28,6 +28,9 @@ from .planning.constants import run_constants
 from .planning.model_shape import ModelShape, ShapeInBackground
 from .reporting.progress import ProgressPrinter
 from .reporting.rank_file import RankFile, ranks_path, read_rank_figures
+from .storage.credentials import storage_env
+from .storage.uris import is_uri, join
+from .storage.preflight import check_storage
 
 
 @dataclass
@@ -130,6 +133,10 @@ class Trainer:
     def _check_inputs(self, cfg: TrainerConfig) -> TrainerConfig:
         """Fail before any worker starts: bad data and bad factories are cheap to find here."""
         resolve_factory(cfg.model)
+        # Wrong credentials or a missing bucket fail here, not at the first write minutes in.
+        check_storage([("data.path", cfg.data.path), ("eval.path", cfg.eval.path),
+                       ("checkpoint.storage", cfg.checkpoint.storage), ("run.output_dir", output_dir(cfg))],
+                      cfg.failure.storage_retries)
         whole = whole_build_warning(cfg.model)
         if whole:
             print(f"warning: {whole}", file=sys.stderr)
@@ -181,9 +188,11 @@ class Trainer:
     def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool,
              shape: ModelShape | None = None) -> Result:
         node_id = ray.get_runtime_context().get_node_id()
+        env = storage_env()   # the storage's credentials: the controller passes them on to the workers
         controller = ray.remote(ControllerActor).options(
             name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            **({"runtime_env": {"env_vars": env}} if env else {}),
         ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape)
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
         done_ref = controller.run.remote(return_model_state, resume)
@@ -253,8 +262,8 @@ def output_dir(cfg: TrainerConfig) -> str:
     out = cfg.run.output_dir
     if out is None:
         base = cfg.checkpoint.storage or cfg.run.report_dir or "elastic_trainer_reports"
-        out = f"{base.rstrip('/')}/{cfg.run.name}"
-    return out if "://" in out else os.path.abspath(os.path.expanduser(out))
+        out = join(base, cfg.run.name)
+    return out if is_uri(out) else os.path.abspath(os.path.expanduser(out))
 
 
 def _absolute(path: str) -> str:

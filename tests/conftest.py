@@ -26,6 +26,16 @@ def corpus_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 server on 127.0.0.1 (``tests.s3_server``); a test that stops it starts it again."""
+    from tests.s3_server import S3Server   # imports moto only where a test asks for it
+
+    server = S3Server()
+    yield server
+    server.stop()
+
+
 def tiny_config(corpus: str, **sections) -> dict:
     """A config dict for a GPT small enough to step in milliseconds; sections override by key."""
     cfg = {

@@ -44,7 +44,8 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from ..data.dataset import resolve_filesystem
+from ..storage.filesystems import open_fs
+from ..storage.uris import split_secrets
 from ..errors import ElasticTrainerError
 from ..retry import StorageError, with_retries
 from .weights import not_seen
@@ -122,10 +123,10 @@ class DurableStore:
     ``--resume`` looks before it adopts one). Storage errors are retried ``retries`` times."""
 
     def __init__(self, uri: str, run_id: str | None = None, retries: int = 3, backoff_s: float = 0.5):
-        self.uri = uri
+        self.uri = split_secrets(uri)[0]   # what messages, events and the spec carry (open_fs keeps the credentials)
         self.run_id = run_id
         self.retries, self.backoff_s = retries, backoff_s
-        self.fs, self.root = resolve_filesystem(uri)
+        self.fs, self.root = open_fs(uri, "checkpoint.storage")
         # Checkpoints a load of this store has open, and those a prune is deleting: the durable
         # writer's thread prunes while a recovery reads (restore_points.load_durable).
         self._lock = threading.Lock()

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save as st_save
 
 from ..config import ModelSection
-from ..data.dataset import resolve_filesystem
+from ..storage.filesystems import open_fs
+from ..storage.uris import is_uri, split_last, split_secrets
 from ..errors import ConfigError, ElasticTrainerError
 from ..models.hf import build_hf_blocks, hf_config_dict, hf_name_map, load_hf_config
 from .durable import MANIFEST, DurableStore
@@ -41,13 +42,13 @@ def trained_parts(source: str) -> tuple[ModelSection, dict | None, int, Iterator
     """``(model section, resolved HF config or None, number of parts, the parts)`` of a run's
     weights (its output folder, sharded or one file, or a weights file) or a durable checkpoint
     directory: each part's tensors by global name, read one part at a time."""
-    fs, path = resolve_filesystem(source)
+    fs, path = open_fs(source, "weights")
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise ExportError(f"{source!r} does not exist: give a run's output folder, its weights file, "
                           "or a durable checkpoint directory (step-N-<run id>)")
     if info.type == pafs.FileType.Directory and fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File:
-        parent, _, name = source.rstrip("/").rpartition("/")
+        parent, name = split_last(source)
         store = DurableStore(parent or ".")
         manifest = store.read_manifest(name)
         model = ModelSection.model_validate(manifest["config"]["model"])
@@ -93,7 +94,7 @@ def write_hf_configs(config, out_dir: str) -> None:
     """``config.json``, and ``generation_config.json`` where the model generates, into ``out_dir``."""
     import transformers
 
-    fs, root = resolve_filesystem(out_dir)
+    fs, root = open_fs(out_dir, "out")
     fs.create_dir(root, recursive=True)
     with fs.open_output_stream(f"{root}/config.json") as f:
         f.write(config.to_json_string().encode())
@@ -109,11 +110,11 @@ def write_hf_folder(state: dict[str, torch.Tensor], model: ModelSection, out_dir
                     hf_config: dict | None = None) -> str:
     """Write ``config.json`` and ``model.safetensors`` to ``out_dir`` (local or a filesystem URI)."""
     tensors, config = hf_state(state, model, hf_config)
-    fs, root = resolve_filesystem(out_dir)
+    fs, root = open_fs(out_dir, "out")
     write_hf_configs(config, out_dir)
     with fs.open_output_stream(f"{root}/model.safetensors") as f:
         f.write(st_save(tensors, metadata={"format": "pt"}))
-    return root if "://" not in out_dir else out_dir.rstrip("/")
+    return root if not is_uri(out_dir) else split_secrets(out_dir)[0]
 
 
 def export(source: str, out_dir: str) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from ..data.dataset import resolve_filesystem
+from ..storage.filesystems import open_fs
+from ..storage.uris import split_last
 from ..errors import DataError
 from .durable import MANIFEST, CheckpointError, DurableStore, checkpoint_dirname, parse_dirname
 
@@ -81,12 +82,12 @@ def load_resume(store: DurableStore, run_name: str, target: str | None = None, r
 
 def _checkpoint_name(store: DurableStore, target: str) -> str | None:
     """The directory name of the checkpoint path ``target`` in this storage; None for a run id."""
-    parent, _, name = target.rstrip("/").rpartition("/")
+    parent, name = split_last(target)
     if not parent and parse_dirname(name) is None:
         return None
     if parent:
         try:
-            fs, root = resolve_filesystem(parent)
+            fs, root = open_fs(parent, "checkpoint")
         except DataError as e:
             raise CheckpointError(f"checkpoint path {target!r}: {e}") from None
         if type(fs) is not type(store.fs) or root.rstrip("/") != store.root.rstrip("/"):

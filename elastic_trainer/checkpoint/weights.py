@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..data.dataset import resolve_filesystem
+from ..storage.filesystems import open_fs
+from ..storage.uris import join, split_secrets
 from ..errors import ElasticTrainerError
 from .dtypes import as_tensor
 from ..retry import with_retries
@@ -58,7 +59,7 @@ def write_safetensors(where: str, name: str, state: dict[str, torch.Tensor], met
     as JSON strings (``as_json``; else as the strings given: Hugging Face's ``{"format": "pt"}``).
     Raises :class:`WeightsError` where it cannot be written or does not read back."""
     t0 = time.perf_counter()
-    fs, root = resolve_filesystem(where)
+    fs, root = open_fs(where, "run.output_dir")
     path = f"{root.rstrip('/')}/{name}"
     tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(state.items())}
     data = st_save(tensors, metadata={k: json.dumps(v) if as_json else v for k, v in metadata.items()})
@@ -81,7 +82,7 @@ def write_safetensors(where: str, name: str, state: dict[str, torch.Tensor], met
         raise WeightsError(f"{name} was not saved to {where}: {type(e).__name__}: {e}") from None
     if hashlib.sha256(back).hexdigest() != digest:
         raise WeightsError(f"{path} reads back {len(back)} bytes that differ from the {len(data)} written")
-    shown = path if isinstance(fs, pafs.LocalFileSystem) else f"{where.rstrip('/')}/{name}"
+    shown = path if isinstance(fs, pafs.LocalFileSystem) else join(split_secrets(where)[0], name)
     return {"file": name, "path": shown, "sha256": digest, "bytes": len(data), "names": sorted(state),
             "seconds": time.perf_counter() - t0}
 
@@ -103,7 +104,7 @@ def not_seen(fs, paths: list[str], sizes: list[int]) -> list[int]:
 def unseen_parts(where: str, parts: list[dict]) -> list[dict]:
     """Those of ``parts`` (``write_safetensors`` entries) that ``where`` does not show here
     (``not_seen``)."""
-    fs, root = resolve_filesystem(where)
+    fs, root = open_fs(where, "run.output_dir")
     gone = not_seen(fs, [f"{root.rstrip('/')}/{p['file']}" for p in parts], [p["bytes"] for p in parts])
     return [parts[i] for i in gone]
 
@@ -112,7 +113,7 @@ def write_index(where: str, parts: list[dict], metadata: dict, retries: int = 3)
     """Write ``<where>/model.safetensors.index.json`` for ``parts`` (``write_safetensors`` entries,
     every one written and verified): each tensor's file, the total size, and ``metadata``. The
     folder's path (what ``load_weights`` and ``from_pretrained`` take)."""
-    fs, root = resolve_filesystem(where)
+    fs, root = open_fs(where, "run.output_dir")
     weight_map = {n: p["file"] for p in parts for n in p["names"]}
     doc = {"metadata": {"total_size": sum(p["bytes"] for p in parts), **metadata,
                         "files": {p["file"]: {"sha256": p["sha256"], "bytes": p["bytes"]} for p in parts}},
@@ -127,13 +128,13 @@ def write_index(where: str, parts: list[dict], metadata: dict, retries: int = 3)
         with_retries(write, f"writing {root}/{INDEX}", retries)
     except (OSError, ElasticTrainerError) as e:
         raise WeightsError(f"the index of the weights was not saved to {where}: {type(e).__name__}: {e}") from None
-    return root.rstrip("/") if isinstance(fs, pafs.LocalFileSystem) else where.rstrip("/")
+    return root.rstrip("/") if isinstance(fs, pafs.LocalFileSystem) else split_secrets(where)[0]
 
 
 def weight_files(path: str) -> tuple[object, list[str], dict]:
     """``(filesystem, paths of the safetensors files, index metadata)`` of ``path``: a folder with
     ``model.safetensors.index.json`` (sharded), a folder with ``model.safetensors``, or a file."""
-    fs, p = resolve_filesystem(path)
+    fs, p = open_fs(path, "weights")
     info = fs.get_file_info(p)
     if info.type == pafs.FileType.Directory:
         index = f"{p.rstrip('/')}/{INDEX}"

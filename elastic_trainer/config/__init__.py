@@ -21,6 +21,7 @@ from .runtime import (BalanceSection, CheckpointSection, CommSection, ControlSec
 from .training import (DataSection, EvalSection, ModelSection, ParallelSection,  # noqa: F401
                               RunSection, TrainSection)
 from ..errors import ConfigError
+from ..storage.credentials import take_credentials
 
 
 class TrainerConfig(_Strict):
@@ -38,6 +39,13 @@ class TrainerConfig(_Strict):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     failure: FailureSection = Field(default_factory=FailureSection)
     control: ControlSection = Field(default_factory=ControlSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out(cls, raw: Any) -> Any:
+        # A config never holds a secret: credentials written into a URI go to the run's
+        # environment here, so no record of the config (manifest, report, event) can carry them.
+        return take_credentials(raw) if isinstance(raw, dict) else raw
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainerConfig":

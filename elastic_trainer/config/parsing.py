@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from .base import YAML_BOOL_WORDS
 from ..errors import ConfigError
+from ..storage.uris import mask
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def format_validation_error(e: ValidationError, source: str, root: type[BaseMode
                 shown += (f": YAML reads an unquoted {'/'.join(YAML_BOOL_WORDS[given])} as a boolean; "
                           "quote the word to give it as text")
             lines.append(f"  {loc}: {msg}{shown}")
-    return "\n".join(lines)
+    return mask("\n".join(lines))
 
 
 def _allowed_keys(root: type[BaseModel], loc: tuple) -> str:

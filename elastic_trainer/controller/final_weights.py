@@ -23,6 +23,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..checkpoint.weights import WeightsError, part_file, unseen_parts, weights_from_shards, write_index
+from ..storage.uris import join
 from ..config import TrainerConfig
 from ..worker.weights_writer import write_stage
 from .durable_parts import PART_TIMEOUT_S
@@ -67,7 +68,7 @@ class FinalWeights:
         run, t0 = self.run, time.perf_counter()
         topo = run.plan.topology
         hf = self._hf()
-        hf_where = f"{where.rstrip('/')}/hf"
+        hf_where = join(where, "hf")
         meta = self._meta(run.step)
 
         def job(stage: int) -> dict:
@@ -170,7 +171,7 @@ class FinalWeights:
         parts = self.snapshots.covering(step, n_blocks, self.pool.nodes(), set(self.pool.workers), with_nodes=True)
         if not parts:
             return None
-        folder = f"{where.rstrip('/')}/model-step-{step:08d}"
+        folder = join(where, f"model-step-{step:08d}")
         meta, seen, refs = self._meta(step), set(), []
         for i, (ref, node, _, blocks) in enumerate(parts):
             mine = [b for b in blocks if b not in seen]   # a block in two parts is written once

@@ -27,6 +27,7 @@ import torch
 from ..checkpoint.durable import DurableStore
 from ..checkpoint.hf_export import hf_names, recorded_config
 from ..checkpoint.weights import WeightsError, weights_from_shards
+from ..storage.uris import split_last
 from ..config import TrainerConfig
 from ..errors import RunError
 from .durable_writer import DurableWriter
@@ -199,7 +200,7 @@ class RunSaver:
             raise RuntimeError(f"no snapshot of step {run.step} covers every block")
         path = self._writer().write(run.step, parts, list(run.history), run.plan.describe(), raise_errors=True)
         # Each part was read back against its checksum by its writer; the manifest is read here.
-        manifest = self.durable.read_manifest(path.rstrip("/").rpartition("/")[2])
+        manifest = self.durable.read_manifest(split_last(path)[1])
         if manifest.get("step") != run.step or not manifest.get("files"):
             raise RuntimeError(f"the manifest at {path} does not describe step {run.step}'s parts")
         return path

@@ -22,6 +22,7 @@ from ..config import TrainerConfig
 from ..errors import ElasticTrainerError, WorkerError, error_line
 from ..naming import NAMESPACE, spare_name
 from ..planning.node_share import snapshot_host_budget
+from ..storage.credentials import storage_env
 from ..worker.actor import TrainWorker
 from ..worker.device import SHARE_GPUS_ENV
 from .placement import pick_nodes
@@ -194,6 +195,7 @@ class WorkerPool:
             if "memory" in res:
                 opts["memory"] = res["memory"]
             env = dict(SHARE_GPUS_ENV) if self.cfg.scaling.uses_gpu else {}
+            env.update(storage_env())   # the storage's credentials, as the driver passed them here
             env.update(self.cfg.scaling.env_vars)   # the run's own settings win
             if env:
                 opts["runtime_env"] = {"env_vars": env}

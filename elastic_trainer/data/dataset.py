@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -23,26 +22,18 @@ import pyarrow.parquet as pq
 from ..config import DataSection
 from ..errors import DataError
 from ..retry import with_retries
+from ..storage.filesystems import open_fs
+from ..storage.uris import split_secrets
 from .corpus import prepare_stdlib_corpus
 from .parquet_layout import group_max_id, group_tokens, list_files, read_footer, read_row_group, token_field
 
 log = logging.getLogger(__name__)
 
-def resolve_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """Return the filesystem and the path inside it; plain paths are local and may be relative."""
-    if "://" in path:
-        try:
-            return pafs.FileSystem.from_uri(path)
-        except Exception as e:
-            raise DataError(f"data.path({path!r}): cannot open filesystem: {e}") from None
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
-
-
 def ensure_prepared(cfg: DataSection) -> None:
     """Build the demo corpus at ``cfg.path`` if the config asks for it and it is missing."""
     if cfg.prepare != "stdlib":
         return
-    fs, where = resolve_filesystem(cfg.path)
+    fs, where = open_fs(cfg.path, "data.path")
     if not isinstance(fs, pafs.LocalFileSystem):
         raise DataError(f"data.prepare('stdlib') writes a local directory; data.path({cfg.path!r}) is not local")
     if fs.get_file_info(where).type == pafs.FileType.NotFound:
@@ -72,7 +63,7 @@ class TokenDataset:
                  groups: list[tuple[int, int]], tokens: np.ndarray, dtypes: list[np.dtype], field: pa.Field,
                  retries: int, window_range: tuple[int, int] | None, max_token_id: int | None = None):
         self._cfg, self._field = cfg, field
-        self.source = cfg.path
+        self.source = split_secrets(cfg.path)[0]   # what records and messages show
         # From the column statistics alone: None where a writer left them out.
         self.max_token_id = max_token_id
         self.column = cfg.column
@@ -110,7 +101,7 @@ class TokenDataset:
         """Read the footers of the corpus at ``cfg.path`` (no rows); ``window_range=(start, stop)``
         keeps windows ``[start, stop)`` only, so sample index ``i`` is window ``start + i``.
         Storage calls are retried ``retries`` times on transient errors."""
-        fs, where = resolve_filesystem(cfg.path)
+        fs, where = open_fs(cfg.path, "data.path")
         files = list_files(fs, where, cfg, retries)
 
         def footer(path: str) -> pq.FileMetaData:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ..errors import DataError
 from .corpus import staged_dir
-from .dataset import resolve_filesystem
+from ..storage.filesystems import open_fs
 
 EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<|eos|>")
 
@@ -58,7 +58,7 @@ def find_eos(tok, eos_token: str | None = None) -> tuple[str | None, int | None]
 def iter_texts(input_path: str, column: str, batch_rows: int) -> Iterator[list[str]]:
     """Batches of at most ``batch_rows`` documents: Parquet (file or directory, local or a pyarrow
     URI; ``column`` holds the text), ``.txt`` (one document per line) or ``.jsonl`` (``column`` key)."""
-    fs, where = resolve_filesystem(input_path)
+    fs, where = open_fs(input_path, "input")
     info = fs.get_file_info(where)
     if info.type == pafs.FileType.NotFound:
         raise DataError(f"input({input_path!r}) does not exist")
