@@ -38,16 +38,15 @@ import io
 import json
 import threading
 import time
-import warnings
 
-import numpy as np
 import pyarrow.fs as pafs
 import torch
 
 from ..storage.filesystems import open_fs
-from ..storage.uris import split_secrets
+from ..storage.uris import is_uri, join, split_secrets
 from ..errors import ElasticTrainerError
-from ..retry import StorageError, with_retries
+from ..storage.retry import StorageError, with_retries
+from .part_io import HashingWriter, read_bytes, sha256_of, to_numpy, to_torch
 from .weights import not_seen
 
 FORMAT = 1
@@ -76,46 +75,6 @@ def parse_dirname(name: str) -> tuple[int, str | None] | None:
     if not num.isdigit() or (run and not run.isalnum()):
         return None
     return int(num), run or None
-
-
-def _tensors(obj):
-    """numpy arrays -> tensors, through nested dicts (what weights_only loading accepts), without
-    a copy: the arrays are the object store's read-only views, and the tensors are only saved."""
-    if isinstance(obj, dict):
-        return {k: _tensors(v) for k, v in obj.items()}
-    if isinstance(obj, np.ndarray | np.generic):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(np.ascontiguousarray(obj) if obj.ndim else np.asarray(obj))
-    return obj
-
-
-def _arrays(obj):
-    if isinstance(obj, dict):
-        return {k: _arrays(v) for k, v in obj.items()}
-    if torch.is_tensor(obj):
-        return obj.numpy()
-    return obj
-
-
-def _to_torch(shard: dict) -> dict:
-    return {
-        "params": _tensors(shard["params"]),
-        "optim": _tensors(shard["optim"]),
-        "comm": _tensors(shard.get("comm") or {}),
-        "comm_meta": _tensors(shard.get("comm_meta") or {}),
-        "extra": _tensors(shard.get("extra") or {}),
-    }
-
-
-def _to_numpy(obj: dict, step: int, blocks: list[int]) -> dict:
-    return {
-        "step": step, "blocks": blocks, "extra": _arrays(obj.get("extra", {})),
-        "params": {n: t.numpy() for n, t in obj["params"].items()},
-        "optim": _arrays(obj["optim"]),
-        "comm": _arrays(obj.get("comm", {})),
-        "comm_meta": _arrays(obj.get("comm_meta", {})),
-    }
 
 
 class DurableStore:
@@ -155,7 +114,7 @@ class DurableStore:
         if shard["step"] != step:
             raise ValueError(f"a part of step {shard['step']} given for step {step}")
         t0 = time.perf_counter()
-        obj = _to_torch(shard)
+        obj = to_torch(shard)
         d, name = self.step_dir(step), f"shard-{index:03d}.pt"
         written: dict = {}
 
@@ -165,7 +124,7 @@ class DurableStore:
             out = None
             try:
                 with self.fs.open_output_stream(f"{d}/{name}") as f:
-                    out = _HashingWriter(f)
+                    out = HashingWriter(f)
                     torch.save(obj, out)
             except Exception:
                 with contextlib.suppress(OSError):   # a truncated part is no part (an object store commits on close)
@@ -176,7 +135,7 @@ class DurableStore:
                     raise out.error from None
                 raise
             # Read back by its writer, a chunk at a time: the manifest will vouch for this checksum.
-            back = _sha256_of(self.fs, f"{d}/{name}")
+            back = sha256_of(self.fs, f"{d}/{name}")
             if back != out.sha256.hexdigest():
                 raise OSError(f"{d}/{name} reads back with sha256 {back[:12]}.., written "
                               f"{out.sha256.hexdigest()[:12]}..")
@@ -188,7 +147,8 @@ class DurableStore:
 
     def commit(self, step: int, files: list[dict], meta: dict) -> str:
         """Write the manifest of ``step``'s checkpoint, once every part in ``files`` (their
-        ``write_part`` entries) is written: the checkpoint exists from this moment. Every part
+        ``write_part`` entries) is written: the checkpoint exists from this moment; its directory
+        (``shown``). Every part
         must be there as seen from here (a local path that is not one shared filesystem holds
         each on its writer's machine): else a ``CheckpointError`` naming them, and no manifest."""
         d = self.step_dir(step)
@@ -211,7 +171,12 @@ class DurableStore:
                 f.write(json.dumps(manifest).encode())
 
         self._retry(write, f"writing {d}/{MANIFEST}")
-        return d
+        return self.shown(checkpoint_dirname(step, self.run_id))
+
+    def shown(self, name: str) -> str:
+        """The checkpoint directory ``name`` as a user names it: a local path, or this store's URI
+        with the name joined before its query (what ``--resume-from`` and ``export`` take)."""
+        return join(self.uri, name) if is_uri(self.uri) else self._path(name)
 
     def save(self, step: int, shards: list[dict], meta: dict) -> str:
         """Write shards of one step (together covering every block) from this process; the
@@ -251,7 +216,7 @@ class DurableStore:
         """The manifest of the checkpoint directory ``name``."""
         d = self._path(name)
         try:
-            raw = self._retry(lambda: _read(self.fs, f"{d}/{MANIFEST}"), f"reading {d}/{MANIFEST}")
+            raw = self._retry(lambda: read_bytes(self.fs, f"{d}/{MANIFEST}"), f"reading {d}/{MANIFEST}")
         except FileNotFoundError:
             if not self._exists(d):
                 raise _Vanished(f"checkpoint {d} was deleted while being read") from None
@@ -293,7 +258,7 @@ class DurableStore:
         """One part of the checkpoint directory ``name`` (its manifest ``entry``), verified."""
         d = self._path(name)
         try:
-            data = self._retry(lambda: _read(self.fs, f"{d}/{entry['name']}"), f"reading {d}/{entry['name']}")
+            data = self._retry(lambda: read_bytes(self.fs, f"{d}/{entry['name']}"), f"reading {d}/{entry['name']}")
         except (OSError, StorageError) as e:
             # Its manifest gone too: pruned under the reader, not a broken checkpoint.
             if isinstance(e, FileNotFoundError) and not self._exists(f"{d}/{MANIFEST}"):
@@ -304,7 +269,7 @@ class DurableStore:
                 f"checkpoint {d}: {entry['name']} is corrupt (sha256 {hashlib.sha256(data).hexdigest()[:12]}.. "
                 f"!= manifest {entry['sha256'][:12]}.., {len(data)} bytes vs {entry['bytes']})")
         obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        return _to_numpy(obj, step, entry["blocks"])
+        return to_numpy(obj, step, entry["blocks"])
 
     def load_latest(self, own: bool = True, reader=None) -> tuple[list, dict, list[str]] | None:
         """The newest checkpoint that verifies, and a note for each newer one that did not.
@@ -393,40 +358,3 @@ def write_part_here(spec: tuple, step: int, index: int, shard: dict) -> dict:
     entry = DurableStore(*spec).write_part(step, index, shard)
     entry["node"] = ray.get_runtime_context().get_node_id()
     return entry
-
-
-def _read(fs, path: str) -> bytes:
-    with fs.open_input_stream(path) as f:
-        return f.read()
-
-
-_CHUNK = 8 << 20
-
-
-class _HashingWriter:
-    """A write-only file for ``torch.save`` that hashes and counts what passes to ``out``."""
-
-    def __init__(self, out):
-        self.out, self.sha256, self.nbytes = out, hashlib.sha256(), 0
-        self.error: OSError | None = None   # the storage's first error
-
-    def write(self, b) -> int:
-        self.sha256.update(b)
-        self.nbytes += len(b)
-        try:
-            self.out.write(b)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-        return len(b)
-
-    def flush(self) -> None:
-        pass
-
-
-def _sha256_of(fs, path: str) -> str:
-    h = hashlib.sha256()
-    with fs.open_input_stream(path) as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()

@@ -27,7 +27,7 @@ from ..storage.filesystems import open_fs
 from ..storage.uris import join, split_secrets
 from ..errors import ElasticTrainerError
 from .dtypes import as_tensor
-from ..retry import with_retries
+from ..storage.retry import with_retries
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -9,6 +9,7 @@ import sys
 from ..checkpoint.compat import ACCEPTABLE
 from ..config import TrainerConfig
 from ..errors import ConfigError, ElasticTrainerError
+from ..storage.uris import mask
 from .plan_view import cmd_plan
 
 
@@ -234,7 +235,7 @@ def _cmd_export(args) -> int:
     from ..checkpoint.hf_export import export
 
     out = export(args.source, args.hf)
-    print(f"wrote a Hugging Face folder to {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    print(f"wrote a Hugging Face folder to {mask(out)} (AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
 
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ElasticTrainerError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {mask(str(e))}", file=sys.stderr)   # a URI typed with its secret is shown without
         return 2
 
 

@@ -190,8 +190,10 @@ class FailureSection(_Strict):
     pin_timeout_s: float = Field(
         30.0, gt=0, description="A snapshot whose pinned copies are not all stored this long after its step is "
                                 "dropped (its objects freed), and so is one whose pin fails.")
-    storage_retries: int = Field(3, ge=0, description="Retries, with exponential backoff, of a durable write or "
-                                                      "read that failed with a storage error.")
+    storage_retries: int = Field(4, ge=0, description="Retries, with exponential backoff from 0.5 s, of a storage "
+                                                      "read, write or listing that failed with an error a retry "
+                                                      "may pass (not a refusal: credentials, a missing bucket); "
+                                                      "at 4 an outage of about 10 s is waited out.")
     allow_fault_injection: bool = Field(
         False, description="Let clients inject faults into the workers (inject_fault, the slow-snapshot "
                            "environment hook): for chaos tests and demos; off in production runs.")

@@ -21,7 +21,7 @@ from ..checkpoint.durable import CheckpointError, DurableStore
 from ..checkpoint.resume_lookup import load_resume, runs
 from ..config import TrainerConfig
 from ..errors import RunError
-from ..retry import StorageError
+from ..storage.retry import StorageError
 from .rank_figures import RANK_FIELDS
 from .placement import dead_nodes
 from .durable_parts import DurableParts

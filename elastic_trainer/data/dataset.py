@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from ..config import DataSection
 from ..errors import DataError
-from ..retry import with_retries
+from ..storage.retry import with_retries
 from ..storage.filesystems import open_fs
 from ..storage.uris import split_secrets
 from .corpus import prepare_stdlib_corpus

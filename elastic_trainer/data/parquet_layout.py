@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from ..config import DataSection
 from ..errors import DataError
-from ..retry import with_retries
+from ..storage.retry import with_retries
 
 REWRITE = "drop empty and null rows (or rewrite the corpus with `elastic-trainer prepare-data`)"
 

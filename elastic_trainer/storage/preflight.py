@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pyarrow.fs as pafs
 
-from ..retry import StorageError, s3_error_code, with_retries
+from .retry import StorageError, s3_error_code, with_retries
 from .filesystems import StorageConfigError, open_fs
 from .uris import is_uri, mask
 

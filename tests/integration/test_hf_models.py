@@ -9,8 +9,10 @@ runs last because it removes a node.
 
 import json
 import os
+from urllib.parse import quote
 
 import numpy as np
+import pyarrow.fs as pafs
 import pytest
 import ray
 import torch
@@ -150,12 +152,34 @@ def check_export(cfg, result, tmp_path):
     return state, json.loads((out / "config.json").read_text())
 
 
-def test_llama_2x2_matches_transformers_and_exports(cluster5, corpus_dir, llama_ref, tmp_path):
+def check_export_on_s3(s3, result, tmp_path, capsys):
+    """``elastic-trainer export`` reads the weights from S3 and writes the folder to S3, each URI
+    with its secret, which its output does not show."""
+    bucket = s3.bucket("export")
+    pafs.copy_files(result.model_path, f"{bucket}/run", source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=s3.fs())
+    capsys.readouterr()
+    assert cli_main(["export", s3.uri(bucket, "run", secret="query"),
+                     "--hf", s3.uri(bucket, "hf", secret="userinfo")]) == 0
+    said = capsys.readouterr().out
+    assert f"s3://{bucket}/hf" in said and s3.secret not in said and quote(s3.secret, safe="") not in said
+    local = tmp_path / "from-s3"
+    pafs.copy_files(f"{bucket}/hf", str(local), source_filesystem=s3.fs(),
+                    destination_filesystem=pafs.LocalFileSystem())
+    return transformers.AutoModelForCausalLM.from_pretrained(str(local), local_files_only=True)
+
+
+def test_llama_2x2_matches_transformers_and_exports(cluster5, corpus_dir, llama_ref, tmp_path, s3, capsys):
     cfg = config(corpus_dir, "llama22", LLAMA, 2, 2)
     result = Trainer(cfg, verbose=False).fit()
     check_against(result, llama_ref, 2, 2)
     _, hf_config = check_export(cfg, result, tmp_path)
     assert hf_config["model_type"] == "llama"
+    from_s3 = check_export_on_s3(s3, result, tmp_path, capsys)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(from_s3(input_ids=x).logits,
+                                   blocks_logits(cfg, load_weights(result.model_path), x), rtol=1e-5, atol=1e-5)
 
 
 def test_llama_1x4_matches_transformers(cluster5, corpus_dir, llama_ref):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint.durable import CheckpointError, DurableStore
-from elastic_trainer.retry import StorageError
+from elastic_trainer.storage.retry import StorageError
 from elastic_trainer.checkpoint.resume_lookup import load_resume, runs
 from elastic_trainer.checkpoint.state import export_shard, load_into, merge_shards
 
@@ -99,7 +99,7 @@ def test_prune_leaves_another_runs_checkpoints_alone(tmp_path):
 
 
 def test_a_listing_error_is_an_error_not_an_empty_storage(tmp_path):
-    from elastic_trainer.retry import StorageError
+    from elastic_trainer.storage.retry import StorageError
 
     store = DurableStore(str(tmp_path), run_id="r", retries=1, backoff_s=0.01)
     calls = []

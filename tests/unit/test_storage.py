@@ -10,8 +10,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray
 import torch
 
+from elastic_trainer import Trainer
 from elastic_trainer.checkpoint.durable import DurableStore
 from elastic_trainer.checkpoint.resume_lookup import load_resume
 from elastic_trainer.checkpoint.weights import load_weights, save_weights
@@ -19,11 +21,13 @@ from elastic_trainer.config import DataSection, TrainerConfig
 from elastic_trainer.data.dataset import TokenDataset
 from elastic_trainer.data.sampler import GlobalSampler
 from elastic_trainer.errors import ConfigError
-from elastic_trainer.retry import StorageError, transient
+from elastic_trainer.storage.retry import StorageError, transient
 from elastic_trainer.storage.credentials import ENV, CredentialsConflict, storage_env
 from elastic_trainer.storage.filesystems import StorageConfigError, open_fs
 from elastic_trainer.storage.preflight import check_storage
 from elastic_trainer.storage.uris import location, mask, split_secrets
+
+from ..conftest import tiny_config
 
 MiB = 1 << 20
 
@@ -90,19 +94,33 @@ def test_wrong_credentials_and_a_missing_bucket_are_told_before_anything_starts(
     check_storage([("data.path", s3.uri(bucket, "nothing/yet", secret="query")), ("x", "/local")], retries=0)
 
 
+def test_a_run_with_wrong_credentials_or_no_bucket_stops_before_ray_starts(s3, corpus_dir, monkeypatch):
+    bucket = fresh(s3)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    was = ray.is_initialized()
+    wrong = s3.uri(bucket, "ck").replace("?", f"?access_key={s3.key}&secret_key=WRONGSECRET&", 1)
+    for storage, answer in ((wrong, "SIGNATURE_DOES_NOT_MATCH|ACCESS_DENIED"),
+                            (s3.uri("missing-bucket", "ck", secret="query"), "NO_SUCH_BUCKET")):
+        cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, checkpoint={"storage": storage, "durable_every": 2}))
+        with pytest.raises(StorageConfigError, match=rf"checkpoint.storage\(.*({answer})") as e:
+            Trainer(cfg, verbose=False).fit()
+        assert "WRONGSECRET" not in str(e.value) and s3.secret not in str(e.value)
+        assert ray.is_initialized() == was
+
+
 def test_a_servers_refusal_is_not_retried_and_a_dropped_connection_is(s3):
     fs, _ = open_fs(s3.uri("no-such-bucket", "x", secret="query"))
     with pytest.raises(OSError) as refused:
         fs.get_file_info(pa.fs.FileSelector("no-such-bucket/x"))
     assert not transient(refused.value)
-    fs, path = open_fs(f"s3://b/x?endpoint_override=127.0.0.1:1&scheme=http&connect_timeout=1&access_key=a&secret_key=b")
+    fs, path = open_fs("s3://b/x?endpoint_override=127.0.0.1:1&scheme=http&connect_timeout=1&access_key=a&secret_key=b")
     with pytest.raises(OSError) as down:
         fs.get_file_info(path)
     assert transient(down.value)
 
 
 def test_durable_checkpoints_on_s3_commit_prune_and_resume(s3, monkeypatch):
-    monkeypatch.setattr("elastic_trainer.retry.time.sleep", lambda s: None)
+    monkeypatch.setattr("elastic_trainer.storage.retry.time.sleep", lambda s: None)
     bucket = fresh(s3)
     uri = s3.uri(bucket, "ck", secret="query")
     store = DurableStore(uri, run_id="r1")

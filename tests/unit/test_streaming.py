@@ -14,7 +14,7 @@ from elastic_trainer.data.corpus import write_token_parquet
 from elastic_trainer.data.dataset import TokenDataset, split_windows
 from elastic_trainer.data.sampler import GlobalSampler
 from elastic_trainer.errors import DataError
-from elastic_trainer.retry import StorageError
+from elastic_trainer.storage.retry import StorageError
 
 MiB = 1 << 20
 
@@ -41,7 +41,7 @@ def windows(stream, seq_len):
 
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch):
-    monkeypatch.setattr("elastic_trainer.retry.time.sleep", lambda s: None)
+    monkeypatch.setattr("elastic_trainer.storage.retry.time.sleep", lambda s: None)
 
 
 @pytest.mark.parametrize("type_,dtype", [(pa.list_(pa.int32()), np.int32), (pa.large_list(pa.int64()), np.int64),

@@ -8,8 +8,8 @@ import re
 import time
 from typing import Callable, TypeVar
 
-from .errors import ElasticTrainerError
-from .storage.uris import mask
+from ..errors import ElasticTrainerError
+from .uris import mask
 
 log = logging.getLogger(__name__)
 
