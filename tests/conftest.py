@@ -2,6 +2,9 @@ import os
 
 # Keep Ray on loopback: with this unset to 0, Ray binds 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# The S3 client asks the EC2 metadata address (169.254.169.254) for credentials it was not given:
+# the tests' traffic stays on loopback.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 # Ray nodes started by the tests inherit this, so workers can import tests.helpers factories.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
