@@ -25,6 +25,12 @@ fresh process per run, ``--train-rounds`` times alternating: time from ``fit()``
 step, each worker's peak RSS, and steady tokens/s (``benchmarks/_data_train.py``). The small
 corpus fits in the read-ahead, so after its first pass it is read from memory.
 
+``--s3`` also puts both corpora on a local S3 server (moto on 127.0.0.1, in this process, with
+its credentials enforced: ``tests/s3_server.py``) and streams them from there, the reader alone
+and, with ``--train``, the trainer: the same cases against local disk, side by side.
+
+    python benchmarks/data.py --gb 0.5 --s3 --train
+
 Prints a markdown table; ``--out FILE`` writes the figures as JSON.
 """
 
@@ -32,12 +38,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import pyarrow.fs as pafs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -195,6 +205,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=150, help="--train: steps per run (default 150)")
     ap.add_argument("--train-rounds", type=int, default=2, help="--train: runs per corpus, alternating (default 2)")
     ap.add_argument("--only-train", action="store_true", help="skip the reader-only cases")
+    ap.add_argument("--s3", action="store_true", help="also stream each corpus from a local S3 server")
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--case", choices=["stream", "memory"], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -212,6 +223,23 @@ def main() -> None:
         doc["corpora"]["small"] = generate(small, args.small_mb / 1000, args.row_group_mb, seed=2, vocab=args.vocab)
         big_name, small_name = f"{args.gb:g} GB", f"{args.small_mb:g} MB"
         cases = [("stream", big, big_name), ("stream", small, small_name), ("memory", small, small_name)]
+        trains = [(big, big_name), (small, small_name)]
+        if args.s3:
+            from tests.s3_server import S3Server
+
+            server = S3Server()   # serves from this process's threads; the cases run in others
+            bucket = server.bucket("bench-data")
+            # The children (and the trainer's workers) find the credentials where users keep them.
+            os.environ.update(AWS_ACCESS_KEY_ID=server.key, AWS_SECRET_ACCESS_KEY=server.secret,
+                              AWS_EC2_METADATA_DISABLED="true")
+            on_s3 = {}
+            for path, name in trains:
+                pafs.copy_files(str(path), f"{bucket}/{path.name}", source_filesystem=pafs.LocalFileSystem(),
+                                destination_filesystem=server.fs())
+                on_s3[name] = server.uri(bucket, path.name)
+            cases += [("stream", on_s3[big_name], f"{big_name} on S3"),
+                      ("stream", on_s3[small_name], f"{small_name} on S3")]
+            trains += [(on_s3[big_name], f"{big_name} on S3"), (on_s3[small_name], f"{small_name} on S3")]
         for kind, path, name in ([] if args.only_train else
                                  cases + ([("memory", big, big_name)] if args.baseline_big else [])):
             print(f"  measuring {kind} on {name} ...", file=sys.stderr)
@@ -222,7 +250,7 @@ def main() -> None:
         if args.train:
             doc["train"] = []
             for rnd in range(args.train_rounds):
-                for path, name in ((big, big_name), (small, small_name)):
+                for path, name in trains:
                     print(f"  training on {name}, round {rnd + 1} ...", file=sys.stderr)
                     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_data_train.py"), str(path),
                                           str(args.train_steps), str(args.read_ahead_mb), str(args.vocab)],
@@ -235,6 +263,15 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     if doc.get("train"):
         print(train_table(doc["train"]) + "\n")
+    if args.s3 and doc.get("train"):
+        rate = {}
+        for r in doc["train"]:
+            rate.setdefault(r["corpus"], []).append(r["tokens_per_s"])
+        for name in (big_name, small_name):
+            if f"{name} on S3" in rate:
+                print(f"training on {name} from S3: {statistics.median(rate[name + ' on S3']):,.0f} tokens/s, "
+                      f"{statistics.median(rate[name + ' on S3']) / statistics.median(rate[name]):.1%} of local "
+                      f"disk's {statistics.median(rate[name]):,.0f}")
     if args.only_train:
         if args.out:
             Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
@@ -244,6 +281,11 @@ def main() -> None:
     print(f"\nstreaming {big_name} reads at {st['samples_per_s'] / mem['samples_per_s']:.1%} of the in-memory "
           f"baseline's rate; its peak RSS is {st['peak_rss_mib'] - st['rss_base_mib']:.0f} MiB above the "
           f"interpreter's for a {doc['corpora']['big']['bytes_on_disk'] / (1 << 20):,.0f} MiB corpus")
+    by = {r["corpus"]: r for r in doc["rows"] if r["case"] == "streaming"}
+    for name in (big_name, small_name):
+        if f"{name} on S3" in by:
+            print(f"streaming {name} from S3 reads at {by[name + ' on S3']['samples_per_s'] / by[name]['samples_per_s']:.1%}"
+                  " of local disk's rate")
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
 

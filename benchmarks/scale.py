@@ -32,6 +32,14 @@ size; overlapped is no slower than sync; kill -> first step after recovery
 
 ``--only-fixed`` runs off and memory_every 1 with no overlap key (for a build
 that has neither checkpoint.overlap nor "auto").
+
+``--durable`` also writes durable checkpoints at the largest size (every 10 steps of 30, the
+final one included) to a local directory and to a local S3 server (moto on 127.0.0.1, serving
+from this process's threads, credentials enforced: ``tests/s3_server.py``), ``--durable-rounds``
+interleaved runs each: each write's seconds (parts written by the workers in parallel, the
+manifest last) and bytes per second, from the ``durable_checkpoint`` events.
+
+    python benchmarks/scale.py --sizes 8x640 --rounds 1 --skip-recovery --durable
 """
 
 from __future__ import annotations
@@ -150,6 +158,37 @@ def fit(raw: dict, kill: dict | None = None) -> dict:
     return {"result": result, "peak_rss_mb": max(peak.values()) if peak else None, "killed": killed}
 
 
+def durable_runs(size: tuple[int, int], args, rounds: int) -> dict:
+    """Durable checkpoints at ``size`` to local disk and to S3, ``rounds`` interleaved runs each:
+    per target the writes' seconds and bytes (``durable_checkpoint`` events)."""
+    import tempfile
+
+    from tests.s3_server import S3Server
+
+    server = S3Server()
+    bucket = server.bucket("bench-durable")
+    os.environ.update(AWS_ACCESS_KEY_ID=server.key, AWS_SECRET_ACCESS_KEY=server.secret,
+                      AWS_EC2_METADATA_DISABLED="true")
+    local = tempfile.mkdtemp(prefix="et-bench-durable-")
+    out: dict = {"local": [], "s3": []}
+    try:
+        for i in range(rounds):
+            for target, storage in (("local", f"{local}/r{i}"), ("s3", server.uri(bucket, f"r{i}"))):
+                print(f"{size[0]}x{size[1]}: durable checkpoints to {target}, round {i + 1}/{rounds} ...",
+                      flush=True)
+                ck = {"memory_every": 10, "durable_every": 10, "storage": storage}
+                raw = size_config(*size, 30, f"scale-durable-{target}{i}", args, ck)
+                res = fit(raw)["result"]
+                out[target] += [{"step": e["step"], "seconds": e["seconds"], "bytes": e["bytes"]}
+                                for e in res.events if e["kind"] == "durable_checkpoint"]
+    finally:
+        import shutil
+
+        shutil.rmtree(local, ignore_errors=True)
+        server.stop()
+    return out
+
+
 def auto_run(out: dict, off_histories: list[list[dict]]) -> dict:
     """Step time after the auto interval was chosen, its overhead vs off, and the event's fields.
 
@@ -239,6 +278,8 @@ def main() -> None:
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--only-fixed", action="store_true",
                     help="only off and memory_every 1, without checkpoint.overlap or 'auto' (older builds)")
+    ap.add_argument("--durable", action="store_true", help="also time durable checkpoints, local against S3")
+    ap.add_argument("--durable-rounds", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/scale[-options].json)")
     args = ap.parse_args()
     if args.steps < 7:
@@ -255,7 +296,7 @@ def main() -> None:
     ensure_prepared(probe.data)
     import ray
 
-    rows, rec, rates = [], None, {}
+    rows, rec, rates, durable = [], None, {}, None
     cluster, nodes = start_cluster()
     try:
         for n_layer, d_model in sizes:
@@ -288,6 +329,7 @@ def main() -> None:
                 row["peak_rss_mb"]["auto"] = out["peak_rss_mb"]
             rows.append(row)
         rates = machine_rates(nodes)
+        durable = durable_runs(sizes[-1], args, args.durable_rounds) if args.durable else None
         if not args.skip_recovery:
             n_layer, d_model = sizes[-1]
             print(f"{n_layer}x{d_model}: kill one node after step {kill_at} ...", flush=True)
@@ -338,6 +380,15 @@ def main() -> None:
                        rec["kill_to_first_step_s"] <= bound))
     print(f"machine: memcpy {rates['memcpy_bytes_s'] / 1e9:.2f} GB/s, one object fetched across simulated nodes "
           f"{rates['object_fetch_bytes_s'] / 1e9:.2f} GB/s")
+    if durable:
+        print("\n| durable checkpoints to | writes | MB each | seconds each (median, min-max) | MB/s (median) |")
+        print("|---|---|---|---|---|")
+        for target, writes in durable.items():
+            if writes:
+                secs = [w["seconds"] for w in writes]
+                print(f"| {target} | {len(writes)} | {statistics.median(w['bytes'] for w in writes) / 1e6:.0f} | "
+                      f"{statistics.median(secs):.2f} ({min(secs):.2f}-{max(secs):.2f}) | "
+                      f"{statistics.median(w['bytes'] / w['seconds'] for w in writes) / 1e6:.0f} |")
     print()
     for what, ok in checks:
         print(f"{verdict(ok)}  {what}")
@@ -347,7 +398,7 @@ def main() -> None:
                       "-fixed" if args.only_fixed else ""])
     path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"scale{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"options": vars(args), "sizes": rows, "recovery": rec, "machine": rates,
+    doc = {"options": vars(args), "sizes": rows, "recovery": rec, "machine": rates, "durable": durable,
            "checks": [{"target": w, "result": verdict(ok)} for w, ok in checks]}
     path.write_text(json.dumps(doc, indent=1, default=str))
     print(f"\nwrote {path}")

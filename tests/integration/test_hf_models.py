@@ -164,6 +164,7 @@ def check_export_on_s3(s3, result, tmp_path, capsys):
     said = capsys.readouterr().out
     assert f"s3://{bucket}/hf" in said and s3.secret not in said and quote(s3.secret, safe="") not in said
     local = tmp_path / "from-s3"
+    local.mkdir()
     pafs.copy_files(f"{bucket}/hf", str(local), source_filesystem=s3.fs(),
                     destination_filesystem=pafs.LocalFileSystem())
     return transformers.AutoModelForCausalLM.from_pretrained(str(local), local_files_only=True)
