@@ -2,7 +2,8 @@
 
 Started on each host by ``_lab_comm.calibrate`` (in the host's namespace, over
 its capped link): the ranks meet at ``MASTER:PORT`` and run
-``calibration.sweep`` (ring, tree, chunked; 1 KiB to ``MAX_BYTES``); rank 0
+``calibration.sweep`` (ring, tree, chunked, and the all-gather and all-to-all the int8 and
+top-k codecs send; 1 KiB to ``MAX_BYTES``); rank 0
 writes the rows to ``OUT``.
 """
 
@@ -17,7 +18,8 @@ def main(rank: int, procs: int, master: str, port: int, max_bytes: int, out: str
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")   # the host's link, not loopback
     calibration.sweep_rank(rank, procs, f"tcp://{master}:{port}", "gloo", cost_model.size_range(1 << 10, max_bytes),
-                           ("ring", "tree", "chunked"), iters=3, warmup=1, timeout_s=600, out_path=out)
+                           ("ring", "tree", "chunked", "allgather", "alltoall"), iters=3, warmup=1, timeout_s=600,
+                           out_path=out)
 
 
 if __name__ == "__main__":

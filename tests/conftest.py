@@ -18,7 +18,15 @@ from elastic_trainer.data.corpus import prepare_stdlib_corpus
 
 SEQ_LEN = 16
 # Every run saves its weights: the tests' go under one temporary folder, not the working directory.
-WEIGHTS_DIR = tempfile.mkdtemp(prefix="et-test-weights-")
+# Made when first asked for: a process that only imports this module (a spawned child unpickling
+# a test's function) would leave an empty one behind.
+_WEIGHTS_DIR: list[str] = []
+
+
+def weights_dir() -> str:
+    if not _WEIGHTS_DIR:
+        _WEIGHTS_DIR.append(tempfile.mkdtemp(prefix="et-test-weights-"))
+    return _WEIGHTS_DIR[0]
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +64,7 @@ def tiny_config(corpus: str, **sections) -> dict:
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
     if "output_dir" not in cfg["run"] and not cfg.get("checkpoint", {}).get("storage"):
-        cfg["run"]["output_dir"] = os.path.join(WEIGHTS_DIR, cfg["run"].get("name") or "run")
+        cfg["run"]["output_dir"] = os.path.join(weights_dir(), cfg["run"].get("name") or "run")
     return cfg
 
 
@@ -68,7 +76,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(WEIGHTS_DIR, ignore_errors=True)   # the runs' weights: nothing of the tests stays behind
+    for d in _WEIGHTS_DIR:   # the runs' weights: nothing of the tests stays behind
+        shutil.rmtree(d, ignore_errors=True)
     # After the summary, leave without the interpreter's teardown: one full run in several
     # died there with SIGSEGV (rc 139) after every test had passed, in native threads of the
     # libraries the tests load (Ray, torch). The exit status stays pytest's own.

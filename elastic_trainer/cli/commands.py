@@ -294,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--procs", type=int, default=4, help="local processes (ranks), default 4")
     bc.add_argument("--min", default="1KiB", help="smallest message, e.g. 1KiB (default)")
     bc.add_argument("--max", default="256MiB", help="largest message, e.g. 256MiB (default); sizes double")
-    bc.add_argument("--algorithms", default="ring,tree,chunked", help="comma-separated, default ring,tree,chunked")
+    bc.add_argument("--algorithms", default="ring,tree,chunked,allgather,alltoall",
+                    help="comma-separated, default ring,tree,chunked,allgather,alltoall (the last two: the "
+                         "exchanges the int8 and top-k codecs send, priced apart)")
     bc.add_argument("--iters", type=int, default=10, help="timed iterations per size (median), default 10")
     bc.add_argument("--no-loopback", action="store_true", help="skip the loopback TCP stream measurement")
     bc.add_argument("--json", action="store_true", help="print rows, fits and loopback limit as JSON")

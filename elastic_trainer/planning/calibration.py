@@ -1,5 +1,11 @@
 """Measure the all-reduce algorithms on this machine and fit the alpha-beta model to them.
 
+Besides the all-reduces, the sweep times the backend's all-gather and
+all-to-all (``allgather``, ``alltoall``): the int8 and top-k codecs send
+through those, and a backend need not run them at the ring's pace (on the
+lab's capped links int8's exchange took 3x the ring's prediction). Their
+fits price those codecs (``sync_cost``); busbw is ``algbw * (p-1)/p`` there.
+
 :func:`sweep` times every algorithm at every size on a process group, the
 way nccl-tests reports: ``algbw = size / time`` and, for an all-reduce,
 ``busbw = algbw * 2(p-1)/p``, the per-link bandwidth a ring would need for
@@ -59,9 +65,39 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _allgather(buf: torch.Tensor, group, stats: CommStats) -> None:
+    """The all-gather the int8 and top-k codecs send: each rank's ``1/p`` of ``buf`` to every rank."""
+    p = dist.get_world_size(group)
+    width = max(1, buf.numel() // p)
+    out = list(torch.empty(p * width, dtype=buf.dtype, device=buf.device).view(p, width).unbind(0))
+    dist.all_gather(out, buf[:width], group=group)
+
+
+def _alltoall(buf: torch.Tensor, group, stats: CommStats) -> None:
+    """The all-to-all the int8 codec sends: ``1/p`` of ``buf`` to each rank."""
+    p = dist.get_world_size(group)
+    n = max(1, buf.numel() // p) * p
+    src = buf[:n] if buf.numel() >= n else torch.ones(n, dtype=buf.dtype, device=buf.device)
+    dist.all_to_all_single(torch.empty_like(src), src, group=group)
+
+
+_EXCHANGES = {"allgather": _allgather, "alltoall": _alltoall}
+SWEPT = ALGORITHMS + tuple(_EXCHANGES)   # what a sweep can time
+
+
+def _bus_factor(name: str, p: int) -> float:
+    """busbw / algbw as nccl-tests reports it: ``2(p-1)/p`` for an all-reduce, ``(p-1)/p`` for an exchange."""
+    return (p - 1) / p * (1 if name in _EXCHANGES else 2)
+
+
+def _timed(name: str):
+    return _EXCHANGES[name] if name in _EXCHANGES else get_algorithm(name)
+
+
 def sweep(group=None, sizes: Sequence[int] | None = None, algorithms: Sequence[str] = ("ring", "tree", "chunked"),
           iters: int = 5, warmup: int = 1, device: torch.device | str = "cpu") -> list[dict]:
-    """Time each all-reduce algorithm at each size on ``group``; every member must call it.
+    """Time each all-reduce algorithm (or exchange: ``allgather``, ``alltoall``) at each size on
+    ``group``; every member must call it.
 
     Each timed iteration starts after a barrier; a row's time is the median
     over ``iters`` of this rank's times, then the maximum over ranks (the
@@ -72,7 +108,7 @@ def sweep(group=None, sizes: Sequence[int] | None = None, algorithms: Sequence[s
     """
     if iters < 1 or warmup < 0:
         raise ValueError(f"sweep needs iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
-    fns = [(name, get_algorithm(name)) for name in algorithms]
+    fns = [(name, _timed(name)) for name in algorithms]
     p = dist.get_world_size(group)
     rows = []
     for name, fn in fns:
@@ -91,7 +127,7 @@ def sweep(group=None, sizes: Sequence[int] | None = None, algorithms: Sequence[s
             t = slowest.item()
             algbw = count * 4 / t if t > 0 else math.inf
             rows.append({"algorithm": name, "size": count * 4, "count": count, "p": p, "time_s": t,
-                         "algbw": algbw, "busbw": algbw * 2 * (p - 1) / p})
+                         "algbw": algbw, "busbw": algbw * _bus_factor(name, p)})
     return rows
 
 
@@ -174,9 +210,9 @@ def run_sweep(procs: int, sizes: Sequence[int] | None = None, algorithms: Sequen
         raise ValueError(f"run_sweep needs procs >= 2 to have anything to all-reduce; got procs={procs}")
     if iters < 1 or warmup < 0:
         raise ValueError(f"run_sweep needs iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
-    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    unknown = [a for a in algorithms if a not in SWEPT]
     if unknown or not algorithms:
-        raise ValueError(f"run_sweep algorithms must be a non-empty subset of {', '.join(ALGORITHMS)}; "
+        raise ValueError(f"run_sweep algorithms must be a non-empty subset of {', '.join(SWEPT)}; "
                          f"got {list(algorithms)}")
     sizes = cost_model.size_range() if sizes is None else [int(s) for s in sizes]
     bad = [s for s in sizes if s < 4]

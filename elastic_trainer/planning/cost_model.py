@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 from ..comm.algorithms import DEFAULT_CHUNK_BYTES
 
-MODELS = ("ring", "tree", "chunked", "ps")
+MODELS = ("ring", "tree", "chunked", "ps", "allgather", "alltoall")
+# Not all-reduces: the backend's own all-gather and all-to-all, which the int8 and top-k codecs send
+# through. The calibration sweep times them apart, since a backend need not run them at the ring's pace.
+EXCHANGES = ("allgather", "alltoall")
 
 
 def predict(algorithm: str, nbytes: float, p: int, alpha: float, beta: float, *, gamma: float = 0.0,
@@ -47,6 +50,9 @@ def predict(algorithm: str, nbytes: float, p: int, alpha: float, beta: float, *,
       worker's own slice stays local: ``2 a + 2 max(N (1 - 1/S), (p-1) N/S) b
       + p N/S g``; for ``S = p`` that is the ring's bytes with two latencies
       instead of ``2(p-1)``, bought with ``p-1`` simultaneous peers per rank.
+    - ``allgather`` and ``alltoall`` (no reduction: ``N`` is the output, ``N/p``
+      from each rank): ``(p-1) a + (p-1)/p N b``; fitted apart, each its own
+      ``a`` and ``b``.
     """
     if p < 1 or nbytes < 0:
         raise ValueError(f"predict needs p >= 1 and nbytes >= 0; got p={p}, nbytes={nbytes}")
@@ -64,6 +70,8 @@ def predict(algorithm: str, nbytes: float, p: int, alpha: float, beta: float, *,
         steps = 2 * int(math.log2(p2)) + 2 * fold
         return (steps * alpha + (2 * (p2 - 1) / p2 * n + 2 * n * fold) * beta
                 + ((p2 - 1) / p2 * n + n * fold) * gamma)
+    if algorithm in EXCHANGES:
+        return (p - 1) * alpha + (p - 1) / p * n * beta
     if algorithm == "chunked":
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")

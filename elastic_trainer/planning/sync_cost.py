@@ -6,8 +6,10 @@ own. ``none``, ``fp16`` and ``bf16`` are an all-reduce of 4 or 2 bytes an
 element with the configured algorithm, priced by :func:`cost_model.predict`;
 int8, topk and powersgd run their own collectives on the backend
 (all-to-all, all-gather, ring all-reduce): ``latency_steps * alpha +
-wire_bytes * beta`` at the ring's constants, ``wire_bytes`` from
-:func:`compression.expected_bytes` on the bucket's parameter shapes.
+wire_bytes * beta``, ``wire_bytes`` from :func:`compression.expected_bytes`
+on the bucket's parameter shapes, at the constants of the exchange they go
+through (``allgather``, ``alltoall``) where the calibration timed it, else
+at the ring's.
 """
 
 from __future__ import annotations
@@ -96,8 +98,22 @@ def dp_sync_cost(cfg: TrainerConfig, compression: str, shapes: list[tuple[int, .
         else:
             steps, nbytes = _codec_wire(compression, numel, p, tuple(bucket), tuple(sorted(opts.items())))
             sent += nbytes
-            seconds += steps * alpha + nbytes * beta
+            # The backend's own all-gather / all-to-all, at their constants where the sweep timed
+            # them (a backend need not run them at the ring's pace), else at the ring's.
+            for exchange, share in _EXCHANGE_SHARES.get((compression, opts.get("exchange")), (("ring", 1.0),)):
+                a, b = ab.get(exchange, (alpha, beta))
+                seconds += share * (steps * a + nbytes * b)
     return seconds, sent, len(buckets)
+
+
+# The share of a codec's messages and bytes that goes through each exchange: int8 sends an
+# all-to-all then an all-gather of the same width; top-k an all-gather (sparse_reduce: an
+# all-to-all first). PowerSGD's are ring all-reduces.
+_EXCHANGE_SHARES = {
+    ("int8", None): (("alltoall", 0.5), ("allgather", 0.5)),
+    ("topk", "allgather"): (("allgather", 1.0),),
+    ("topk", "sparse_reduce"): (("alltoall", 0.5), ("allgather", 0.5)),
+}
 
 
 # Layouts share their buckets, and PowerSGD's byte count walks every element: remember each answer.

@@ -18,7 +18,8 @@ def _check_rows(rows, p, algorithms, sizes):
     for r in rows:
         assert r["p"] == p and r["count"] * 4 == r["size"] and r["time_s"] > 0
         assert r["algbw"] == pytest.approx(r["size"] / r["time_s"], rel=1e-9)
-        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (p - 1) / p, rel=1e-9)
+        factor = (p - 1) / p * (1 if r["algorithm"] in ("allgather", "alltoall") else 2)
+        assert r["busbw"] == pytest.approx(r["algbw"] * factor, rel=1e-9)
 
 
 def test_busbw_factor_on_three_processes():
@@ -31,8 +32,8 @@ def test_busbw_factor_on_three_processes():
 def test_fit_constants_recovers_the_model_behind_exact_rows():
     rows = _exact_rows()
     fits = bench.fit_constants(rows)
-    assert set(fits) == {"ring", "tree", "ps"} and fits["ps"]["derived_from"] == "ring"
-    for name in ("ring", "tree"):
+    assert set(fits) == {"ring", "tree", "allgather", "ps"} and fits["ps"]["derived_from"] == "ring"
+    for name in ("ring", "tree", "allgather"):
         assert fits[name]["alpha_s"] == pytest.approx(50e-6, rel=1e-6)
         assert fits[name]["bandwidth_Bps"] == pytest.approx(2e9, rel=1e-6)
         assert fits[name]["relative_residual"] < 1e-9
@@ -43,7 +44,7 @@ def test_fit_constants_recovers_the_model_behind_exact_rows():
 def test_bad_sweep_arguments_name_what_was_given():
     with pytest.raises(ValueError, match="procs >= 2 .* got procs=1"):
         bench.run_sweep(1, SIZES, ("ring",))
-    with pytest.raises(ValueError, match=r"subset of ring, tree, chunked; got \['butterfly'\]"):
+    with pytest.raises(ValueError, match=r"subset of ring, tree, chunked, allgather, alltoall; got \['butterfly'\]"):
         bench.run_sweep(2, SIZES, ("butterfly",))
     with pytest.raises(ValueError, match=r">= 4 bytes .* got \[2\]"):
         bench.run_sweep(2, [2], ("ring",))
@@ -72,9 +73,10 @@ def test_cli_json_on_two_processes_parses_and_matches_the_constants_file(tmp_pat
             "--out", str(out)]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    _check_rows(doc["rows"], 2, ("ring", "tree", "chunked"), SIZES)
-    assert set(doc["algorithms"]) == {"ring", "tree", "chunked", "ps"}
-    for name in ("ring", "tree", "chunked"):
+    swept = ("ring", "tree", "chunked", "allgather", "alltoall")
+    _check_rows(doc["rows"], 2, swept, SIZES)
+    assert set(doc["algorithms"]) == {*swept, "ps"}
+    for name in swept:
         f = doc["algorithms"][name]
         assert f["p"] == 2 and f["samples"] == len(SIZES) and f["relative_residual"] >= 0
         assert set(f) >= {"alpha_s", "beta_s_per_byte", "bandwidth_Bps"}
@@ -82,14 +84,15 @@ def test_cli_json_on_two_processes_parses_and_matches_the_constants_file(tmp_pat
     assert ps["derived_from"] == "ring" and ps["alpha_s"] == doc["algorithms"]["ring"]["alpha_s"]
     assert doc["loopback_Bps"] > 0 and doc["loopback"]["bytes_per_s"] == doc["loopback_Bps"]
     assert doc["peak_busbw_Bps"]["ring"] == max(r["busbw"] for r in doc["rows"] if r["algorithm"] == "ring")
-    assert "--procs 2 --min 1KiB --max 64KiB --algorithms ring,tree,chunked --iters 2" in doc["command"]
+    assert ("--procs 2 --min 1KiB --max 64KiB --algorithms ring,tree,chunked,allgather,alltoall --iters 2"
+            in doc["command"])
     saved = json.loads(out.read_text())
     assert saved["algorithms"] == doc["algorithms"] and saved["procs"] == 2 and "rows" not in saved
 
 
 def _exact_rows(a=50e-6, b=1 / 2e9, p=4):
     rows = []
-    for name in ("ring", "tree"):
+    for name in ("ring", "tree", "allgather"):
         for size in cost_model.size_range(1 << 10, 1 << 24, 4):
             t = cost_model.predict(name, size, p, a, b)
             rows.append({"algorithm": name, "size": size, "count": size // 4, "p": p, "time_s": t,

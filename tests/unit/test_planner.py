@@ -66,6 +66,18 @@ def test_more_gradient_bytes_predict_more_comm():
     assert times == sorted(times) and times[0] < times[-1]
 
 
+def test_int8_and_topk_are_priced_at_the_exchanges_they_send_where_those_were_timed():
+    # A backend whose all-gather runs at a third of the ring's pace (as gloo's did on a capped lab link).
+    slow = {"allgather": {"alpha_s": 3 * A, "beta_s_per_byte": 3 * B}}
+    base = predict_candidates(demo(), 4, consts())
+    timed = predict_candidates(demo(), 4, consts(**slow))
+    for name in ("none", "fp16", "powersgd"):   # all-reduces: the ring's constants, as before
+        assert pick(timed, 4, 1, name)["dp_comm_s"] == pytest.approx(pick(base, 4, 1, name)["dp_comm_s"]), name
+    # top-k sends only an all-gather: three times the time; int8 half of its bytes: twice.
+    assert pick(timed, 4, 1, "topk")["dp_comm_s"] == pytest.approx(3 * pick(base, 4, 1, "topk")["dp_comm_s"])
+    assert pick(timed, 4, 1, "int8")["dp_comm_s"] == pytest.approx(2 * pick(base, 4, 1, "int8")["dp_comm_s"])
+
+
 def test_compression_lowers_comm_by_the_byte_ratio():
     # Without latency every codec's wire time is its bytes times beta.
     rows = predict_candidates(demo(), 4, consts(alpha=0.0))
