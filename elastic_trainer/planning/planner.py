@@ -16,7 +16,8 @@ that rank's:
   the pipeline bubble ``(m + pp - 1) / m`` (``(m + (pp - 1) / v) / m``
   interleaved), plus the optimizer step at a measured cost per parameter;
 - DP gradient sync, per bucket, as :func:`sync_cost.dp_sync_cost` prices
-  it, plus each codec's own arithmetic at a measured cost per element;
+  it, plus each codec's own arithmetic at a measured cost per element
+  (scaled by the worker's measured speed against the machine it was measured on);
 - overlap: with ``comm.overlap`` every bucket but the last can run during
   backward; at most :data:`OVERLAP_EFFICIENCY` of that comm is taken as
   hidden, and never more than the last micro-batch's backward;
@@ -57,7 +58,8 @@ from ..comm.compression import CODECS
 from ..config import TrainerConfig
 from ..errors import ConfigError
 from . import cost_model
-from .constants import CODEC_S_PER_ELEMENT, DEFAULT_CONSTANTS, OVERLAP_EFFICIENCY, alpha_beta, flops_rate
+from .constants import (CODEC_S_PER_ELEMENT, DEFAULT_CONSTANTS, DEFAULT_FLOPS_PER_S, OVERLAP_EFFICIENCY, alpha_beta,
+                        flops_rate)
 from .layouts import NothingFits, feasible_layouts, no_layout_message
 from .memory import MemoryModel, worker_memory
 from .model_shape import model_shape
@@ -190,6 +192,10 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         per_worker = rate * (min(1.0, cpus / (dp * pp)) if cpus else 1.0)
         tokens = t.global_batch_size // dp * cfg.data.seq_len
         slowdown = rate / per_worker
+        # The codecs' per-element costs were measured on one thread of the development machine,
+        # whose rate is the built-in one: a measured rate says how much slower (or faster) this
+        # worker is. Unscaled, the lab's hosts of 0.375 of a core had int8 and top-k 19-29% fast.
+        host = DEFAULT_FLOPS_PER_S / rate
         rank_blocks = max(len(lay.blocks_of(r)) for r in range(pp))
         fwd_bwd = 6 * rank_params * tokens / per_worker + m * rank_blocks * block_cost * slowdown
         if checkpointing:
@@ -238,7 +244,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                 if not wanted(dp, name, "allreduce"):
                     continue
                 wire, sent, nb = dp_sync_cost(cfg, name, shapes, dp, ab)
-                codec = rank_params * CODEC_S_PER_ELEMENT[name] * slowdown
+                codec = rank_params * CODEC_S_PER_ELEMENT[name] * host * slowdown
                 # Only buckets before the last can start during backward.
                 hidden = min(overlap * wire * (nb - 1) / nb, last_backward)
                 algorithm = c.algorithm if name in ALLREDUCE_CODECS else "backend"
