@@ -158,37 +158,6 @@ def fit(raw: dict, kill: dict | None = None) -> dict:
     return {"result": result, "peak_rss_mb": max(peak.values()) if peak else None, "killed": killed}
 
 
-def durable_runs(size: tuple[int, int], args, rounds: int) -> dict:
-    """Durable checkpoints at ``size`` to local disk and to S3, ``rounds`` interleaved runs each:
-    per target the writes' seconds and bytes (``durable_checkpoint`` events)."""
-    import tempfile
-
-    from tests.s3_server import S3Server
-
-    server = S3Server()
-    bucket = server.bucket("bench-durable")
-    os.environ.update(AWS_ACCESS_KEY_ID=server.key, AWS_SECRET_ACCESS_KEY=server.secret,
-                      AWS_EC2_METADATA_DISABLED="true")
-    local = tempfile.mkdtemp(prefix="et-bench-durable-")
-    out: dict = {"local": [], "s3": []}
-    try:
-        for i in range(rounds):
-            for target, storage in (("local", f"{local}/r{i}"), ("s3", server.uri(bucket, f"r{i}"))):
-                print(f"{size[0]}x{size[1]}: durable checkpoints to {target}, round {i + 1}/{rounds} ...",
-                      flush=True)
-                ck = {"memory_every": 10, "durable_every": 10, "storage": storage}
-                raw = size_config(*size, 30, f"scale-durable-{target}{i}", args, ck)
-                res = fit(raw)["result"]
-                out[target] += [{"step": e["step"], "seconds": e["seconds"], "bytes": e["bytes"]}
-                                for e in res.events if e["kind"] == "durable_checkpoint"]
-    finally:
-        import shutil
-
-        shutil.rmtree(local, ignore_errors=True)
-        server.stop()
-    return out
-
-
 def auto_run(out: dict, off_histories: list[list[dict]]) -> dict:
     """Step time after the auto interval was chosen, its overhead vs off, and the event's fields.
 
@@ -329,7 +298,10 @@ def main() -> None:
                 row["peak_rss_mb"]["auto"] = out["peak_rss_mb"]
             rows.append(row)
         rates = machine_rates(nodes)
-        durable = durable_runs(sizes[-1], args, args.durable_rounds) if args.durable else None
+        if args.durable:
+            from _scale_durable import durable_runs   # benchmarks/, beside this file
+
+            durable = durable_runs(sizes[-1], args, args.durable_rounds, size_config, fit)
         if not args.skip_recovery:
             n_layer, d_model = sizes[-1]
             print(f"{n_layer}x{d_model}: kill one node after step {kill_at} ...", flush=True)

@@ -8,7 +8,6 @@ taken under one layout loads under another.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from .inputs import StageInputs
 from .loss_scale import LossScaler
 from .process_group import Groups
 from .snapshot_taker import SnapshotJob, SnapshotTaker
+from .step_result import StepResult
 from .ties import TiedGrads
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -48,30 +48,6 @@ def build_optimizer(params, train: TrainSection) -> torch.optim.Optimizer:
     if train.eps is not None:
         kwargs["eps"] = train.eps
     return torch.optim.AdamW(params, **kwargs)
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float | None  # mean micro-batch loss; only ranks holding the last stage know it
-    compute_s: float
-    comm_s: float          # seconds in collectives, hidden or not
-    comm_bytes: int        # bytes this rank sent
-    cursor: int  # global index of the step's first sample
-    exposed_comm_s: float = 0.0  # seconds the step waited for communication
-    loss_scale: float | None = None  # fp16: the scale this step's loss was multiplied by
-    skipped: bool = False            # fp16: a gradient overflowed on some rank, so no rank applied the step
-    dense_bytes: int = 0   # what an uncompressed all-reduce of every gradient would have sent
-    snapshot_wait_s: float = 0.0  # the update waited this long for the previous step's snapshot
-    lr: float = 0.0               # the learning rate of this step's update (lr_schedule.lr_at)
-    # This rank's own pace (worker.compute_clock): its passes and update, apart from its waits.
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    optimizer_s: float = 0.0
-    wait_s: float = 0.0           # the rest of the step: pipeline receives, collectives, data
-    micro_batches: int = 0        # this replica's share of the step's micro-batches
-    passes_steady_s: float = 0.0  # forward + backward at each pass's steady cost (compute_clock)
-    passes_shape: dict | None = None  # what pricing them at another count needs (compute_clock.pass_shape)
 
 
 class StageTrainer:
