@@ -17,7 +17,8 @@ def _rank(rank, port, corpus, steps, q):
     from elastic_trainer.worker.process_group import destroy_groups, init_groups
 
     try:
-        cfg = TrainerConfig.from_dict(tiny_config(corpus, parallel={"dp": 1, "pp": 2}))
+        # No output folder: this child saves nothing, and would leave an empty one behind.
+        cfg = TrainerConfig.from_dict(tiny_config(corpus, parallel={"dp": 1, "pp": 2}, run={"output_dir": None}))
         topo = Topology(1, 2)
         groups = init_groups("gloo", "127.0.0.1", port, topo, rank, timeout_s=20)
         inputs = StageInputs(cfg, topo, 0, rank == 0, rank == 1, groups.pp, torch.device("cpu"))
