@@ -145,7 +145,7 @@ class ShardExporter:
 
     def export(self, step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
                block_of, extra: dict | None = None, comm: dict | None = None,
-               comm_meta: dict | None = None, non_blocking: bool = False) -> FlatShard:
+               comm_meta: dict | None = None, non_blocking: bool = False, ranges: dict | None = None) -> FlatShard:
         """Copy the live parameters and optimizer state into a ``FlatShard`` for ``step``.
 
         ``non_blocking``: device-to-host copies are queued on the current stream (into pinned
@@ -187,5 +187,8 @@ class ShardExporter:
         with torch.no_grad():
             for d, t in zip(dst, src):
                 d.copy_(t, non_blocking=non_blocking)
-        return flat_shard({"step": step, "blocks": sorted(blocks), "extra": extra or {}, "comm": comm or {},
-                           "comm_meta": comm_meta or {}, "params": params, "optim": optim}, layout)
+        shard = {"step": step, "blocks": sorted(blocks), "extra": extra or {}, "comm": comm or {},
+                 "comm_meta": comm_meta or {}, "params": params, "optim": optim}
+        if ranges:
+            shard["ranges"] = ranges   # a sharded optimizer's slices (see state.py)
+        return flat_shard(shard, layout)

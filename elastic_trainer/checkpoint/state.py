@@ -14,6 +14,12 @@ Two more sections carry the communication layer's state: ``comm`` (by
 parameter name, like ``optim``: error-feedback residuals, DiLoCo's outer
 parameters and momentum) and ``comm_meta`` (the codec, the replica and dp that
 wrote it, PowerSGD's per-bucket matrices). Residuals belong to one replica.
+
+A rank of a sharded optimizer (``parallel.shard_optimizer``) holds a slice of
+some parameters: its shard has ``ranges`` (name -> ``[start, end, shape]``),
+and those names' parameter and moments are the flat elements
+``[start, end)`` of the parameter of that shape. ``merge_shards`` puts the
+slices of a step back together, whatever sharding wrote them.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ def block_of(name: str) -> int:
 
 def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, blocks: list[int],
                  extra: dict | None = None, comm: dict | None = None, comm_meta: dict | None = None,
-                 copy: bool = True, loan=None) -> dict:
+                 copy: bool = True, loan=None, ranges: dict | None = None) -> dict:
     """One rank's parameters and optimizer state: copied out of the live tensors, or with
     ``copy=False`` (CPU tensors only) as views of them, valid until they next change, or
-    as views lent by ``loan`` (a ``tensor_loan.TensorLoan``), which says when no reader holds them."""
+    as views lent by ``loan`` (a ``tensor_loan.TensorLoan``), which says when no reader holds them.
+    ``ranges``: the slices a sharded optimizer's rank holds (see the module docstring)."""
     def as_numpy(t):
         return loan.view(t) if loan is not None else to_numpy(t, copy)
 
@@ -47,8 +54,11 @@ def export_shard(step: int, named_params, optimizer: torch.optim.Optimizer, bloc
         st = optimizer.state.get(p)
         if st:
             optim[name] = {k: as_numpy(v) if torch.is_tensor(v) else np.asarray(v) for k, v in st.items()}
-    return {"step": step, "blocks": sorted(blocks), "params": params, "optim": optim, "extra": extra or {},
-            "comm": comm or {}, "comm_meta": comm_meta or {}}
+    out = {"step": step, "blocks": sorted(blocks), "params": params, "optim": optim, "extra": extra or {},
+           "comm": comm or {}, "comm_meta": comm_meta or {}}
+    if ranges:
+        out["ranges"] = ranges
+    return out
 
 
 def pick_comm(shards: list[dict], names, own_residuals) -> tuple[dict, dict]:
@@ -82,27 +92,69 @@ def select_blocks(shard: dict, blocks) -> dict:
            "params": {n: shard["params"][n] for n in keep},
            "optim": {n: shard["optim"][n] for n in keep if n in shard["optim"]}, "extra": shard["extra"],
            "comm": {n: comm[n] for n in keep if n in comm}, "comm_meta": shard.get("comm_meta") or {}}
+    ranges = shard.get("ranges") or {}
+    if ranges:
+        out["ranges"] = {n: ranges[n] for n in keep if n in ranges}
     if isinstance(shard, FlatShard):
         return flat_shard(out, {b: v for b, v in shard.layout.items() if b in want})
     return out
 
 
 def merge_shards(shards: list[dict], names: list[str]) -> tuple[int, dict, dict]:
-    """Pick ``names`` out of shards of one step; error if the step differs or a name is missing."""
+    """Pick ``names`` out of shards of one step, whole: a name held whole by a shard is taken from
+    it, else put together from the slices of sharded ones. Error if the step differs, a name is
+    missing, or its slices leave part of it out."""
     steps = {s["step"] for s in shards}
     if len(steps) > 1:
         raise ValueError(f"refusing to mix states from steps {sorted(steps)}")
     params, optim = {}, {}
+    pieces: dict[str, list] = {}
     for s in shards:
+        ranges = s.get("ranges") or {}
         for n in names:
-            if n in s["params"] and n not in params:
-                params[n] = s["params"][n]
-                if n in s["optim"]:
-                    optim[n] = s["optim"][n]
+            if n not in s["params"] or n in params:
+                continue
+            if n in ranges:
+                pieces.setdefault(n, []).append((ranges[n], s["params"][n], s["optim"].get(n)))
+                continue
+            params[n] = s["params"][n]
+            if n in s["optim"]:
+                optim[n] = s["optim"][n]
+    for n, got in pieces.items():
+        if n not in params:
+            params[n], st = _assemble(n, got)
+            if st:
+                optim[n] = st
     missing = [n for n in names if n not in params]
     if missing:
         raise ValueError(f"{len(missing)} parameters missing from the shards given, e.g. {missing[:3]}")
     return steps.pop(), params, optim
+
+
+def _assemble(name: str, pieces: list) -> tuple[np.ndarray, dict]:
+    """One parameter and its optimizer state, whole, from ``(range, param slice, state slices)``."""
+    shape = tuple(pieces[0][0][2])
+    numel = int(np.prod(shape, dtype=np.int64))
+    covered = np.zeros(numel, dtype=bool)
+    param = np.empty(numel, dtype=np.asarray(pieces[0][1]).dtype)
+    state: dict = {}
+    for (start, end, _), arr, st in pieces:
+        param[start:end] = np.asarray(arr).reshape(-1)
+        covered[start:end] = True
+        for k, v in (st or {}).items():
+            v = np.asarray(v)
+            if v.ndim == 0:
+                state.setdefault(k, v)   # a per-parameter number (AdamW's step), the same in every slice
+                continue
+            whole = state.get(k)
+            if whole is None:
+                whole = state[k] = np.zeros(numel, dtype=v.dtype)
+            whole[start:end] = v.reshape(-1)
+    if not covered.all():
+        gap = int(np.argmin(covered))
+        raise ValueError(f"{name}: the slices given hold {int(covered.sum())} of its {numel} elements "
+                         f"(none from element {gap}): a shard of its sharded optimizer is missing")
+    return param.reshape(shape), {k: (v.reshape(shape) if v.ndim else v) for k, v in state.items()}
 
 
 def step_placement(device: torch.device, group: dict) -> tuple[torch.dtype, torch.device]:
@@ -121,7 +173,7 @@ def step_placement(device: torch.device, group: dict) -> tuple[torch.dtype, torc
     return scalar, torch.device("cpu")
 
 
-def _step_tensor(value, device: torch.device, group: dict) -> torch.Tensor:
+def step_tensor(value, device: torch.device, group: dict) -> torch.Tensor:
     # Whatever form the shard holds it in (a float32 array, a plain number), it comes back as torch holds it.
     dtype, where = step_placement(device, group)
     return torch.from_numpy(np.array(value, dtype=np.float64).reshape(())).to(dtype=dtype, device=where)
@@ -142,7 +194,7 @@ def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, opti
                 p.copy_(as_tensor(src, p.dtype))
             if name in optim:
                 optimizer.state[p] = {
-                    k: _step_tensor(v, p.device, groups.get(id(p), {})) if k == "step" else
+                    k: step_tensor(v, p.device, groups.get(id(p), {})) if k == "step" else
                     as_tensor(np.array(v), p.dtype).to(p.device)
                     for k, v in optim[name].items()
                 }

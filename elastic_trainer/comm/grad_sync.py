@@ -19,6 +19,15 @@ event recorded after its gradients were copied out, and the compute stream
 waits for the event recorded after the last bucket before the averages are
 written into ``.grad``. The exposed communication is then the compute
 stream's stall at that wait, timed by CUDA events (``comm.timing``).
+
+Sharded (``parallel.shard_optimizer``, given an ``exchange``): each bucket is
+reduce-scattered instead, padded to a multiple of the group size, and the
+rank keeps the average of the shard it owns (``shard_grads``,
+``parallel.shard_ranges``); ``.grad`` is not written back. With ``free_grads``
+(ZeRO-2) a bucket's ``.grad`` tensors are let go as soon as they are copied
+out. Parameters named in ``hold`` (tied across stages, whose gradients are
+summed before they are averaged) go in buckets of their own, last, sent once
+``finish`` has run its ``before_held``.
 """
 
 from __future__ import annotations
@@ -29,12 +38,14 @@ import numpy as np
 import torch
 
 from ..config import CommSection
+from ..parallel.shard_ranges import shard_len
 from .algorithms import get_algorithm
 from .buckets import make_buckets
 from .stats import CommStats
 from .compression import make_codec
 from .timing import start_timer
 from .host import host_array
+from .shard_exchange import ShardExchange
 
 # Own algorithms replace the all-reduce inside these codecs; the others are built
 # from all-to-all / all-gather and keep the backend's.
@@ -50,8 +61,8 @@ def codec_options(comm: CommSection, seed: int) -> dict:
 
 
 class _Bucket:
-    def __init__(self, index: int, named: list[tuple[str, torch.nn.Parameter]]):
-        self.index = index
+    def __init__(self, index: int, named: list[tuple[str, torch.nn.Parameter]], held: bool = False):
+        self.index, self.held = index, held
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes, offset = [], 0
@@ -70,12 +81,19 @@ class GradSync:
     """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], group, group_size: int,
-                 comm: CommSection, accumulations: int, grad_scale: float = 1.0, seed: int = 0):
+                 comm: CommSection, accumulations: int, grad_scale: float = 1.0, seed: int = 0,
+                 exchange: ShardExchange | None = None, free_grads: bool = False, hold: set[str] = frozenset()):
         self.group, self.p, self.comm = group, group_size, comm
         self.accumulations, self.grad_scale = accumulations, grad_scale
+        self.exchange, self.free_grads = exchange, free_grads and exchange is not None
         by_id = {id(p): n for n, p in named_params}
-        buckets = make_buckets([p for _, p in named_params], int(comm.bucket_mb * (1 << 20)))
-        self.buckets = [_Bucket(i, [(by_id[id(p)], p) for p in b]) for i, b in enumerate(buckets)]
+        size = int(comm.bucket_mb * (1 << 20))
+        hold = hold if exchange is not None else frozenset()
+        first = make_buckets([p for n, p in named_params if n not in hold], size)
+        last = make_buckets([p for n, p in named_params if n in hold], size)
+        self.buckets = [_Bucket(i, [(by_id[id(p)], p) for p in b], held=i >= len(first))
+                        for i, b in enumerate(first + last)]
+        self.shard_grads: dict[int, torch.Tensor] = {}   # sharded: bucket -> the averaged shard this rank owns
         self.codec = make_codec(comm.compression, **codec_options(comm, seed))
         self.algorithm = get_algorithm(comm.algorithm) if comm.algorithm != "ring" else None
         self.overlap = comm.overlap and group_size > 1
@@ -98,6 +116,7 @@ class GradSync:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._stats = CommStats()
+        self.shard_grads = {}
 
     def begin_step(self, step: int) -> None:
         """Arm the hooks for ``step``; with overlap, start the comm thread."""
@@ -110,14 +129,22 @@ class GradSync:
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self._bucket_of[id(p)]
         self._counts[b.index] += 1
-        if self._counts[b.index] == len(b.params) * self.accumulations:
+        if self._counts[b.index] == len(b.params) * self.accumulations and not b.held:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
         # Copied now, in the backward thread: the comm thread must not see grads
         # that later code (a schedule's scaling, the optimizer) may change.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        self._flats[b.index] = torch.cat([g.detach().reshape(-1).float() for g in grads])
+        parts = [g.detach().reshape(-1).float() for g in grads]
+        if self.exchange is not None:
+            pad = shard_len(b.numel, self.p) * self.p - b.numel
+            if pad:
+                parts.append(torch.zeros(pad, device=parts[0].device))
+        self._flats[b.index] = torch.cat(parts)
+        if self.free_grads:
+            for p in b.params:
+                p.grad = None   # ZeRO-2: the bucket's copy is all that is left of them
         if self._stream is not None:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))  # the stream backward copied it on
@@ -149,6 +176,16 @@ class GradSync:
             self._average(b, flat, self._stats)
 
     def _average(self, b: _Bucket, flat: torch.Tensor, stats: CommStats) -> None:
+        if self.exchange is not None:
+            dtype = _ALLREDUCE_CODECS[self.comm.compression]
+            low = flat.div(self.p).to(dtype) if dtype != torch.float32 else flat
+            out = torch.empty(flat.numel() // self.p, dtype=dtype, device=flat.device)
+            self.exchange.reduce_scatter(low, out, stats)
+            shard = out.float() if dtype != torch.float32 else out.div_(self.p)
+            if self.grad_scale != 1.0:
+                shard.mul_(self.grad_scale)
+            self.shard_grads[b.index] = shard
+            return
         if self.algorithm is not None and self.comm.compression in _ALLREDUCE_CODECS:
             dtype = _ALLREDUCE_CODECS[self.comm.compression]
             low = flat.div(self.p).to(dtype) if dtype != torch.float32 else flat
@@ -160,11 +197,15 @@ class GradSync:
         else:
             self.codec.average(flat, self.group, stats, bucket=b.index, shapes=b.shapes, step=self._step)
 
-    def finish(self, stats: CommStats):
+    def finish(self, stats: CommStats, before_held=None):
         """Average whatever backward has not handed over yet, wait for the comm thread,
-        write the averages into ``.grad``; returns a stopped timer of that wait (exposed comm:
-        on CUDA the compute stream's stall, read with ``.seconds()`` once the step's work is done)."""
+        write the averages into ``.grad`` (sharded: into ``shard_grads``); returns a stopped
+        timer of that wait (exposed comm: on CUDA the compute stream's stall, read with
+        ``.seconds()`` once the step's work is done). ``before_held``: run before the held
+        buckets are sent (the tied gradients' sum)."""
         timer = start_timer(self.device)
+        if before_held is not None:
+            before_held()
         if self.p > 1:
             for b in self.buckets:
                 if b.index not in self._flats:  # no hook (overlap off), or a parameter got no gradient
@@ -181,6 +222,9 @@ class GradSync:
                 torch.cuda.current_stream(self.device).wait_event(self._done)
         timer.stop()
         stats.merge(self._stats)
+        if self.exchange is not None:
+            self._flats = {}
+            return timer
         for b in self.buckets:
             flat = self._flats.get(b.index)
             for p, (offset, shape) in zip(b.params, b.shapes):

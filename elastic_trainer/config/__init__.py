@@ -70,6 +70,15 @@ class TrainerConfig(_Strict):
                 f"with comm.compression({self.comm.compression!r}) cannot undo (error feedback, local steps or "
                 "parameter-server updates would keep the overflow): use sync 'allreduce' with compression none, "
                 "fp16 or bf16, or precision 'bf16'")
+        if p.shard_optimizer != "none":
+            comm = self.comm
+            if comm.sync != "allreduce" or comm.compression not in ("none", "fp16", "bf16") or comm.algorithm != "ring":
+                raise ValueError(
+                    f"parallel.shard_optimizer({p.shard_optimizer!r}) reduce-scatters the gradients and "
+                    f"all-gathers the parameters every step; comm.sync({comm.sync!r}), "
+                    f"comm.compression({comm.compression!r}) and comm.algorithm({comm.algorithm!r}) do not: "
+                    "use sync 'allreduce', algorithm 'ring' and compression none, fp16 or bf16 "
+                    "(docs/communication.md, 'Sharded optimizer state')")
         c = self.checkpoint
         if c.durable_every is not None and c.storage is None:
             raise ValueError(f"checkpoint.durable_every({c.durable_every}) needs checkpoint.storage")

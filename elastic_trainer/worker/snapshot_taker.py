@@ -97,9 +97,10 @@ class SnapshotTaker:
         return self.device.type == "cpu"
 
     def begin(self, step: int, lend: bool, named_params, optimizer, blocks: list[int], extra: dict,
-              comm: dict, comm_meta: dict) -> SnapshotJob:
+              comm: dict, comm_meta: dict, ranges: dict | None = None) -> SnapshotJob:
         """Start taking the state after ``step``; ``lend``: lend the live tensors (needs ``can_lend``)
-        instead of copying them, as a rank whose whole state goes to the object store does."""
+        instead of copying them, as a rank whose whole state goes to the object store does.
+        ``ranges``: a sharded optimizer's slices, which ``named_params`` then are."""
         self.wait()
         named = list(named_params)
         nbytes = sum(p.nbytes + sum(v.nbytes for v in (optimizer.state.get(p) or {}).values() if torch.is_tensor(v))
@@ -107,7 +108,7 @@ class SnapshotTaker:
         if lend:
             loan = TensorLoan()
             part = export_shard(step, named, optimizer, blocks, extra=extra, comm=comm, comm_meta=comm_meta,
-                                loan=loan)
+                                loan=loan, ranges=ranges)
             self.job = SnapshotJob(step, nbytes, loan=loan, part=part)
             return self.job
         ready = None
@@ -119,11 +120,11 @@ class SnapshotTaker:
         def copy() -> dict:
             if ready is None:
                 return self.exporter.export(step, named, optimizer, blocks, block_of, extra=extra, comm=comm,
-                                            comm_meta=comm_meta)
+                                            comm_meta=comm_meta, ranges=ranges)
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)
                 shard = self.exporter.export(step, named, optimizer, blocks, block_of, extra=extra, comm=comm,
-                                             comm_meta=comm_meta, non_blocking=True)
+                                             comm_meta=comm_meta, non_blocking=True, ranges=ranges)
             self._stream.synchronize()
             return shard
 

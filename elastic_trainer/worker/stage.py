@@ -20,6 +20,7 @@ from ..comm.algorithms import ring_allreduce_bytes
 from ..comm.stats import CommStats
 from ..comm.timing import start_timer
 from ..comm.grad_sync import GradSync
+from ..comm.shard_exchange import ShardExchange
 from ..comm.local_sgd import ModelAverager
 from ..comm.parameter_server import PSClient
 from ..config import TrainerConfig, TrainSection
@@ -33,6 +34,7 @@ from .compute_clock import ComputeClock
 from .inputs import StageInputs
 from .loss_scale import LossScaler
 from .process_group import Groups
+from .sharded_optimizer import ShardedOptimizer
 from .snapshot_taker import SnapshotJob, SnapshotTaker
 from .step_result import StepResult
 from .ties import TiedGrads
@@ -95,17 +97,25 @@ class StageTrainer:
         }
         del blocks
         self.params = [p for m in self.modules.values() for p in m.parameters()]
-        self.optimizer = build_optimizer(self.params, cfg.train)
         self.snapshots = SnapshotTaker(device, cfg.comm.timeout_s, exporter)
         named = list(self.named_parameters())
         comm = cfg.comm
+        self.ties = TiedGrads(self.build_info["ties"], dict(named), stage_bounds, topo, self.replica, groups.pp)
+        # Sharded over the DP group (ZeRO-1/2); a lone replica has nothing to shard with.
+        sharded = p.shard_optimizer != "none" and topo.dp > 1 and comm.sync == "allreduce"
+        exchange = ShardExchange(groups.dp, topo.dp) if sharded else None
+        tied = {n for pair in self.build_info["ties"] for n in pair}
         # The pipeline schedules are built not to scale gradients (scale_grads=False):
         # GradSync scales once, after averaging, whatever backward produced (with fp16 the loss
         # already did, see loss_fn above).
         self.sync = GradSync(named, groups.dp, topo.dp if comm.sync == "allreduce" else 1, comm,
                              accumulations=cfg.micro_batches,
                              grad_scale=1.0 if topo.pp == 1 or self.scaler is not None else 1.0 / cfg.micro_batches,
-                             seed=cfg.train.seed)
+                             seed=cfg.train.seed, exchange=exchange, free_grads=p.shard_optimizer == "gradients",
+                             hold={n for n, _ in named if n in tied})
+        self.zero = (ShardedOptimizer(self.sync, exchange, dist.get_rank(groups.dp), cfg.train, build_optimizer,
+                                      skip_in_norm=self.ties.followers) if sharded else None)
+        self.optimizer = self.zero.optimizer if self.zero is not None else build_optimizer(self.params, cfg.train)
         self.model_avg = (ModelAverager(named, groups.dp, topo.dp, comm)
                           if comm.sync in ("local_sgd", "diloco") else None)
         # Parameter-server mode: the shards own the optimizer; this rank's never steps.
@@ -115,7 +125,6 @@ class StageTrainer:
                    if comm.sync == "parameter_server" else None)
         self.dense_bytes = sum(ring_allreduce_bytes(b.numel * 4, topo.dp) for b in self.sync.buckets) if topo.dp > 1 else 0
 
-        self.ties = TiedGrads(self.build_info["ties"], dict(named), stage_bounds, topo, self.replica, groups.pp)
         # What the clip norm sums: a tied pair is one tensor, so its second copy is left out.
         self._norm_params = [p for n, p in named if n not in self.ties.followers]
         self.has_first = 0 in self.stage_ids
@@ -193,6 +202,9 @@ class StageTrainer:
         residuals, PowerSGD's Q, DiLoCo's outer state, captured now). ``lend``: lend the live
         tensors instead of copying them (where ``snapshots.can_lend``)."""
         comm, meta = self._comm_state()
+        if self.zero is not None:
+            return self.snapshots.begin(step, lend, self.zero.named_views(), self.optimizer, self.blocks,
+                                        self._extra(), comm, meta, ranges=self.zero.ranges())
         return self.snapshots.begin(step, lend, self.named_parameters(), self.optimizer, self.blocks,
                                     self._extra(), comm, meta)
 
@@ -216,7 +228,9 @@ class StageTrainer:
         self.snapshots.wait()
         names = [n for n, _ in self.named_parameters()]
         step, params, optim = merge_shards(shards, names)
-        load_into(self.named_parameters(), self.optimizer, params, optim)
+        load_into(self.named_parameters(), self.optimizer, params, optim if self.zero is None else {})
+        if self.zero is not None:
+            self.zero.load_state(optim)
         if self.scaler is not None:
             self.scaler.load_state_dict(shards[0].get("extra") or {})
 
@@ -262,6 +276,9 @@ class StageTrainer:
             self._loss_mult = scale / self.cfg.micro_batches if self.topo.pp > 1 else scale
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            for p in self.params:
+                p.grad = None
         losses: list[torch.Tensor] = []
         self.sync.begin_step(step)
         clock = self.clock
@@ -282,17 +299,22 @@ class StageTrainer:
                     losses=losses if self.has_last else None,
                     return_outputs=False,
                 )
-            waited_comm = self.sync.finish(stats)  # a timer: read at the end of the step
             exposed = 0.0
-            if self.ties:
-                exposed += self.ties.sync(stats)
+            if self.zero is not None:
+                # Tied gradients are summed before they are averaged: each copy's shard owner differs.
+                waited_comm = self.sync.finish(stats, before_held=(lambda: self.ties.sync(stats)) if self.ties else None)
+                shard_grads = self.zero.attach_grads()
+            else:
+                waited_comm = self.sync.finish(stats)  # a timer: read at the end of the step
+                if self.ties:
+                    exposed += self.ties.sync(stats)
         except BaseException:
             self.sync.abort()
             raise
         skipped = False
         if self.scaler is not None:
             timer = start_timer(self.device)
-            grads = [p.grad for p in self.params if p.grad is not None]
+            grads = shard_grads if self.zero is not None else [p.grad for p in self.params if p.grad is not None]
             # The plan's world by its handle: after an abort or a shrink it raises, never reaching
             # the world the next plan keeps.
             skipped = self.scaler.found_inf(grads, self.device, self.groups.world)
@@ -320,6 +342,10 @@ class StageTrainer:
                 timer = start_timer(self.device)
                 self.optimizer.step()
                 clock.add("optimizer", timer.stop())
+                if self.zero is not None:
+                    timer = start_timer(self.device)
+                    self.zero.gather(stats)
+                    exposed += timer.stop().seconds()
         if self.model_avg is not None:
             exposed += self.model_avg.maybe_sync(step, stats)
         exposed += waited_comm.seconds()
@@ -368,14 +394,21 @@ class StageTrainer:
         """Clip by the norm over the whole model: after DP averaging every replica holds
         the same grads, so summing squares over the PP group gives the global norm.
         (With local SGD / DiLoCo each replica clips its own gradients.)"""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for p in self._norm_params:
-            if p.grad is not None:
-                sq += p.grad.detach().float().pow(2).sum()
-        if self.topo.pp > 1:
+        if self.zero is not None:
+            # Each rank holds its own shard of every gradient: the world's sum is the model's.
+            grads = [o.view.grad for o in self.zero.owned]
+            sq = self.zero.norm_sq().to(self.device)
+            group, n = self.groups.world, self.topo.world_size
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            sq = torch.zeros((), device=self.device, dtype=torch.float32)
+            for p in self._norm_params:
+                if p.grad is not None:
+                    sq += p.grad.detach().float().pow(2).sum()
+            group, n = self.groups.pp, self.topo.pp
+        if n > 1:
             timer = start_timer(sq.device)
-            dist.all_reduce(sq, group=self.groups.pp)
+            dist.all_reduce(sq, group=group)
             stats.add("all_reduce", sq.element_size(), timer.stop())
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

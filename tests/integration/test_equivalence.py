@@ -61,3 +61,21 @@ def test_own_all_reduce_algorithms_and_no_overlap_match_single_process(cluster, 
     assert [r["loss"] for r in result.history] == pytest.approx(ref_losses, rel=1e-5)
     for name, ref in ref_state.items():
         torch.testing.assert_close(result.model_state[name], ref, rtol=1e-4, atol=1e-5)
+
+
+# ZeRO-1 and ZeRO-2 at each DP-sharded layout the issue names (dp=2 x pp=2 on 1F1B and
+# interleaved, dp=4 x pp=1).
+SHARDED = [(2, 2, "1f1b", "optimizer"), (4, 1, "1f1b", "optimizer"), (2, 2, "interleaved", "optimizer"),
+           (2, 2, "1f1b", "gradients"), (4, 1, "1f1b", "gradients"), (2, 2, "interleaved", "gradients")]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dp, pp, schedule, shard", SHARDED, ids=[f"{s}-{d}x{p}-{sc}" for d, p, sc, s in SHARDED])
+def test_sharded_optimizer_matches_single_process(cluster, corpus_dir, reference, dp, pp, schedule, shard):
+    ref_losses, ref_state = reference
+    cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, parallel={"dp": dp, "pp": pp, "schedule": schedule,
+                                                                     "shard_optimizer": shard}))
+    result = Trainer(cfg, verbose=False).fit(return_model_state=True)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref_losses, rel=1e-5)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(result.model_state[name], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

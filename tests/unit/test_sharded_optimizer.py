@@ -1,0 +1,147 @@
+"""The sharded optimizer (ZeRO-1/2) on two gloo processes at dp=2: the same steps as unsharded,
+half the optimizer state per rank, snapshots that put back together under any sharding, and the
+reduce-scatter and all-gather built from all-to-all equal to the backend's."""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_trainer.checkpoint.state import merge_shards
+from elastic_trainer.config import TrainerConfig
+from elastic_trainer.parallel.shard_ranges import owned, owned_slices, shard_len
+
+from ..conftest import tiny_config
+
+STEPS = 3
+N_BLOCKS = 8   # tiny_config's GPT: 6 layers, the embedding and the head
+
+
+def _cfg(corpus, shard, dp=2):
+    return TrainerConfig.from_dict(tiny_config(corpus, parallel={"dp": dp, "pp": 1, "shard_optimizer": shard},
+                                               run={"output_dir": None}, comm={"bucket_mb": 0.05}))
+
+
+def _rank(rank, port, corpus, q):
+    from elastic_trainer.comm.shard_exchange import ShardExchange
+    from elastic_trainer.parallel.topology import Topology
+    from elastic_trainer.worker.process_group import destroy_groups, init_groups
+    from elastic_trainer.worker.stage import StageTrainer
+
+    try:
+        topo = Topology(2, 1)
+        groups = init_groups("gloo", "127.0.0.1", port, topo, rank, timeout_s=30)
+        out = {}
+        for shard in ("none", "optimizer", "gradients"):
+            t = StageTrainer(_cfg(corpus, shard), topo, rank, groups, [(0, N_BLOCKS)], torch.device("cpu"))
+            losses, sent = [], []
+            for step in range(1, STEPS + 1):
+                r = t.train_step(step)
+                losses.append(r.loss)
+                sent.append(r.comm_bytes)
+            state_bytes = sum(v.numel() * v.element_size() for st in t.optimizer.state.values()
+                              for v in st.values() if torch.is_tensor(v) and v.ndim)
+            out[shard] = {"losses": losses, "state": {n: w.numpy() for n, w in t.state_dict().items()}, "state_bytes": state_bytes,
+                          "part": dict(t.export(STEPS)), "sent": sent, "grads_kept": any(p.grad is not None for p in t.params)}
+            t.close()
+        # The built reduce-scatter and all-gather against the backend's.
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(10, generator=g)
+        got = {}
+        for built in (False, True):
+            ex = ShardExchange(groups.dp, 2, built=built)
+            rs = torch.empty(5)
+            ex.reduce_scatter(x.clone(), rs)
+            ag = torch.empty(10)
+            ex.all_gather(rs, ag)
+            got[built] = (rs.numpy(), ag.numpy())
+        out["exchange"] = got
+        destroy_groups()
+        q.put((rank, "ok", out))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        q.put((rank, "error", traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def runs(corpus_dir):
+    from elastic_trainer.worker.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_rank, args=(r, port, corpus_dir, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict((r, (status, val)) for r, status, val in (q.get(timeout=240) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    for r, (status, val) in got.items():
+        assert status == "ok", f"rank {r}: {val}"
+    return {r: val for r, (_, val) in got.items()}
+
+
+def test_owned_ranges_tile_every_bucket():
+    for numel in (1, 7, 64, 1001):
+        for p in (1, 2, 3, 4, 8):
+            spans = [owned(numel, p, j) for j in range(p)]
+            assert spans[0][0] == 0 and spans[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all(hi - lo <= shard_len(numel, p) for lo, hi in spans)
+    # A shard that starts inside one parameter and ends inside another.
+    assert owned_slices([3, 4, 5], 2, 9) == [(0, 2, 3, 0), (1, 0, 4, 1), (2, 0, 2, 5)]
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_steps_match_unsharded_with_half_the_state(runs, shard):
+    for r in (0, 1):
+        plain, sharded = runs[r]["none"], runs[r][shard]
+        assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        for name, ref in plain["state"].items():
+            np.testing.assert_allclose(sharded["state"][name], ref, rtol=1e-5, atol=1e-6)
+        # The replicas hold the same weights after the all-gather, bit for bit.
+        for name, w in runs[0][shard]["state"].items():
+            assert np.array_equal(w, runs[1][shard]["state"][name]), name
+    # Optimizer state per rank: 1/dp of unsharded, within a bucket's padding.
+    unsharded = runs[0]["none"]["state_bytes"]
+    for r in (0, 1):
+        assert runs[r][shard]["state_bytes"] <= unsharded / 2 * 1.05
+    assert runs[0][shard]["state_bytes"] + runs[1][shard]["state_bytes"] == pytest.approx(unsharded, rel=1e-3)
+    # A reduce-scatter and an all-gather send what the all-reduce did.
+    assert min(runs[0]["none"]["sent"]) > 0
+    assert runs[0][shard]["sent"] == pytest.approx(runs[0]["none"]["sent"], rel=0.01)
+
+
+def test_gradients_sharding_lets_the_full_gradients_go(runs):
+    assert runs[0]["optimizer"]["grads_kept"]
+    assert not runs[0]["gradients"]["grads_kept"]
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_sharded_snapshot_parts_put_back_together_equal_the_unsharded_state(runs, shard):
+    plain = runs[0]["none"]["part"]
+    parts = [runs[r][shard]["part"] for r in (0, 1)]
+    assert all(p.get("ranges") for p in parts)
+    names = list(plain["params"])
+    step, params, optim = merge_shards(parts, names)
+    assert step == STEPS
+    for n in names:
+        np.testing.assert_allclose(params[n], plain["params"][n], rtol=1e-5, atol=1e-6)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_allclose(optim[n][kind], plain["optim"][n][kind], rtol=1e-4, atol=1e-7)
+        assert float(optim[n]["step"]) == STEPS
+    with pytest.raises(ValueError, match="a shard of its sharded optimizer is missing"):
+        merge_shards(parts[:1], names)
+
+
+def test_built_exchange_equals_the_backends(runs):
+    for r in (0, 1):
+        (rs, ag), (rs_b, ag_b) = runs[r]["exchange"][False], runs[r]["exchange"][True]
+        np.testing.assert_array_equal(rs, rs_b)
+        np.testing.assert_array_equal(ag, ag_b)
+    # And they are a reduce-scatter and an all-gather.
+    np.testing.assert_array_equal(runs[0]["exchange"][False][1], runs[1]["exchange"][False][1])
