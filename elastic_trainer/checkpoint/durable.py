@@ -107,6 +107,15 @@ class DurableStore:
         """The directory of this run's checkpoint of ``step``."""
         return self._path(checkpoint_dirname(step, self.run_id))
 
+    @staticmethod
+    def file_groups(files: list[dict]) -> list[list[int]]:
+        """The manifest's files (indices) that load together: a sharded optimizer's slices of the
+        same blocks (``sliced``) as one group, every other file alone."""
+        groups: dict = {}
+        for i, f in enumerate(files):
+            groups.setdefault(("sliced", tuple(f["blocks"])) if f.get("sliced") else i, []).append(i)
+        return list(groups.values())
+
     def write_part(self, step: int, index: int, shard: dict) -> dict:
         """Write one part of the checkpoint of ``step`` (``shard-<index>.pt``) and read it back
         against its checksum; its manifest entry (name, sha256, bytes, blocks), with the
@@ -142,8 +151,11 @@ class DurableStore:
             written.update(sha256=back, bytes=out.nbytes)
 
         self._retry(write, f"writing {d}/{name}")
-        return {"name": name, "sha256": written["sha256"], "bytes": written["bytes"], "blocks": list(shard["blocks"]),
-                "seconds": time.perf_counter() - t0}
+        entry = {"name": name, "sha256": written["sha256"], "bytes": written["bytes"], "blocks": list(shard["blocks"]),
+                 "seconds": time.perf_counter() - t0}
+        if shard.get("ranges"):
+            entry["sliced"] = True   # a slice of its blocks: loads with the other slices of the same blocks
+        return entry
 
     def commit(self, step: int, files: list[dict], meta: dict) -> str:
         """Write the manifest of ``step``'s checkpoint, once every part in ``files`` (their
@@ -161,7 +173,7 @@ class DurableStore:
                 + "; ".join(f"{f['name']} (written on node {f.get('node', '?')})" for f in unseen)
                 + f" not in {d} as seen from here; give checkpoint.storage a shared filesystem or an object "
                 "store URI (s3://, gs://)")
-        entries = [{k: f[k] for k in ("name", "sha256", "bytes", "blocks")} for f in files]
+        entries = [{k: f[k] for k in ("name", "sha256", "bytes", "blocks", "sliced") if k in f} for f in files]
         manifest = {"format": FORMAT, "step": step, "run_id": self.run_id, "created": time.time(),
                     "files": entries, **meta}
 

@@ -52,8 +52,9 @@ def trained_parts(source: str) -> tuple[ModelSection, dict | None, int, Iterator
         store = DurableStore(parent or ".")
         manifest = store.read_manifest(name)
         model = ModelSection.model_validate(manifest["config"]["model"])
-        parts = (weights_from_shards([store.read_part(name, e, manifest["step"])]) for e in manifest["files"])
-        return model, manifest.get("hf_config"), len(manifest["files"]), parts
+        files, groups = manifest["files"], DurableStore.file_groups(manifest["files"])
+        parts = (weights_from_shards([store.read_part(name, files[i], manifest["step"]) for i in g]) for g in groups)
+        return model, manifest.get("hf_config"), len(groups), parts
     try:
         _, files, _ = weight_files(source)
         meta = read_metadata(source)

@@ -33,23 +33,30 @@ def _arrays(obj):
 
 
 def to_torch(shard: dict) -> dict:
-    return {
+    out = {
         "params": _tensors(shard["params"]),
         "optim": _tensors(shard["optim"]),
         "comm": _tensors(shard.get("comm") or {}),
         "comm_meta": _tensors(shard.get("comm_meta") or {}),
         "extra": _tensors(shard.get("extra") or {}),
     }
+    if shard.get("ranges"):
+        # A sharded optimizer's slices: name -> [start, end, shape] (plain lists load as they are).
+        out["ranges"] = {n: [int(r[0]), int(r[1]), [int(d) for d in r[2]]] for n, r in shard["ranges"].items()}
+    return out
 
 
 def to_numpy(obj: dict, step: int, blocks: list[int]) -> dict:
-    return {
+    out = {
         "step": step, "blocks": blocks, "extra": _arrays(obj.get("extra", {})),
         "params": {n: t.numpy() for n, t in obj["params"].items()},
         "optim": _arrays(obj["optim"]),
         "comm": _arrays(obj.get("comm", {})),
         "comm_meta": _arrays(obj.get("comm_meta", {})),
     }
+    if obj.get("ranges"):
+        out["ranges"] = obj["ranges"]
+    return out
 
 
 def read_bytes(fs, path: str) -> bytes:

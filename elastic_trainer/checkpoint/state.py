@@ -122,7 +122,7 @@ def merge_shards(shards: list[dict], names: list[str]) -> tuple[int, dict, dict]
                 optim[n] = s["optim"][n]
     for n, got in pieces.items():
         if n not in params:
-            params[n], st = _assemble(n, got)
+            params[n], st = assemble_slices(n, got)
             if st:
                 optim[n] = st
     missing = [n for n in names if n not in params]
@@ -131,8 +131,8 @@ def merge_shards(shards: list[dict], names: list[str]) -> tuple[int, dict, dict]
     return steps.pop(), params, optim
 
 
-def _assemble(name: str, pieces: list) -> tuple[np.ndarray, dict]:
-    """One parameter and its optimizer state, whole, from ``(range, param slice, state slices)``."""
+def assemble_slices(name: str, pieces: list) -> tuple[np.ndarray, dict]:
+    """One parameter and its optimizer state, whole, from ``(range, param slice, state slices or None)``."""
     shape = tuple(pieces[0][0][2])
     numel = int(np.prod(shape, dtype=np.int64))
     covered = np.zeros(numel, dtype=bool)

@@ -27,6 +27,7 @@ from ..storage.filesystems import open_fs
 from ..storage.uris import join, split_secrets
 from ..errors import ElasticTrainerError
 from .dtypes import as_tensor
+from .state import assemble_slices
 from ..storage.retry import with_retries
 
 WEIGHTS = "model.safetensors"
@@ -46,9 +47,18 @@ def weights_from_shards(shards: list[dict], dtypes: dict[str, torch.dtype] | Non
     """Parameters of snapshot shards (numpy, bf16 as its bits) as tensors by global name.
     ``dtypes``: the live dtype of each name where it is not the stored one (bf16)."""
     out = {}
+    sliced: dict[str, list] = {}
     for s in shards:
+        ranges = s.get("ranges") or {}
         for name, a in s["params"].items():
-            out.setdefault(name, as_tensor(a, (dtypes or {}).get(name, torch.float32)).clone())
+            if name in ranges:   # a sharded optimizer's slice: put together below
+                sliced.setdefault(name, []).append((ranges[name], a, None))
+            else:
+                out.setdefault(name, as_tensor(a, (dtypes or {}).get(name, torch.float32)).clone())
+    for name, pieces in sliced.items():
+        if name not in out:
+            whole, _ = assemble_slices(name, pieces)
+            out[name] = as_tensor(whole, (dtypes or {}).get(name, torch.float32)).clone()
     return out
 
 

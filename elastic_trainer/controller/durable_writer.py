@@ -57,7 +57,7 @@ class DurableWriter:
         if self.ps:
             return [(ref, None, None) for ref in self.ps.shards(step) or []]
         parts = self.snapshots.covering(step, self.n_blocks, alive_nodes, alive_workers, with_nodes=True) or []
-        return [(ref, node, self.actor_of(wid)) for ref, node, wid, _ in parts]
+        return [(ref, node, self.actor_of(wid)) for ref, node, wid, *_ in parts]
 
     def start(self, step: int, history: list, plan: dict) -> None:
         """Write ``step`` in the background, unless the previous write is still going."""

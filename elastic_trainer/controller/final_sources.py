@@ -43,15 +43,25 @@ def take_stages(order: dict[int, list[int]], ask: Callable[[dict[int, int]], dic
                 got[s] = (asks[s], answer)
 
 
-def snapshot_cover(parts: dict[int, tuple[list[int], str]], need: set[int], alive_nodes: set[str]) -> list[int] | None:
-    """Ranks of a snapshot's parts (rank -> (blocks, node its object is on)) that sit on live
-    nodes and together hold every block of ``need``; None if they do not."""
+def snapshot_cover(parts: dict[int, tuple], need: set[int], alive_nodes: set[str]) -> list[int] | None:
+    """Ranks of a snapshot's parts (rank -> (blocks, node its object is on[, sharded group])) that
+    sit on live nodes and together hold every block of ``need``; None if they do not. A sharded
+    DP group's parts (slices of the same blocks) are taken all together or not at all."""
     picked, seen = [], set()
-    for r, (blocks, node) in sorted(parts.items()):
+    for r, (blocks, node, *rest) in sorted(parts.items()):
+        group = rest[0] if rest else None
         mine = set(blocks) & need
-        if node in alive_nodes and mine and not mine <= seen:
+        if not mine or mine <= seen:
+            continue
+        if group is not None:
+            if r != group[0] or not all(m in parts and parts[m][1] in alive_nodes for m in group):
+                continue
+            picked += list(group)
+        elif node in alive_nodes:
             picked.append(r)
-            seen |= mine
+        else:
+            continue
+        seen |= mine
     return picked if seen >= need else None
 
 

@@ -150,7 +150,7 @@ class FinalWeights:
         if snap is None:
             return None
         blocks = run.plan.blocks_of(run.plan.topology.rank(0, stage))
-        parts = {r: (e.blocks, e.node) for r, e in snap.shards.items()}
+        parts = {r: (e.blocks, e.node, e.group) for r, e in snap.shards.items()}
         picked = snapshot_cover(parts, set(blocks), self.pool.nodes())
         if picked is None:
             return None
@@ -172,14 +172,19 @@ class FinalWeights:
         if not parts:
             return None
         folder = join(where, f"model-step-{step:08d}")
+        # A sharded DP group's parts are slices of the same blocks: one file from all of them.
+        files: dict = {}
+        for ref, node, _, blocks, group in parts:
+            files.setdefault(group if group is not None else ref, (node, blocks, []))[2].append(ref)
+        parts = list(files.values())
         meta, seen, refs = self._meta(step), set(), []
-        for i, (ref, node, _, blocks) in enumerate(parts):
+        for i, (node, blocks, group_refs) in enumerate(parts):
             mine = [b for b in blocks if b not in seen]   # a block in two parts is written once
             seen |= set(mine)
             job = {"where": folder, "file": part_file(i, len(parts)), "meta": meta, "run": self.run.name,
                    "retries": self.cfg.failure.storage_retries, "hf": None}
             refs.append(_write_from_snapshot.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(job, mine, ref))
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(job, mine, *group_refs))
         answers = ray.get(refs, timeout=self.timeout_s)
         bad = [{"file": part_file(i, len(parts)), "stage": None, **a} for i, a in enumerate(answers) if "error" in a]
         if bad:

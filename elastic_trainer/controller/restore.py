@@ -114,9 +114,10 @@ def plan_loads(chosen: dict[int, Source], ranks: dict[int, int], blocks_of_rank:
             elif src.tier == "live":
                 loads.append(Load("export", worker=src.worker, blocks=tuple(sorted(blocks))))
             elif src.tier == "snapshot":
-                loads.append(Load("snapshot", part=src.part))
+                # A sharded DP group's parts (a tuple of ranks) are read together.
+                loads += [Load("snapshot", part=p) for p in (src.part if isinstance(src.part, tuple) else [src.part])]
             else:
-                loads.append(Load("durable", shard=src.shard))
+                loads += [Load("durable", shard=i) for i in (src.shard if isinstance(src.shard, tuple) else [src.shard])]
         out[r] = loads
     return out
 

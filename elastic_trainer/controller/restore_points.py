@@ -144,7 +144,10 @@ class RestorePoints:
         # The parts were read and verified on the nodes, and stay in their object stores.
         self._durable_refs = dict(enumerate(shards))
         self.durable_manifest = manifest
-        return {manifest["step"]: {i: f["blocks"] for i, f in enumerate(manifest["files"])}}
+        # A sharded optimizer's slices of the same blocks are one source (a tuple of files).
+        files = manifest["files"]
+        return {manifest["step"]: {(g[0] if len(g) == 1 else tuple(g)): files[g[0]]["blocks"]
+                                   for g in DurableStore.file_groups(files)}}
 
     def _reader(self):
         """Reads a checkpoint's parts on the nodes, as object refs (``durable_parts``)."""
@@ -152,7 +155,8 @@ class RestorePoints:
 
     def durable_refs(self, chosen: dict) -> list:
         """Refs of the durable shards among the sources ``chosen``."""
-        return [self._durable_refs[src.shard] for src in set(chosen.values()) if src.tier == "durable"]
+        return [self._durable_refs[i] for src in set(chosen.values()) if src.tier == "durable"
+                for i in (src.shard if isinstance(src.shard, tuple) else [src.shard])]
 
     def sources(self, restore: tuple, ranks: dict[int, int], plan) -> dict[int, list]:
         """Per rank, the refs (or ``("local", step)``) to load: see ``restore.plan_loads``."""

@@ -120,7 +120,7 @@ class RunSaver:
         snap = self.snapshots.snaps.get(run.step)
         if snap is None:
             return None
-        parts = {r: (e.blocks, e.node) for r, e in snap.shards.items()}
+        parts = {r: (e.blocks, e.node, e.group) for r, e in snap.shards.items()}
         picked = snapshot_cover(parts, set(run.plan.blocks_of(run.plan.topology.rank(0, stage))), self.pool.nodes())
         if picked is None:
             return None

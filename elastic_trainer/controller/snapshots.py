@@ -24,6 +24,12 @@ every pin request tells its holder the oldest step still kept, so holders let
 older copies go and object-store use does not grow with the step count.
 Workers keep that many local copies too: one number for both.
 
+With a sharded optimizer (``parallel.shard_optimizer``) the replicas of a stage
+no longer hold the same state: each holds its slice of the optimizer state.
+Every rank then writes its own part, pinned on other nodes, and a stage's
+parts count only together: its DP group's parts are one source
+(``group`` keys, a tuple of ranks), whole when every one of them has a copy.
+
 A rollback re-runs steps, and takes their snapshots again: ``rolled_back``
 lets go of every snapshot after the restored step. Each snapshot is a *take*
 (numbered), and a pin's key carries it, so a pin of an earlier take of the
@@ -57,6 +63,7 @@ class ShardEntry:
     peers: dict[int, str] = field(default_factory=dict)     # DP peer worker id -> node, counted for its local copy
     sealed: bool = False                        # its own object is in the object store, not an error
     error: str | None = None                    # why its own object failed
+    group: tuple | None = None                  # sharded: the ranks whose parts hold the blocks together
 
 
 @dataclass
@@ -70,7 +77,7 @@ class Snapshot:
     take: int = 0                   # which take of its step (a step is taken again after a rollback)
 
 
-def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
+def put_phases(topo, blocks_of, sharded: bool = False) -> list[dict[int, list[int]]]:
     """Blocks each rank writes into the object store, one ``{rank: blocks}`` per phase.
 
     One replica of each stage writes the stage's blocks (``blocks_of(rank)``)
@@ -78,8 +85,11 @@ def put_phases(topo, blocks_of) -> list[dict[int, list[int]]]:
     stages start from different replicas so that one snapshot's writers sit on
     different nodes. One object per stage rather than one part per rank: each
     object costs the object store a fixed amount of work (create, seal, pin,
-    free) that outweighs copying a few more megabytes.
+    free) that outweighs copying a few more megabytes. ``sharded``: each rank
+    holds a state of its own (its optimizer slice), and writes it every time.
     """
+    if sharded:
+        return [{r: list(blocks_of(r)) for r in range(topo.world_size)}]
     phases = []
     for phase in range(topo.dp):
         out = {}
@@ -121,8 +131,9 @@ def check_sealed(entries) -> None:
 class SnapshotStore:
     """The run's object-store snapshots: ``snaps`` (step -> Snapshot), taken, replicated, committed, pruned."""
 
-    def __init__(self, replicas: int, keep: int, pin_timeout_s: float = 30.0):
+    def __init__(self, replicas: int, keep: int, pin_timeout_s: float = 30.0, shard_optimizer: bool = False):
         self.replicas = replicas
+        self.shard_optimizer = shard_optimizer   # a plan of dp > 1 shards its optimizer state
         self.keep = keep
         self.pin_timeout_s = pin_timeout_s
         self.snaps: dict[int, Snapshot] = {}
@@ -138,7 +149,12 @@ class SnapshotStore:
     def set_plan(self, plan) -> None:
         """Who writes what from now on: the put phases of ``plan`` (a ``planning.plan.Plan``)."""
         self._plan = plan
-        self._phases = put_phases(plan.topology, plan.blocks_of)
+        self._phases = put_phases(plan.topology, plan.blocks_of, self.sharded)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the plan in force shards its optimizer state over its DP groups."""
+        return self.shard_optimizer and self._plan is not None and self._plan.topology.dp > 1
 
     def writers(self, after: int = 0) -> dict[int, list[int]]:
         """Rank -> blocks it writes into the object store at the next scheduled snapshot
@@ -158,15 +174,18 @@ class SnapshotStore:
         self.reported(results or {})
         topo = self._plan.topology
         writers = None if full else self.writers()
-        parts, peers = {}, {}
+        parts, peers, groups = {}, {}, {}
         for r, h in ranks.items():
             blocks = self._plan.blocks_of(r) if full else writers[r]
             if not blocks:
                 continue
             parts[r] = (h.wid, h.node, shard_refs[h.wid], blocks)
             stage = topo.coords(r)[1]
+            if self.sharded:
+                groups[r] = tuple(topo.rank(d, stage) for d in range(topo.dp))
+                continue   # no peer holds this rank's slice
             peers[r] = {p.wid: p.node for p in (ranks[topo.rank(d, stage)] for d in range(topo.dp)) if p.wid != h.wid}
-        self.take(step, parts, [(h.wid, h.actor, h.node) for h in ranks.values()], peers, nbytes)
+        self.take(step, parts, [(h.wid, h.actor, h.node) for h in ranks.values()], peers, nbytes, groups)
         if not full:
             self._taken += 1
 
@@ -182,19 +201,21 @@ class SnapshotStore:
         return min(self.snaps, default=0)
 
     def take(self, step: int, parts: dict[int, tuple], workers: list[tuple],
-             peers: dict[int, dict[int, str]], nbytes: int = 0) -> None:
+             peers: dict[int, dict[int, str]], nbytes: int = 0, groups: dict[int, tuple] | None = None) -> None:
         """Start replicating snapshot ``step``.
 
         ``parts``: rank -> (worker id, node, shard ref, blocks) of the ranks that
         returned a part; ``workers``: (worker id, actor, node) of every rank, the
         candidate pin holders; ``peers``: rank -> {worker id: node} of the other ranks
-        that keep a local copy of that rank's part (its DP peers).
+        that keep a local copy of that rank's part (its DP peers); ``groups``: rank -> the ranks
+        whose parts hold its blocks together (sharded optimizer state).
         """
         if step in self.snaps:
             # Taken again (after a rollback, or whole at the end): the earlier take is not the run's.
             self._let_go(self.snaps.pop(step))
         take = next(self._takes)
-        shards = {rank: ShardEntry(ref, blocks, node, wid) for rank, (wid, node, ref, blocks) in parts.items()}
+        shards = {rank: ShardEntry(ref, blocks, node, wid, group=(groups or {}).get(rank))
+                  for rank, (wid, node, ref, blocks) in parts.items()}
         workers = sorted(workers, key=lambda w: w[0])
         keep_from = min(self.oldest_kept() or step, step)
         # A holder takes no new pin with ``keep`` unanswered, nor while it still holds a part
@@ -336,15 +357,25 @@ class SnapshotStore:
 
     def available(self, alive_nodes: set[str], alive_workers: set[int]) -> dict[int, dict[int, list[int]]]:
         """Parts of committed snapshots that still have a copy: step -> {rank: blocks}. A part
-        survives if its producer's node is alive or a pinned copy sits on a live worker."""
+        survives if its producer's node is alive or a pinned copy sits on a live worker. The
+        parts of a sharded DP group count together, under the group's key (a tuple of ranks),
+        where every one of them survives."""
         out: dict[int, dict[int, list[int]]] = {}
         for step, snap in self.snaps.items():
             if snap.committed_at is None:
                 continue
+            alive = {rank for rank, e in snap.shards.items()
+                     if e.node in alive_nodes or any(h in alive_workers for h in e.pinned)}
             for rank, e in snap.shards.items():
-                if e.node in alive_nodes or any(h in alive_workers for h in e.pinned):
+                if e.group is None and rank in alive:
                     out.setdefault(step, {})[rank] = e.blocks
+                elif e.group is not None and rank == e.group[0] and set(e.group) <= alive:
+                    out.setdefault(step, {})[e.group] = e.blocks
         return out
+
+    def members(self, step: int, key) -> list[int]:
+        """The ranks whose parts make up source ``key`` of ``step`` (a rank, or a sharded group)."""
+        return list(key) if isinstance(key, tuple) else [key]
 
     def written(self, alive_workers: set[int]) -> dict[int, dict[int, tuple]]:
         """Sealed parts whose writer is alive: worker id -> {step: (ref, blocks)}. A rank that
@@ -354,7 +385,8 @@ class SnapshotStore:
         out: dict[int, dict[int, tuple]] = {}
         for step, snap in self.snaps.items():
             for e in snap.shards.values():
-                if e.wid in alive_workers and e.sealed:
+                # A sharded part is a slice of its blocks: a source only with its group's.
+                if e.wid in alive_workers and e.sealed and e.group is None:
                     out.setdefault(e.wid, {})[step] = (e.ref, e.blocks)
         return out
 
@@ -381,16 +413,29 @@ class SnapshotStore:
         and only its parts with a surviving copy. Without them (the durable writer's "write this
         step now"): the kept snapshot's parts as they are, committed or not yet; its write
         reads them and fails on any that never came. ``with_nodes``: (ref, node of its object,
-        the worker that made it, its blocks).
+        the worker that made it, its blocks, its sharded group or None).
         """
         snap = self.snaps.get(step)
         if snap is None or (alive_nodes is not None and snap.committed_at is None):
             return None
+        def survives(e: ShardEntry) -> bool:
+            return alive_nodes is None or e.node in alive_nodes or bool(e.pinned & (alive_workers or set()))
+
         picked, seen = [], set()
-        for _, e in sorted(snap.shards.items()):
-            if alive_nodes is not None and e.node not in alive_nodes and not e.pinned & (alive_workers or set()):
+        for rank, e in sorted(snap.shards.items()):
+            if e.group is not None:
+                # A sharded group's parts go together, each a slice of the same blocks.
+                if rank != e.group[0] or set(e.blocks) <= seen:
+                    continue
+                members = [snap.shards.get(r) for r in e.group]
+                if not all(m is not None and survives(m) for m in members):
+                    continue
+                picked += [(m.ref, m.node, m.wid, list(m.blocks), e.group) if with_nodes else m.ref for m in members]
+                seen |= set(e.blocks)
+                continue
+            if not survives(e):
                 continue
             if not set(e.blocks) <= seen:
-                picked.append((e.ref, e.node, e.wid, list(e.blocks)) if with_nodes else e.ref)
+                picked.append((e.ref, e.node, e.wid, list(e.blocks), None) if with_nodes else e.ref)
                 seen |= set(e.blocks)
         return picked if seen >= set(range(n_blocks)) else None

@@ -44,9 +44,11 @@ class HeldCopies:
             return self.local[step]
 
     def local_blocks(self) -> dict[int, list[int]]:
-        """Steps held locally, with the blocks each covers."""
+        """Steps held locally, with the blocks each covers whole. A sharded optimizer's copy
+        (``ranges``) holds a slice of its blocks: a restore reads it with its DP group's other
+        slices, through the snapshot's parts, never as blocks of its own."""
         with self._lock:
-            return {s: sh["blocks"] for s, sh in self.local.items()}
+            return {s: sh["blocks"] for s, sh in self.local.items() if not sh.get("ranges")}
 
     def pinned(self, key: tuple):
         """The pinned copy of the part ``key`` = (step, rank): the latest take of it held here."""

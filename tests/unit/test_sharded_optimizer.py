@@ -45,6 +45,20 @@ def _rank(rank, port, corpus, q):
             out[shard] = {"losses": losses, "state": {n: w.numpy() for n, w in t.state_dict().items()}, "state_bytes": state_bytes,
                           "part": dict(t.export(STEPS)), "sent": sent, "grads_kept": any(p.grad is not None for p in t.params)}
             t.close()
+        # Re-sharding: both ranks' ZeRO-2 parts load into a ZeRO-1 rank of another bucket size
+        # (other slices) and into an unsharded rank; what each then holds is exported.
+        import torch.distributed as dist
+
+        parts = [None, None]
+        dist.all_gather_object(parts, out["gradients"]["part"], group=groups.dp)
+        out["reloaded"] = {}
+        for shard, bucket_mb in (("optimizer", 0.02), ("none", 25)):
+            cfg = TrainerConfig.from_dict(tiny_config(corpus, parallel={"dp": 2, "pp": 1, "shard_optimizer": shard},
+                                                      run={"output_dir": None}, comm={"bucket_mb": bucket_mb}))
+            t = StageTrainer(cfg, topo, rank, groups, [(0, N_BLOCKS)], torch.device("cpu"), restoring=True)
+            assert t.load(parts) == STEPS
+            out["reloaded"][shard] = dict(t.export(STEPS))
+            t.close()
         # The built reduce-scatter and all-gather against the backend's.
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(10, generator=g)
@@ -145,3 +159,17 @@ def test_built_exchange_equals_the_backends(runs):
         np.testing.assert_array_equal(ag, ag_b)
     # And they are a reduce-scatter and an all-gather.
     np.testing.assert_array_equal(runs[0]["exchange"][False][1], runs[1]["exchange"][False][1])
+
+
+def test_a_sharded_state_reloads_bit_for_bit_under_other_slices_and_unsharded(runs):
+    """What a re-plan does: the parts of one sharding load into ranks of another (or none), and
+    the state they then hold is the saved state, bit for bit."""
+    names = list(runs[0]["none"]["part"]["params"])
+    _, params, optim = merge_shards([runs[r]["gradients"]["part"] for r in (0, 1)], names)
+    resharded = [runs[r]["reloaded"]["optimizer"] for r in (0, 1)]
+    assert resharded[0]["ranges"] != runs[0]["gradients"]["part"]["ranges"]   # other slices
+    for got in (merge_shards(resharded, names), merge_shards([runs[0]["reloaded"]["none"]], names)):
+        for n in names:
+            assert np.array_equal(got[1][n], params[n]), n
+            for kind in ("exp_avg", "exp_avg_sq", "step"):
+                assert np.array_equal(got[2][n][kind], optim[n][kind]), (n, kind)
