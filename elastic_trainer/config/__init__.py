@@ -70,7 +70,7 @@ class TrainerConfig(_Strict):
                 f"with comm.compression({self.comm.compression!r}) cannot undo (error feedback, local steps or "
                 "parameter-server updates would keep the overflow): use sync 'allreduce' with compression none, "
                 "fp16 or bf16, or precision 'bf16'")
-        if p.shard_optimizer != "none":
+        if p.shard_optimizer in ("optimizer", "gradients"):
             comm = self.comm
             if comm.sync != "allreduce" or comm.compression not in ("none", "fp16", "bf16") or comm.algorithm != "ring":
                 raise ValueError(

@@ -96,8 +96,7 @@ class Controller:
         self.driver = StepDriver(cfg)
         self.driver.where = self._where
         ck = cfg.checkpoint
-        self.snapshots = SnapshotStore(ck.replicas, ck.snapshots_kept, cfg.failure.pin_timeout_s,
-                                       cfg.parallel.shard_optimizer != "none")
+        self.snapshots = SnapshotStore(ck.replicas, ck.snapshots_kept, cfg.failure.pin_timeout_s)
         self.schedule = SnapshotSchedule(cfg)
         self.durable = DurableStore(ck.storage, run.run_id, cfg.failure.storage_retries) if ck.storage else None
         self.writer: DurableWriter | None = None    # made once the model's blocks are counted (run())

@@ -21,7 +21,7 @@ from ..config import TrainerConfig
 from ..errors import WorkerError
 from ..planning.memory import MemoryModel
 from ..planning.plan import Plan
-from ..planning.policy import plan_block_costs, plan_row
+from ..planning.policy import plan_block_costs, plan_row, plan_shard
 from .balance import Balance
 from .benching import Bench
 from .evaluation import Evaluator
@@ -60,7 +60,7 @@ class PlanSetup:
 
     def _cfg_for(self, plan: Plan) -> dict:
         raw = self.cfg.model_dump(mode="json")
-        raw["parallel"].update(dp=plan.topology.dp, pp=plan.topology.pp)
+        raw["parallel"].update(dp=plan.topology.dp, pp=plan.topology.pp, shard_optimizer=plan.shard_optimizer)
         raw["scaling"]["num_workers"] = None
         raw["scaling"]["min_workers"] = 1
         raw["scaling"]["max_workers"] = None
@@ -103,6 +103,7 @@ class PlanSetup:
             err = WorkerError(f"worker {ranks[0]} (rank 0) failed to reserve a port: {type(e).__name__}")
             err.failed_workers = [ranks[0]]
             raise err from None
+        plan.shard_optimizer = plan_shard(self.cfg, plan)
         cfg_json = self._cfg_for(plan)
         coll_timeout = self.driver.collective_timeout()
         rendezvous = self.cfg.failure.rendezvous_timeout_s
@@ -163,7 +164,9 @@ class PlanSetup:
         heaviest = max(sum(stages[r::topo.pp]) for r in range(topo.pp))
         row = plan_row(self.cfg, topo.dp, topo.pp)
         m = MemoryModel.of(self.cfg)
-        return {"snapshot_bytes": (m.weights + m.optimizer) * heaviest, "step_s": row["total_s"]} if row else None
+        share = topo.dp if plan.shard_optimizer != "none" else 1   # sharded: each rank writes its slice
+        return ({"snapshot_bytes": (m.weights + m.optimizer) * heaviest // share, "step_s": row["total_s"]}
+                if row else None)
 
     def _progress(self, wids: list[int]) -> dict:
         """Each worker's set-up progress (``worker.setup_progress``), None where it did not answer."""

@@ -131,9 +131,8 @@ def check_sealed(entries) -> None:
 class SnapshotStore:
     """The run's object-store snapshots: ``snaps`` (step -> Snapshot), taken, replicated, committed, pruned."""
 
-    def __init__(self, replicas: int, keep: int, pin_timeout_s: float = 30.0, shard_optimizer: bool = False):
+    def __init__(self, replicas: int, keep: int, pin_timeout_s: float = 30.0):
         self.replicas = replicas
-        self.shard_optimizer = shard_optimizer   # a plan of dp > 1 shards its optimizer state
         self.keep = keep
         self.pin_timeout_s = pin_timeout_s
         self.snaps: dict[int, Snapshot] = {}
@@ -154,7 +153,8 @@ class SnapshotStore:
     @property
     def sharded(self) -> bool:
         """Whether the plan in force shards its optimizer state over its DP groups."""
-        return self.shard_optimizer and self._plan is not None and self._plan.topology.dp > 1
+        return (self._plan is not None and self._plan.topology.dp > 1
+                and getattr(self._plan, "shard_optimizer", "none") != "none")
 
     def writers(self, after: int = 0) -> dict[int, list[int]]:
         """Rank -> blocks it writes into the object store at the next scheduled snapshot

@@ -20,6 +20,12 @@ part, pinned in other nodes' object stores (shared memory Ray caps at its
 worker's bound.
 Every replica is the same, so one pipeline's ranks decide.
 
+Sharded (``parallel.shard_optimizer``, dp > 1): a rank keeps AdamW's moments
+for 1/dp of its parameters and the averaged gradient of that 1/dp (the
+buckets are let go once reduce-scattered); its full gradients still fill up
+during backward (micro-batches add into them). Its snapshot part, and so its
+copies, are its slice of the weights and moments: 1/dp of them.
+
 Activations: a stage keeps what autograd saved for a micro-batch (and, in a
 pipeline, the stage's output) from that micro-batch's forward until its
 backward. How many micro-batches are in that window at once is the
@@ -73,15 +79,19 @@ class MemoryModel:
     replicas: int = 2          # copies of each snapshot part in the nodes' object stores
     gpu: bool = False          # device memory apart from host memory
     runtime: int = RUNTIME_BYTES
+    shard: str = "none"        # parallel.shard_optimizer in force (none, optimizer, gradients)
 
     @classmethod
-    def of(cls, cfg) -> "MemoryModel":
-        """The model of a run's config (``TrainerConfig``)."""
+    def of(cls, cfg, shard: str | None = None) -> "MemoryModel":
+        """The model of a run's config (``TrainerConfig``); ``shard``: the sharding a layout runs with
+        (default: the config's own, where it names one; ``auto`` is decided per layout, ``layout_shard``)."""
         c = cfg.comm
         extra = 8 if c.sync == "diloco" else 4 if c.compression in ("int8", "topk", "powersgd") else 0
+        if shard is None:
+            shard = cfg.parallel.shard_optimizer if cfg.parallel.shard_optimizer != "auto" else "none"
         return cls(buckets=4 if c.sync == "allreduce" else 0, extra=extra, extra_alone=c.sync == "diloco",
                    snapshots_kept=cfg.checkpoint.snapshots_kept, replicas=cfg.checkpoint.replicas,
-                   gpu=cfg.scaling.uses_gpu)
+                   gpu=cfg.scaling.uses_gpu, shard=shard)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -178,6 +188,15 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing:
         extra = model.extra if layout.dp > 1 or model.extra_alone else 0
         one = model.weights + model.optimizer + extra   # a snapshot's bytes a parameter (comm state too)
         kept = model.snapshots_kept
+        if model.shard != "none" and layout.dp > 1:
+            dp = layout.dp
+            out.append(RankMemory(
+                weights=n * model.weights, grads=n * model.grads, optimizer=n * model.optimizer // dp,
+                buckets=n * model.buckets // dp, extra=0, activations=peak, runtime=model.runtime, gpu=model.gpu,
+                # Its own slice alone: lent to the object store on a CPU, copied on a GPU.
+                snapshots=(n * kept * one // dp if model.gpu else 0) + n * (kept + 1) * one // dp,
+                object_store=n * (model.replicas - 1) * kept * one // dp, parts_put=n * (kept + 1) * one // dp))
+            continue
         out.append(RankMemory(
             weights=n * model.weights, grads=n * model.grads, optimizer=n * model.optimizer,
             buckets=n * model.buckets if layout.dp > 1 else 0, extra=n * extra,
@@ -190,6 +209,24 @@ def rank_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing:
             object_store=n * (model.replicas - 1) * kept * one // layout.dp,
             parts_put=n * (kept + 1) * one // layout.dp))
     return out
+
+
+def layout_shard(cfg, layout: Layout, shape: ModelShape, bound: float | None) -> str:
+    """The optimizer sharding ``layout`` runs with under ``cfg`` (a ``TrainerConfig``): the one the
+    config names; under ``auto``, ``gradients`` where the layout does not fit ``bound`` bytes a
+    worker without it, else none. None at dp = 1 (nothing to shard with), and under ``auto`` where
+    the gradient exchange cannot shard (local SGD, DiLoCo, the parameter server, int8, top-k,
+    PowerSGD, an own all-reduce algorithm)."""
+    s, c = cfg.parallel.shard_optimizer, cfg.comm
+    if layout.dp == 1 or s == "none":
+        return "none"
+    if s != "auto":
+        return s
+    if bound is None or c.sync != "allreduce" or c.compression not in ("none", "fp16", "bf16") or c.algorithm != "ring":
+        return "none"
+    checkpointing = cfg.train.activation_checkpointing == "blocks"
+    need, _ = worker_memory(layout, shape, cfg.parallel.schedule, checkpointing, MemoryModel.of(cfg, "none"))
+    return "none" if need <= bound else "gradients"
 
 
 def worker_memory(layout: Layout, shape: ModelShape, schedule: str, checkpointing: bool = False,

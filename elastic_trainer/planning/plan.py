@@ -18,6 +18,7 @@ class Plan:
     stage_params: list[int]
     stages_per_rank: int = 1             # virtual stages of the interleaved schedule
     rank_nodes: dict[int, str] = field(default_factory=dict)  # rank -> node id, once placed
+    shard_optimizer: str = "none"        # parallel.shard_optimizer it runs with, set at its set-up
 
     def blocks_of(self, rank: int) -> list[int]:
         """Blocks ``rank`` holds: those of every pipeline stage of its PP rank."""
@@ -34,6 +35,7 @@ class Plan:
                 for i, (b, n) in enumerate(zip(self.stage_bounds, self.stage_params))
             ],
             "rank_nodes": dict(self.rank_nodes),
+            "shard_optimizer": self.shard_optimizer,
         }
 
 

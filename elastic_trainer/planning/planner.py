@@ -61,7 +61,7 @@ from . import cost_model
 from .constants import (CODEC_S_PER_ELEMENT, DEFAULT_CONSTANTS, DEFAULT_FLOPS_PER_S, OVERLAP_EFFICIENCY, alpha_beta,
                         flops_rate)
 from .layouts import NothingFits, feasible_layouts, no_layout_message
-from .memory import MemoryModel, worker_memory
+from .memory import MemoryModel, layout_shard, worker_memory
 from .model_shape import model_shape
 from .sync_cost import ALLREDUCE_CODECS, dp_sync_cost
 
@@ -154,7 +154,12 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         raise NothingFits(no_layout_message(cfg, workers, len(counts)))
     checkpointing = cfg.train.activation_checkpointing == "blocks"
     model = MemoryModel.of(cfg)
-    sized = [(lay, *worker_memory(lay, shape, cfg.parallel.schedule, checkpointing, model)) for lay in layouts]
+    # Each layout with the optimizer sharding it would run with (``auto``: where it must, to fit).
+    shards = {lay: layout_shard(cfg, lay, shape, worker_memory_bytes) for lay in layouts}
+    sized = [(lay, *worker_memory(lay, shape, cfg.parallel.schedule, checkpointing, MemoryModel.of(cfg, shards[lay])))
+             for lay in layouts]
+    unsharded = {lay: worker_memory(lay, shape, cfg.parallel.schedule, checkpointing, MemoryModel.of(cfg, "none"))[0]
+                 for lay in layouts if shards[lay] != "none"}
     if worker_memory_bytes is not None:
         fitting = [s for s in sized if s[1] <= worker_memory_bytes]
         if not fitting:
@@ -215,6 +220,9 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
         def row(compression: str, sync: str, algorithm: str, dp_comm: float, codec: float, hidden: float,
                 sent: int, notes: str = "", configured: bool | None = None, compute: float = compute_s) -> dict:
             exposed = dp_comm - hidden + codec + act_s
+            # Only an all-reduce of none, fp16 or bf16 shards the optimizer; other rows run whole.
+            shard = shards[lay] if sync == "allreduce" and compression in ("none", "fp16", "bf16") else "none"
+            mem = memory if shard != "none" else unsharded.get(lay, memory)
             return {
                 "dp": dp, "pp": pp, "world_size": dp * pp, "micro_batches": m, "schedule": par.schedule,
                 "stage_bounds": [list(b) for b in lay.stage_bounds],
@@ -224,8 +232,9 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                 "fwd_bwd_s": fwd_bwd, "optimizer_s": optimizer if sync != "parameter_server" else 0.0,
                 "overhead_s": overhead, "virtual": virtual,
                 "codec_s": codec, "hidden_s": hidden, "act_s": act_s, "exposed_comm_s": exposed,
-                "total_s": compute + exposed, "comm_bytes": sent, "memory_bytes": memory,
-                "activation_bytes": act_mem,
+                "total_s": compute + exposed, "comm_bytes": sent, "memory_bytes": mem,
+                "activation_bytes": act_mem, "shard_optimizer": shard,
+                "memory_unsharded_bytes": unsharded.get(lay, memory),
                 "configured": ((dp, pp, compression, sync) == (par.dp, par.pp, c.compression, c.sync)
                                if configured is None else configured),
                 "constants_source": source, "compute_source": rate_source,
@@ -249,7 +258,14 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                 hidden = min(overlap * wire * (nb - 1) / nb, last_backward)
                 algorithm = c.algorithm if name in ALLREDUCE_CODECS else "backend"
                 notes = "steady state, after powersgd_start_step" if name == "powersgd" else ""
-                rows.append(row(name, "allreduce", algorithm, wire, codec, hidden, sent, notes))
+                step_compute = compute_s
+                if shards[lay] != "none" and name in ("none", "fp16", "bf16"):
+                    # Sharded: AdamW on 1/dp of the parameters, and after it an fp32 all-gather of
+                    # them (half a ring all-reduce's wire) that nothing hides.
+                    wire += cost_model.predict("ring", 4 * rank_params, dp, *ab["ring"]) / 2
+                    step_compute -= optimizer * (1 - 1 / dp)
+                    notes = f"optimizer sharded ({shards[lay]}): AdamW on 1/{dp}, then an all-gather"
+                rows.append(row(name, "allreduce", algorithm, wire, codec, hidden, sent, notes, compute=step_compute))
             # local SGD / DiLoCo: at a meeting, one fp32 ring all-reduce of all the rank's parameters
             # (comm.local_sgd), after the optimizer step, so nothing hides it; charged 1/local_steps per step.
             wire = cost_model.predict("ring", 4 * rank_params, dp, *ab["ring"])
@@ -274,6 +290,9 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                         "pattern; codec_s is the shard's AdamW step, and the worker runs none; bytes are push + "
                         "pull, as the worker counts them",
                         compute=fwd_bwd * bubble + overhead))
+    if worker_memory_bytes is not None:
+        # A layout sized sharded fits, but its rows that cannot shard (int8, top-k, ...) may not.
+        rows = [r for r in rows if r["memory_bytes"] <= worker_memory_bytes]
     rows.sort(key=rank_key)
     return rows
 
@@ -354,6 +373,8 @@ def format_candidates(rows: Sequence[dict]) -> str:
         out.append(f"{r['dp']:>3} {r['pp']:>3} {r['compression']:>11} {r['sync']:>16} {r['algorithm']:>9} "
                    f"{r['compute_s'] * 1e3:>9.2f} {r['exposed_comm_s'] * 1e3:>9.2f} {r['total_s'] * 1e3:>9.2f} "
                    f"{r['comm_bytes'] / 1e6:>8.3f} {r['memory_bytes'] / 1e6:>9.1f}"
+                   + (f" (sharded {r['shard_optimizer']}; {r['memory_unsharded_bytes'] / 1e6:.1f} whole)"
+                      if r.get("shard_optimizer", "none") != "none" else "")
                    + ("  <- as configured" if r["configured"] else ""))
     if rows:
         out.append(f"(comm: exposed DP sync + codec arithmetic + pipeline transfers; MB/step: DP bytes the "

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from .constants import flops_rate, run_constants
 from .layouts import (Layout, NothingFits, Rejection, describe_rejections, feasible_layouts, layouts_of_any_size,
                       listed, rejected_layouts)
-from .memory import MemoryModel, RankMemory, in_flight, rank_memory, stage_activation_bytes
+from .memory import MemoryModel, RankMemory, in_flight, layout_shard, rank_memory, stage_activation_bytes
 from .model_shape import model_shape
 from .plan import Plan
 from .planner import predict_candidates, rank_key, serves
@@ -132,7 +132,8 @@ def cut_fits(cfg: TrainerConfig, dp: int, pp: int, stage_bounds, worker_memory_b
     the planner's memory model (always, where no bound is set)."""
     if worker_memory_bytes is None:
         return True
-    return max(m.bounded for m in _rank_needs(cfg, _layout(cfg, dp, pp, stage_bounds))) <= worker_memory_bytes
+    return max(m.bounded for m in _rank_needs(cfg, _layout(cfg, dp, pp, stage_bounds), worker_memory_bytes)
+               ) <= worker_memory_bytes
 
 
 def memory_bound(cfg: TrainerConfig) -> float | None:
@@ -216,7 +217,7 @@ def rejected_plans(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: floa
         return out
     over = []
     for lay in feasible_layouts(cfg, counts, n_workers):
-        ranks = _rank_needs(cfg, lay)
+        ranks = _rank_needs(cfg, lay, worker_memory_bytes)
         r, top = max(enumerate(ranks), key=lambda x: x[1].bounded)
         st, act = top.state, top.activations
         if st + act > worker_memory_bytes:
@@ -233,7 +234,7 @@ def no_plan_reason(cfg: TrainerConfig, n_workers: int, worker_memory_bytes: floa
     what was given, each layout left out and why (:func:`rejected_plans`), and what would fit:
     the fewest workers some layout fits, and the smallest ``worker_memory_gb`` on these workers."""
     counts = model_shape(cfg).param_counts
-    sized = _sized(cfg, feasible_layouts(cfg, counts, n_workers)) if n_workers >= 1 else []
+    sized = _sized(cfg, feasible_layouts(cfg, counts, n_workers), worker_memory_bytes) if n_workers >= 1 else []
     if any(worker_memory_bytes is None or m <= worker_memory_bytes for _, m in sized):
         return None
     t, p = cfg.train, cfg.parallel
@@ -261,10 +262,23 @@ def _layout(cfg: TrainerConfig, dp: int, pp: int, stage_bounds) -> Layout:
                   max(1, t.global_batch_size // (dp * t.micro_batch_size)), cfg.parallel.stages_per_rank)
 
 
-def _rank_needs(cfg: TrainerConfig, lay: Layout) -> list[RankMemory]:
-    """Each PP rank's bytes, as the planner counts them."""
-    return rank_memory(lay, model_shape(cfg), cfg.parallel.schedule, cfg.train.activation_checkpointing == "blocks",
-                       MemoryModel.of(cfg))
+def _rank_needs(cfg: TrainerConfig, lay: Layout, bound: float | None = None) -> list[RankMemory]:
+    """Each PP rank's bytes, as the planner counts them, with the optimizer sharding ``lay`` runs with
+    against ``bound`` (default ``scaling.worker_memory_gb``)."""
+    shape = model_shape(cfg)
+    shard = layout_shard(cfg, lay, shape, memory_bound(cfg) if bound is None else bound)
+    return rank_memory(lay, shape, cfg.parallel.schedule, cfg.train.activation_checkpointing == "blocks",
+                       MemoryModel.of(cfg, shard))
+
+
+def plan_shard(cfg: TrainerConfig, plan: Plan) -> str:
+    """The optimizer sharding ``plan`` runs with: the config's, or under ``auto`` the one its memory
+    needs (``memory.layout_shard``, against ``scaling.worker_memory_gb``)."""
+    s = cfg.parallel.shard_optimizer
+    if s != "auto" or plan.topology.dp == 1:
+        return s if plan.topology.dp > 1 else "none"
+    lay = _layout(cfg, plan.topology.dp, plan.topology.pp, plan.stage_bounds)
+    return layout_shard(cfg, lay, model_shape(cfg), memory_bound(cfg))
 
 
 def _model_words(cfg: TrainerConfig) -> str:
@@ -278,13 +292,13 @@ def _model_words(cfg: TrainerConfig) -> str:
     return held + "; `elastic-trainer plan` shows each buffer"
 
 
-def _sized(cfg: TrainerConfig, layouts: list[Layout]) -> list[tuple[Layout, int]]:
-    return [(lay, max(m.bounded for m in _rank_needs(cfg, lay))) for lay in layouts]
+def _sized(cfg: TrainerConfig, layouts: list[Layout], bound: float | None = None) -> list[tuple[Layout, int]]:
+    return [(lay, max(m.bounded for m in _rank_needs(cfg, lay, bound))) for lay in layouts]
 
 
 def _beyond(cfg: TrainerConfig, n_workers: int, bound: float | None) -> str:
     """"; dp=.. pp=.. on K worker(s) would fit": the fewest workers past ``n_workers`` a layout fits."""
-    more = [(lay, m) for lay, m in _sized(cfg, layouts_of_any_size(cfg, model_shape(cfg).param_counts))
+    more = [(lay, m) for lay, m in _sized(cfg, layouts_of_any_size(cfg, model_shape(cfg).param_counts), bound)
             if lay.world_size > n_workers and (bound is None or m <= bound)]
     if not more:
         return "; no dp x pp fits on any number of workers" if bound is not None else ""

@@ -102,7 +102,7 @@ class StageTrainer:
         comm = cfg.comm
         self.ties = TiedGrads(self.build_info["ties"], dict(named), stage_bounds, topo, self.replica, groups.pp)
         # Sharded over the DP group (ZeRO-1/2); a lone replica has nothing to shard with.
-        sharded = p.shard_optimizer != "none" and topo.dp > 1 and comm.sync == "allreduce"
+        sharded = p.shard_optimizer in ("optimizer", "gradients") and topo.dp > 1 and comm.sync == "allreduce"
         exchange = ShardExchange(groups.dp, topo.dp) if sharded else None
         tied = {n for pair in self.build_info["ties"] for n in pair}
         # The pipeline schedules are built not to scale gradients (scale_grads=False):

@@ -5,6 +5,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from elastic_trainer.config import TrainerConfig
+from elastic_trainer.config.training import ParallelSection
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.models import build_model
 from elastic_trainer.planning.layouts import Layout, NothingFits
@@ -111,7 +112,7 @@ def test_every_buffer_is_counted_and_host_and_device_apart():
 
 
 def test_a_memory_bound_drops_layouts_and_names_what_would_fit():
-    cfg = small()
+    cfg = small().model_copy(update={"parallel": ParallelSection(shard_optimizer="none")})
     rows = predict_candidates(cfg, 4)
     need = sorted({r["memory_bytes"] for r in rows})
     bound = need[len(need) // 2]
@@ -141,3 +142,28 @@ def test_activation_checkpointing_trades_activation_memory_for_a_recomputed_forw
     one = ckpt_rows[(1, 1)]
     assert one["activation_bytes"] == sum(shape.out_bytes[:-1]) + max(shape.saved_bytes)
     assert one["memory_bytes"] - one["activation_bytes"] == plain_rows[(1, 1)]["memory_bytes"] - plain_rows[(1, 1)]["activation_bytes"]
+
+
+def test_a_sharded_optimizer_holds_1_over_dp_of_the_moments_and_auto_shards_only_what_must():
+    cfg = small()
+    lay = Layout(2, 1, ((0, 4),), 2)
+    shape = model_shape(cfg)
+    plain, = rank_memory(lay, shape, "1f1b", model=MemoryModel(runtime=0))
+    zero, = rank_memory(lay, shape, "1f1b", model=MemoryModel(runtime=0, shard="gradients"))
+    assert zero.optimizer == plain.optimizer // 2 and zero.buckets == plain.buckets // 2
+    assert zero.weights == plain.weights and zero.grads == plain.grads
+    # Each rank's snapshot is its slice: 1/dp of the parts, and on a CPU no local copy (it lends).
+    assert zero.parts_put == plain.parts_put and zero.snapshots < plain.snapshots
+    # auto: unsharded where it fits, sharded where only that fits, and never at dp=1.
+    rows = predict_candidates(cfg, 2)
+    assert {r["shard_optimizer"] for r in rows} == {"none"}
+    two = next(r for r in rows if (r["dp"], r["pp"], r["compression"], r["sync"]) == (2, 1, "none", "allreduce"))
+    sharded = {r["dp"]: r for r in predict_candidates(cfg.model_copy(update={"parallel": ParallelSection(
+        shard_optimizer="gradients")}), 2) if r["pp"] == 1 and (r["compression"], r["sync"]) == ("none", "allreduce")}
+    bound = (sharded[2]["memory_bytes"] + two["memory_bytes"]) / 2
+    tight = predict_candidates(cfg, 2, worker_memory_bytes=bound)
+    got = {(r["dp"], r["pp"], r["compression"]): r for r in tight if r["sync"] == "allreduce"}
+    assert got[(2, 1, "none")]["shard_optimizer"] == "gradients"
+    assert got[(2, 1, "none")]["memory_unsharded_bytes"] == two["memory_bytes"] > bound
+    assert (2, 1, "int8") not in got   # a codec that cannot shard does not fit
+    assert all(r["shard_optimizer"] == "none" for r in tight if r["dp"] == 1)

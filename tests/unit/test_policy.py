@@ -49,7 +49,7 @@ def _one_worker_need(cfg) -> int:
 
 
 def test_memory_counts_activations_and_a_pipeline_can_fit_where_one_worker_cannot():
-    cfg = demo()
+    cfg = demo("parallel.shard_optimizer=none")   # the unsharded memory model (sharding: test_memory)
     shape = model_shape(cfg)
     m = MemoryModel.of(cfg)
     # A byte under what one worker needs: the whole model's state does not fit; half of it, with a
@@ -119,7 +119,7 @@ def test_a_model_that_cannot_run_on_meta_is_still_replanned():
 
 
 def test_when_nothing_fits_the_reasons_say_which_layout_is_over_memory_by_how_much_and_what_would_fit():
-    cfg = demo()
+    cfg = demo("parallel.shard_optimizer=none")   # the unsharded memory model (sharding: test_memory)
     bound = _one_worker_need(cfg) - 1
     assert choose_plan(cfg, 1, bound) is None
     [one] = rejected_plans(cfg, 1, bound)

@@ -73,7 +73,7 @@ def _rank(rank, port, corpus, q):
         out["exchange"] = got
         destroy_groups()
         q.put((rank, "ok", out))
-    except Exception as e:  # noqa: BLE001 - reported to the test
+    except Exception:  # noqa: BLE001 - reported to the test
         import traceback
 
         q.put((rank, "error", traceback.format_exc()))

@@ -10,7 +10,7 @@ from elastic_trainer.planning.layouts import feasible_layouts
 from elastic_trainer.planning.memory import MemoryModel, rank_memory
 from elastic_trainer.planning.model_shape import model_shape
 from elastic_trainer.planning.plan import make_plan
-from elastic_trainer.planning.policy import check_start, choose_plan, cut_fits
+from elastic_trainer.planning.policy import check_start, choose_plan, cut_fits, plan_shard
 
 MIB = 1 << 20
 
@@ -37,7 +37,7 @@ def fitting(cfg: TrainerConfig, n: int, bound: float) -> set[tuple[int, int]]:
 
 def test_a_start_over_the_bound_fails_naming_the_layout_its_needs_and_what_fits():
     # Between what the demo's 2 x 2 needs and what 1 x 4 on the same four workers needs.
-    cfg = demo("scaling.worker_memory_gb=0.43")
+    cfg = demo("scaling.worker_memory_gb=0.43", "parallel.shard_optimizer=none")
     plan = make_plan(cfg)
     per_rank = needs(cfg, plan)
     bound = 0.43 * (1 << 30)
@@ -76,3 +76,12 @@ def test_a_start_within_the_bound_or_without_one_passes():
     cfg = demo("scaling.worker_memory_gb=0.44")
     assert max(map(sum, needs(cfg, make_plan(cfg)))) <= 0.44 * (1 << 30)
     check_start(cfg, make_plan(cfg))
+
+
+def test_under_auto_a_start_over_the_bound_unsharded_runs_sharded():
+    # The same bound as above: 2 x 2 does not fit whole, and fits with its optimizer sharded.
+    cfg = demo("scaling.worker_memory_gb=0.43")
+    plan = make_plan(cfg)
+    check_start(cfg, plan)
+    assert plan_shard(cfg, plan) == "gradients"
+    assert plan_shard(demo(), plan) == "none"   # no bound: nothing to fit
