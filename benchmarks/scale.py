@@ -40,6 +40,12 @@ interleaved runs each: each write's seconds (parts written by the workers in par
 manifest last) and bytes per second, from the ``durable_checkpoint`` events.
 
     python benchmarks/scale.py --sizes 8x640 --rounds 1 --skip-recovery --durable
+
+``--sharded`` also runs the largest size with its optimizer sharded (ZeRO-2) against whole,
+``--rounds`` interleaved runs each, a node killed under each, and the largest model of its width
+that fits ``--cap-gb`` a worker each way (``benchmarks/_scale_sharded.py``):
+
+    python benchmarks/scale.py --sizes 8x640 --rounds 3 --sharded --only-sharded
 """
 
 from __future__ import annotations
@@ -249,8 +255,13 @@ def main() -> None:
                     help="only off and memory_every 1, without checkpoint.overlap or 'auto' (older builds)")
     ap.add_argument("--durable", action="store_true", help="also time durable checkpoints, local against S3")
     ap.add_argument("--durable-rounds", type=int, default=2)
+    ap.add_argument("--sharded", action="store_true", help="also the optimizer sharded against whole")
+    ap.add_argument("--only-sharded", action="store_true", help="only --sharded's runs")
+    ap.add_argument("--cap-gb", type=float, default=1.0, help="--sharded: the memory cap a worker")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/scale[-options].json)")
     args = ap.parse_args()
+    args.object_store_bytes = OBJECT_STORE_BYTES
+    args.sharded = args.sharded or args.only_sharded
     if args.steps < 7:
         ap.error("--steps must be at least 7: step times are taken from step 6 on")
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
@@ -265,10 +276,14 @@ def main() -> None:
     ensure_prepared(probe.data)
     import ray
 
-    rows, rec, rates, durable = [], None, {}, None
+    rows, rec, rates, durable, sharded = [], None, {}, None, None
     cluster, nodes = start_cluster()
     try:
-        for n_layer, d_model in sizes:
+        if args.sharded:
+            from _scale_sharded import sharded_runs   # benchmarks/, beside this file
+
+            sharded = sharded_runs(sizes[-1], args, size_config, fit, steady, recovery, (cluster, nodes))
+        for n_layer, d_model in sizes if not args.only_sharded else []:
             label = f"{n_layer}x{d_model}"
             cfg = TrainerConfig.model_validate(size_config(n_layer, d_model, 1, "count", args, OFF))
             row = {"size": label, "params": sum(block_param_counts(cfg.model)),
@@ -298,11 +313,11 @@ def main() -> None:
                 row["peak_rss_mb"]["auto"] = out["peak_rss_mb"]
             rows.append(row)
         rates = machine_rates(nodes)
-        if args.durable:
+        if args.durable and not args.only_sharded:
             from _scale_durable import durable_runs   # benchmarks/, beside this file
 
             durable = durable_runs(sizes[-1], args, args.durable_rounds, size_config, fit)
-        if not args.skip_recovery:
+        if not args.skip_recovery and not args.only_sharded:
             n_layer, d_model = sizes[-1]
             print(f"{n_layer}x{d_model}: kill one node after step {kill_at} ...", flush=True)
             raw = size_config(n_layer, d_model, args.steps, "scale-kill", args, {"memory_every": 1})
@@ -332,6 +347,10 @@ def main() -> None:
         print(f"  {r['size']}: spread over rounds {spread}; overhead round by round: {rounds}")
 
     checks = []
+    if sharded:
+        from _scale_sharded import report
+
+        checks += report(sizes[-1], sharded, args.cap_gb)
     for r in rows:
         a = r.get("auto") or {}
         checks.append((f"auto <= 5% at {r['size']}", None if a.get("overhead") is None else a["overhead"] <= 0.05))
@@ -367,10 +386,11 @@ def main() -> None:
 
     suffix = "".join([f"-{args.precision}" if args.precision != "fp32" else "",
                       "-ckpt" if args.activation_checkpointing == "blocks" else "",
-                      "-fixed" if args.only_fixed else ""])
+                      "-fixed" if args.only_fixed else "", "-sharded" if args.only_sharded else ""])
     path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"scale{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"options": vars(args), "sizes": rows, "recovery": rec, "machine": rates, "durable": durable,
+           "sharded": sharded,
            "checks": [{"target": w, "result": verdict(ok)} for w, ok in checks]}
     path.write_text(json.dumps(doc, indent=1, default=str))
     print(f"\nwrote {path}")

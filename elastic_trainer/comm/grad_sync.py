@@ -50,6 +50,7 @@ from .shard_exchange import ShardExchange
 # Own algorithms replace the all-reduce inside these codecs; the others are built
 # from all-to-all / all-gather and keep the backend's.
 _ALLREDUCE_CODECS = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_SENT = torch.empty(0)   # a sharded bucket reduce-scattered: its copy let go
 
 
 def codec_options(comm: CommSection, seed: int) -> dict:
@@ -185,6 +186,7 @@ class GradSync:
             if self.grad_scale != 1.0:
                 shard.mul_(self.grad_scale)
             self.shard_grads[b.index] = shard
+            self._flats[b.index] = _SENT   # the bucket's copy goes now: its shard is all that is kept
             return
         if self.algorithm is not None and self.comm.compression in _ALLREDUCE_CODECS:
             dtype = _ALLREDUCE_CODECS[self.comm.compression]

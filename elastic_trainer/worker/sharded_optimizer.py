@@ -45,11 +45,12 @@ class _Owned:
 class ShardedOptimizer:
     """The optimizer of one rank of a sharded stage (see the module docstring)."""
 
-    def __init__(self, sync: GradSync, exchange: ShardExchange, group_rank: int, train: TrainSection,
-                 build_optimizer, skip_in_norm: set[str] = frozenset()):
-        """``sync``: the rank's gradient sync, sharded over ``exchange``'s group, in which this rank is
-        ``group_rank``; ``build_optimizer(params, train)`` makes the AdamW; ``skip_in_norm``: names whose
-        gradient the clip norm leaves out (the second copy of a tied parameter)."""
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], sync: GradSync, exchange: ShardExchange,
+                 group_rank: int, train: TrainSection, build_optimizer, skip_in_norm: set[str] = frozenset()):
+        """``named``: the rank's parameters by global name; ``sync``: its gradient sync, sharded over
+        ``exchange``'s group, in which this rank is ``group_rank``; ``build_optimizer(params, train)``
+        makes the AdamW; ``skip_in_norm``: names whose gradient the clip norm leaves out (the second
+        copy of a tied parameter)."""
         self.sync, self.exchange, self.p = sync, exchange, exchange.p
         self.owned: list[_Owned] = []
         for b in sync.buckets:
@@ -58,6 +59,10 @@ class ShardedOptimizer:
                 self.owned.append(_Owned(b.names[i], b.params[i], start, end, b.index, at))
         self.optimizer = build_optimizer([o.view for o in self.owned], train)
         self._in_norm = [o for o in self.owned if o.name not in skip_in_norm]
+        # Parameters in no bucket (frozen: no gradient, never updated) are the same on every
+        # replica; group rank 0's snapshot holds them whole.
+        bucketed = {id(p) for b in sync.buckets for p in b.params}
+        self.unbucketed = [(n, p) for n, p in named if id(p) not in bucketed] if group_rank == 0 else []
 
     # -- the step -------------------------------------------------------------
     def attach_grads(self) -> list[torch.Tensor]:
@@ -95,8 +100,9 @@ class ShardedOptimizer:
 
     # -- state by name and range ----------------------------------------------
     def named_views(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, owned slice of the parameter) pairs: what a snapshot of this rank holds."""
-        return [(o.name, o.view) for o in self.owned]
+        """(name, owned slice of the parameter) pairs, and the whole parameters no bucket holds
+        (group rank 0's): what a snapshot of this rank holds."""
+        return [(o.name, o.view) for o in self.owned] + self.unbucketed
 
     def ranges(self) -> dict[str, list]:
         """name -> ``[start, end, shape]``: the flat range of the parameter each view holds."""

@@ -48,7 +48,7 @@ FAST_FAILURE = {"startup_timeout_s": 60, "min_step_timeout_s": 3, "rendezvous_ti
 def config(corpus, name, hf, dp, pp, **sections):
     return TrainerConfig.from_dict(tiny_config(
         corpus, run={"name": name}, model={"kind": "hf", "hf_config": hf},
-        parallel={"dp": dp, "pp": pp},
+        parallel={"dp": dp, "pp": pp, **sections.pop("parallel", {})},
         train={"steps": STEPS, "lr": 3e-3, "lr_schedule": "cosine", "warmup_steps": 2, "min_lr": 3e-4},
         eval={"fraction": 0.1, "every": 3, "batches": 2},
         failure=FAST_FAILURE, comm={"timeout_s": 20}, checkpoint={"memory_every": 1}, **sections))
@@ -188,8 +188,11 @@ def test_llama_1x4_matches_transformers(cluster5, corpus_dir, llama_ref):
     check_against(result, llama_ref, 1, 4)
 
 
-def test_gpt2_tied_2x2_matches_transformers_and_exports(cluster5, corpus_dir, gpt2_ref, tmp_path):
-    cfg = config(corpus_dir, "gpt222", GPT2, 2, 2)
+@pytest.mark.parametrize("shard", ["none", "gradients"])
+def test_gpt2_tied_2x2_matches_transformers_and_exports(cluster5, corpus_dir, gpt2_ref, tmp_path, shard):
+    # Sharded, each copy of the tied tensor has its own shard owners: the copies' gradients are
+    # summed across the pipeline before they are reduce-scattered.
+    cfg = config(corpus_dir, f"gpt222{shard[0]}", GPT2, 2, 2, parallel={"shard_optimizer": shard})
     result = Trainer(cfg, verbose=False).fit()
     check_against(result, gpt2_ref, 2, 2)
     state, _ = check_export(cfg, result, tmp_path)

@@ -29,6 +29,7 @@ def _rank(rank, port, corpus, q):
     from elastic_trainer.worker.process_group import destroy_groups, init_groups
     from elastic_trainer.worker.stage import StageTrainer
 
+    torch.set_num_threads(1)   # as a Ray worker of one CPU runs
     try:
         topo = Topology(2, 1)
         groups = init_groups("gloo", "127.0.0.1", port, topo, rank, timeout_s=30)
