@@ -258,6 +258,7 @@ def main() -> None:
     ap.add_argument("--sharded", action="store_true", help="also the optimizer sharded against whole")
     ap.add_argument("--only-sharded", action="store_true", help="only --sharded's runs")
     ap.add_argument("--cap-gb", type=float, default=1.0, help="--sharded: the memory cap a worker")
+    ap.add_argument("--recovery-rounds", type=int, default=3, help="--sharded: node kills under each sharding")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/scale[-options].json)")
     args = ap.parse_args()
     args.object_store_bytes = OBJECT_STORE_BYTES
