@@ -109,3 +109,25 @@ def blocked_in_wait(thread: threading.Thread, wait_s: float = 30.0) -> bool:
             return False
         time.sleep(0.005)
     return False
+
+
+def spawn_ranks(target, nprocs: int, *args, timeout_s: float = 240.0) -> dict:
+    """Run ``target(rank, port, *args, queue)`` in ``nprocs`` spawned processes (a gloo world on a
+    free loopback port) and collect one ``(rank, status, value)`` from each: ``{rank: (status, value)}``."""
+    import multiprocessing as mp
+
+    from elastic_trainer.worker.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=target, args=(r, port, *args, q)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    try:
+        return dict((r, (status, val)) for r, status, val in (q.get(timeout=timeout_s) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

@@ -40,6 +40,7 @@ import torch
 from ..config import CommSection
 from ..parallel.shard_ranges import shard_len
 from .algorithms import get_algorithm
+from .comm_thread import CommThread
 from .buckets import make_buckets
 from .stats import CommStats
 from .compression import make_codec
@@ -95,6 +96,14 @@ class GradSync:
         self.buckets = [_Bucket(i, [(by_id[id(p)], p) for p in b], held=i >= len(first))
                         for i, b in enumerate(first + last)]
         self.shard_grads: dict[int, torch.Tensor] = {}   # sharded: bucket -> the averaged shard this rank owns
+        self._worker: CommThread | None = None   # the comm thread, kept from step to step (comm_thread.py)
+        # Made once, here, and written every step: made by the comm thread each step, they grew the
+        # process by a gradient's size a step (glibc keeps a thread's freed memory in its own arena).
+        dtype = _ALLREDUCE_CODECS.get(comm.compression, torch.float32)
+        self._shard_out = {b.index: torch.empty(shard_len(b.numel, group_size), dtype=dtype, device=b.params[0].device)
+                           for b in self.buckets} if exchange is not None else {}
+        self._shard_fp32 = ({i: t if t.dtype == torch.float32 else torch.empty(t.numel(), device=t.device)
+                             for i, t in self._shard_out.items()})
         self.codec = make_codec(comm.compression, **codec_options(comm, seed))
         self.algorithm = get_algorithm(comm.algorithm) if comm.algorithm != "ring" else None
         self.overlap = comm.overlap and group_size > 1
@@ -115,7 +124,7 @@ class GradSync:
         self._done = None                     # CUDA event after the comm stream's last bucket
         self._ready = {b.index: threading.Event() for b in self.buckets}
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._job: threading.Event | None = None   # set when this step's exchanges are done (overlap)
         self._stats = CommStats()
         self.shard_grads = {}
 
@@ -124,8 +133,11 @@ class GradSync:
         self.abort()
         self._reset_step(step)
         if self.overlap:
-            self._thread = threading.Thread(target=self._comm_loop, name="grad-sync", daemon=True)
-            self._thread.start()
+            if self._worker is None or not self._worker.idle:
+                if self._worker is not None:
+                    self._worker.retire()   # stuck in an aborted step's collective: left to end on its own
+                self._worker = CommThread("grad-sync")
+            self._job = self._worker.submit(self._comm_loop)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self._bucket_of[id(p)]
@@ -180,9 +192,13 @@ class GradSync:
         if self.exchange is not None:
             dtype = _ALLREDUCE_CODECS[self.comm.compression]
             low = flat.div(self.p).to(dtype) if dtype != torch.float32 else flat
-            out = torch.empty(flat.numel() // self.p, dtype=dtype, device=flat.device)
+            out = self._shard_out[b.index]
             self.exchange.reduce_scatter(low, out, stats)
-            shard = out.float() if dtype != torch.float32 else out.div_(self.p)
+            shard = self._shard_fp32[b.index]
+            if dtype != torch.float32:
+                shard.copy_(out)
+            else:
+                shard.div_(self.p)
             if self.grad_scale != 1.0:
                 shard.mul_(self.grad_scale)
             self.shard_grads[b.index] = shard
@@ -212,9 +228,9 @@ class GradSync:
             for b in self.buckets:
                 if b.index not in self._flats:  # no hook (overlap off), or a parameter got no gradient
                     self._launch(b)
-            if self._thread is not None:
-                self._thread.join()
-                self._thread = None
+            if self._job is not None:
+                self._job.wait()
+                self._job = None
             else:
                 for b in self.buckets:
                     self._average(b, self._flats[b.index], self._stats)
@@ -246,15 +262,18 @@ class GradSync:
 
     def abort(self) -> None:
         """Stop a step's comm thread (the step failed): it must not hold the groups."""
-        if self._thread is not None:
+        if self._job is not None:
             self._error = self._error or RuntimeError("step aborted")
             for ev in self._ready.values():
                 ev.set()
-            self._thread.join(timeout=0.1)
-            self._thread = None
+            self._job.wait(timeout=0.1)
+            self._job = None
 
     def close(self) -> None:
         self.abort()
+        if self._worker is not None:
+            self._worker.retire()
+            self._worker = None
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -2,8 +2,6 @@
 half the optimizer state per rank, snapshots that put back together under any sharding, and the
 reduce-scatter and all-gather built from all-to-all equal to the backend's."""
 
-import multiprocessing as mp
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ from elastic_trainer.config import TrainerConfig
 from elastic_trainer.parallel.shard_ranges import owned, owned_slices, shard_len
 
 from ..conftest import tiny_config
+from ..helpers import spawn_ranks
 
 STEPS = 3
 N_BLOCKS = 8   # tiny_config's GPT: 6 layers, the embedding and the head
@@ -82,19 +81,7 @@ def _rank(rank, port, corpus, q):
 
 @pytest.fixture(scope="module")
 def runs(corpus_dir):
-    from elastic_trainer.worker.process_group import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, corpus_dir, q)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict((r, (status, val)) for r, status, val in (q.get(timeout=240) for _ in procs))
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    got = spawn_ranks(_rank, 2, corpus_dir)
     for r, (status, val) in got.items():
         assert status == "ok", f"rank {r}: {val}"
     return {r: val for r, (_, val) in got.items()}

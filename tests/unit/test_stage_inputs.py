@@ -1,8 +1,6 @@
 """One read per batch: the first stage reads, the last stage gets the targets with a windows
 fingerprint; two stages that disagree on a step's windows fail at once. Two gloo processes."""
 
-import multiprocessing as mp
-
 import numpy as np
 import torch
 
@@ -10,9 +8,11 @@ from elastic_trainer.config import TrainerConfig
 from elastic_trainer.parallel.topology import Topology
 
 from ..conftest import tiny_config
+from ..helpers import spawn_ranks
 
 
-def _rank(rank, port, corpus, steps, q):
+def _rank(rank, port, corpus, steps_of_rank, q):
+    steps = steps_of_rank[rank]
     from elastic_trainer.worker.inputs import StageInputs
     from elastic_trainer.worker.process_group import destroy_groups, init_groups
 
@@ -34,20 +34,7 @@ def _rank(rank, port, corpus, steps, q):
 
 
 def _run(corpus, steps_of_rank):
-    from elastic_trainer.worker.process_group import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, corpus, steps_of_rank[r], q)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict((r, (status, val)) for r, status, val in (q.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    return got
+    return spawn_ranks(_rank, 2, corpus, steps_of_rank)
 
 
 def test_last_stage_gets_the_first_stages_targets(corpus_dir):
