@@ -61,18 +61,19 @@ def test_a_stage_lost_whole_under_zero1_comes_back_from_the_object_store(fresh_c
 
 
 def test_durable_checkpoints_load_under_any_sharding(cluster, corpus_dir, tmp_path):
+    """Written under ZeRO-2 at 2 x 2, resumed whole at 2 x 1 (whole parts loading into sharded
+    ranks: tests/unit/test_sharded_optimizer.py)."""
     ck = {"storage": str(tmp_path / "ck"), "durable_every": 3}
-    runs = [("gradients", 3), ("none", 6), ("optimizer", 9)]
-    for i, (shard, steps) in enumerate(runs):
-        cfg = config(corpus_dir, "zdur", steps=steps, checkpoint=ck,
-                     parallel={"dp": 2, "pp": 1 if i == 1 else 2, "shard_optimizer": shard})
+    runs = [("gradients", 2, 3), ("none", 1, 6)]
+    for i, (shard, pp, steps) in enumerate(runs):
+        cfg = config(corpus_dir, "zdur", steps=steps, checkpoint=ck, parallel={"dp": 2, "pp": pp, "shard_optimizer": shard})
         result = Trainer(cfg, verbose=False).fit(**({"resume": True, "accept_change": ["train.steps"]} if i else {}))
         if i:
             [ev] = [e for e in result.events if e["kind"] == "resume"]
-            assert ev["step"] == runs[i - 1][1]
+            assert ev["step"] == runs[i - 1][2]
         # A sharded run's checkpoint is its ranks' slices, one file each; an unsharded one's, whole stages.
         [manifest] = (tmp_path / "ck").glob(f"step-{steps:08d}-*/manifest.json")
         files = json.loads(manifest.read_text())["files"]
         assert [f.get("sliced", False) for f in files] == [shard != "none"] * (4 if shard != "none" else 1)
-    assert [r["step"] for r in result.history] == list(range(1, 10))
-    assert [r["loss"] for r in result.history] == pytest.approx(reference_losses(cfg, 9), rel=1e-4)
+    assert [r["step"] for r in result.history] == list(range(1, 7))
+    assert [r["loss"] for r in result.history] == pytest.approx(reference_losses(cfg, 6), rel=1e-4)

@@ -247,3 +247,13 @@ def test_a_boolean_field_still_takes_booleans(tmp_path, key, word, value):
 def test_a_text_field_given_a_yaml_boolean_says_to_quote_it():
     with pytest.raises(ConfigError, match=r"run.name: .*given False.*quote"):
         make().with_overrides(["run.name=no"])
+
+
+@pytest.mark.parametrize("comm", [{"compression": "int8"}, {"sync": "local_sgd"}, {"algorithm": "tree"}])
+def test_a_sharded_optimizer_refuses_an_exchange_it_cannot_shard(comm):
+    with pytest.raises(ConfigError, match=r"parallel\.shard_optimizer\('gradients'\) reduce-scatters the gradients.*"
+                                          r"use sync 'allreduce', algorithm 'ring' and compression none, fp16 or bf16"):
+        TrainerConfig.from_dict({"data": {"path": "/d"}, "parallel": {"dp": 2, "shard_optimizer": "gradients"},
+                                 "comm": comm})
+    # auto leaves such a run whole instead of refusing it.
+    assert TrainerConfig.from_dict({"data": {"path": "/d"}, "parallel": {"dp": 2}, "comm": comm}).parallel.shard_optimizer == "auto"

@@ -52,6 +52,12 @@ def _rank(rank, port, corpus, q):
         parts = [None, None]
         dist.all_gather_object(parts, out["gradients"]["part"], group=groups.dp)
         out["reloaded"] = {}
+        # And the reverse: a whole part (what an unsharded run wrote) into a ZeRO-2 rank.
+        cfg = _cfg(corpus, "gradients")
+        t = StageTrainer(cfg, topo, rank, groups, [(0, N_BLOCKS)], torch.device("cpu"), restoring=True)
+        t.load([out["none"]["part"]])
+        out["reloaded"]["from_whole"] = dict(t.export(STEPS))
+        t.close()
         for shard, bucket_mb in (("optimizer", 0.02), ("none", 25)):
             cfg = TrainerConfig.from_dict(tiny_config(corpus, parallel={"dp": 2, "pp": 1, "shard_optimizer": shard},
                                                       run={"output_dir": None}, comm={"bucket_mb": bucket_mb}))
@@ -161,3 +167,13 @@ def test_a_sharded_state_reloads_bit_for_bit_under_other_slices_and_unsharded(ru
             assert np.array_equal(got[1][n], params[n]), n
             for kind in ("exp_avg", "exp_avg_sq", "step"):
                 assert np.array_equal(got[2][n][kind], optim[n][kind]), (n, kind)
+
+
+def test_a_whole_state_loads_into_sharded_ranks_bit_for_bit(runs):
+    names = list(runs[0]["none"]["part"]["params"])
+    _, params, optim = merge_shards([runs[0]["none"]["part"]], names)
+    _, got_p, got_o = merge_shards([runs[r]["reloaded"]["from_whole"] for r in (0, 1)], names)
+    for n in names:
+        assert np.array_equal(got_p[n], params[n]), n
+        for kind in ("exp_avg", "exp_avg_sq", "step"):
+            assert np.array_equal(got_o[n][kind], optim[n][kind]), (n, kind)
