@@ -21,7 +21,8 @@ def sharded_runs(size: tuple[int, int], args, size_config, fit, steady, recovery
     for i in range(args.rounds):
         for mode in MODES:
             print(f"{n_layer}x{d_model}: shard_optimizer {mode}, round {i + 1}/{args.rounds} ...", flush=True)
-            raw = size_config(n_layer, d_model, args.steps, f"scale-shard-{mode}{i}", args, {})
+            ck = {"memory_every": 10**9} if args.sharded_no_snapshots else {}
+            raw = size_config(n_layer, d_model, args.steps, f"scale-shard-{mode}{i}", args, ck)
             raw["parallel"] = {**raw.get("parallel", {}), "dp": 2, "pp": 2, "shard_optimizer": mode}
             res = fit(raw)
             out[mode]["step_s"].append(steady(res["result"].history))

@@ -259,6 +259,8 @@ def main() -> None:
     ap.add_argument("--only-sharded", action="store_true", help="only --sharded's runs")
     ap.add_argument("--cap-gb", type=float, default=1.0, help="--sharded: the memory cap a worker")
     ap.add_argument("--recovery-rounds", type=int, default=3, help="--sharded: node kills under each sharding")
+    ap.add_argument("--sharded-no-snapshots", action="store_true",
+                    help="--sharded: time the steps with snapshots off (the step itself)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/scale[-options].json)")
     args = ap.parse_args()
     args.object_store_bytes = OBJECT_STORE_BYTES

@@ -5,7 +5,8 @@ allocates (the backend's scratch buffers of a reduce-scatter, a codec's
 copies), and freed memory stays in the arena it came from: with a fresh
 thread every step, a sharded rank grew by about a gradient's size a step
 (a GPT of 4 layers x 640 at dp=2, two processes: 770 MB resident after 8
-steps whole, 1224 MB sharded; with one thread kept, 945 MB, flat from step 3).
+steps whole, 1224 MB sharded; with one thread kept, 945 MB, flat from step 3;
+``benchmarks/shard_memory.py``).
 The thread is replaced only when a step left it
 stuck in a collective (an aborted step whose peer died): that one is left to
 end on its own.
