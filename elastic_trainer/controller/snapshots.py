@@ -154,7 +154,7 @@ class SnapshotStore:
     def sharded(self) -> bool:
         """Whether the plan in force shards its optimizer state over its DP groups."""
         return (self._plan is not None and self._plan.topology.dp > 1
-                and getattr(self._plan, "shard_optimizer", "none") != "none")
+                and self._plan.shard_optimizer != "none")
 
     def writers(self, after: int = 0) -> dict[int, list[int]]:
         """Rank -> blocks it writes into the object store at the next scheduled snapshot
@@ -372,10 +372,6 @@ class SnapshotStore:
                 elif e.group is not None and rank == e.group[0] and set(e.group) <= alive:
                     out.setdefault(step, {})[e.group] = e.blocks
         return out
-
-    def members(self, step: int, key) -> list[int]:
-        """The ranks whose parts make up source ``key`` of ``step`` (a rank, or a sharded group)."""
-        return list(key) if isinstance(key, tuple) else [key]
 
     def written(self, alive_workers: set[int]) -> dict[int, dict[int, tuple]]:
         """Sealed parts whose writer is alive: worker id -> {step: (ref, blocks)}. A rank that

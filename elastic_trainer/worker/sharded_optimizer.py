@@ -57,6 +57,9 @@ class ShardedOptimizer:
             lo, hi = owned(b.numel, self.p, group_rank)
             for i, start, end, at in owned_slices([p.numel() for p in b.params], lo, hi):
                 self.owned.append(_Owned(b.names[i], b.params[i], start, end, b.index, at))
+        self._by_bucket: dict[int, list[_Owned]] = {}
+        for o in self.owned:
+            self._by_bucket.setdefault(o.bucket, []).append(o)
         self.optimizer = build_optimizer([o.view for o in self.owned], train)
         self._in_norm = [o for o in self.owned if o.name not in skip_in_norm]
         # Parameters in no bucket (frozen: no gradient, never updated) are the same on every
@@ -83,15 +86,12 @@ class ShardedOptimizer:
 
     def gather(self, stats: CommStats) -> None:
         """All-gather every bucket's updated shards into the live parameters."""
-        by_bucket: dict[int, list[_Owned]] = {}
-        for o in self.owned:
-            by_bucket.setdefault(o.bucket, []).append(o)
         with torch.no_grad():
             for b in self.sync.buckets:
                 c = shard_len(b.numel, self.p)
                 device = b.params[0].device
                 mine = torch.zeros(c, dtype=torch.float32, device=device)
-                for o in by_bucket.get(b.index, []):
+                for o in self._by_bucket.get(b.index, []):
                     mine[o.at:o.at + o.end - o.start] = o.view
                 whole = torch.empty(c * self.p, dtype=torch.float32, device=device)
                 self.exchange.all_gather(mine, whole, stats)
