@@ -194,6 +194,7 @@ def recovery(out: dict) -> dict:
             "replan_s": rec["replan_s"], "restore_s": rec["restore_s"], "first_step_s": rec["first_step_s"],
             "restore_parts": rec.get("restore_parts"), "steps_redone": rec["steps_redone"],
             "restore_bytes": rec.get("restore_bytes"), "restore_rate_bytes_s": rec.get("restore_rate_bytes_s"),
+            "restore_regather_bytes": rec.get("restore_regather_bytes"),
             "sources": rec.get("sources"), "plan_before": rec["plan_before"], "plan_after": rec["plan_after"]}
 
 

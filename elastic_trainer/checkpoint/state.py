@@ -31,6 +31,7 @@ import torch
 
 from .dtypes import as_tensor, to_numpy
 from .flat import FlatShard, flat_shard
+from .slices import assemble_slices, merge_moments
 
 
 def block_of(name: str) -> int:
@@ -95,66 +96,45 @@ def select_blocks(shard: dict, blocks) -> dict:
     ranges = shard.get("ranges") or {}
     if ranges:
         out["ranges"] = {n: ranges[n] for n in keep if n in ranges}
+    if shard.get("fingerprint"):
+        out["fingerprint"] = shard["fingerprint"]   # the whole part's: a reader takes its own names
     if isinstance(shard, FlatShard):
         return flat_shard(out, {b: v for b, v in shard.layout.items() if b in want})
     return out
 
 
-def merge_shards(shards: list[dict], names: list[str]) -> tuple[int, dict, dict]:
-    """Pick ``names`` out of shards of one step, whole: a name held whole by a shard is taken from
-    it, else put together from the slices of sharded ones. Error if the step differs, a name is
-    missing, or its slices leave part of it out."""
+def merge_shards(shards: list[dict], names: list[str], owned: dict[str, tuple[int, int]] | None = None
+                 ) -> tuple[int, dict, dict]:
+    """Pick ``names`` out of shards of one step: each parameter whole (held whole by a shard, else put
+    together from the slices of sharded ones), with its moments. ``owned`` (name -> ``(start, end)``
+    of the flattened parameter): the reader is a rank of a sharded optimizer, whose moments are
+    those ranges only, as flat arrays, and none for other names. Error if the step differs, a
+    name is missing, or its slices leave part of it out."""
     steps = {s["step"] for s in shards}
     if len(steps) > 1:
         raise ValueError(f"refusing to mix states from steps {sorted(steps)}")
-    params, optim = {}, {}
-    pieces: dict[str, list] = {}
-    for s in shards:
-        ranges = s.get("ranges") or {}
-        for n in names:
-            if n not in s["params"] or n in params:
-                continue
-            if n in ranges:
-                pieces.setdefault(n, []).append((ranges[n], s["params"][n], s["optim"].get(n)))
-                continue
-            params[n] = s["params"][n]
-            if n in s["optim"]:
-                optim[n] = s["optim"][n]
-    for n, got in pieces.items():
-        if n not in params:
-            params[n], st = assemble_slices(n, got)
-            if st:
-                optim[n] = st
-    missing = [n for n in names if n not in params]
+    params, optim, missing = {}, {}, []
+    for n in names:
+        holders = [s for s in shards if n in s["params"]]
+        whole = next((s for s in holders if n not in (s.get("ranges") or {})), None)
+        if whole is not None:
+            params[n] = whole["params"][n]
+        elif holders:
+            params[n], _ = assemble_slices(n, [(s["ranges"][n], s["params"][n], None) for s in holders])
+        else:
+            missing.append(n)
+            continue
+        if owned is None:
+            shape = params[n].shape
+            st = {k: (v.reshape(shape) if v.ndim else v)
+                  for k, v in merge_moments(shards, n, 0, params[n].size).items()}
+        else:
+            st = merge_moments(shards, n, *owned[n]) if n in owned else {}
+        if st:
+            optim[n] = st
     if missing:
         raise ValueError(f"{len(missing)} parameters missing from the shards given, e.g. {missing[:3]}")
     return steps.pop(), params, optim
-
-
-def assemble_slices(name: str, pieces: list) -> tuple[np.ndarray, dict]:
-    """One parameter and its optimizer state, whole, from ``(range, param slice, state slices or None)``."""
-    shape = tuple(pieces[0][0][2])
-    numel = int(np.prod(shape, dtype=np.int64))
-    covered = np.zeros(numel, dtype=bool)
-    param = np.empty(numel, dtype=np.asarray(pieces[0][1]).dtype)
-    state: dict = {}
-    for (start, end, _), arr, st in pieces:
-        param[start:end] = np.asarray(arr).reshape(-1)
-        covered[start:end] = True
-        for k, v in (st or {}).items():
-            v = np.asarray(v)
-            if v.ndim == 0:
-                state.setdefault(k, v)   # a per-parameter number (AdamW's step), the same in every slice
-                continue
-            whole = state.get(k)
-            if whole is None:
-                whole = state[k] = np.zeros(numel, dtype=v.dtype)
-            whole[start:end] = v.reshape(-1)
-    if not covered.all():
-        gap = int(np.argmin(covered))
-        raise ValueError(f"{name}: the slices given hold {int(covered.sum())} of its {numel} elements "
-                         f"(none from element {gap}): a shard of its sharded optimizer is missing")
-    return param.reshape(shape), {k: (v.reshape(shape) if v.ndim else v) for k, v in state.items()}
 
 
 def step_placement(device: torch.device, group: dict) -> tuple[torch.dtype, torch.device]:

@@ -27,7 +27,7 @@ from ..storage.filesystems import open_fs
 from ..storage.uris import join, split_secrets
 from ..errors import ElasticTrainerError
 from .dtypes import as_tensor
-from .state import assemble_slices
+from .slices import assemble_slices
 from ..storage.retry import with_retries
 
 WEIGHTS = "model.safetensors"

@@ -122,6 +122,11 @@ class CheckpointSection(_Strict):
                                 "GPU), shared equally by the workers the node fits; each worker sizes its "
                                 "buffers within its share once and reuses them across re-plans. Copies past "
                                 "it go to pageable memory. Unset: half the node's memory (Ray's 'memory').")
+    verify_restores: bool = Field(
+        False, description="Fingerprint every snapshot part (a pass over the state, off the step on the copy "
+                           "thread; on the step where the state is lent) and check each restore against it, "
+                           "tensor by tensor: the state a re-plan loads must be the state saved, bit for "
+                           "bit, whatever the layouts. A difference fails the restore.")
     durable_every: int | None = Field(None, ge=1, description="Write a durable checkpoint every N steps (and at the end).")
     storage: str | None = Field(None, description="Directory or pyarrow filesystem URI for durable checkpoints.")
     keep_durable: int = Field(3, ge=1, description="Durable checkpoints kept; older ones are deleted.")

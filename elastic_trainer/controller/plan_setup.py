@@ -18,7 +18,7 @@ from typing import Callable
 import ray
 
 from ..config import TrainerConfig
-from ..errors import WorkerError
+from ..errors import RunError, WorkerError
 from ..planning.memory import MemoryModel
 from ..planning.plan import Plan
 from ..planning.policy import plan_block_costs, plan_row, plan_shard
@@ -133,6 +133,11 @@ class PlanSetup:
         if len(steps) != 1:
             raise WorkerError(f"ranks restored different steps {sorted(steps)}")
         restored = steps.pop()
+        check = self.restore_moved.get("restore_check")
+        if check and check["differ"]:
+            raise RunError(f"the state restored at step {restored} is not the state saved: {len(check['differ'])} "
+                           f"of {check['tensors']} tensors differ (e.g. {', '.join(check['differ'][:3])}); "
+                           "checkpoint.verify_restores stops the run rather than train on it")
         if ps:
             # The shards go back to the step the workers restored (from their own snapshot of
             # it, or the durable shards on a resume) and expect the new number of replicas.

@@ -189,14 +189,24 @@ class RestorePoints:
             if load.kind == "export":
                 return pool[load.worker].actor.export_blocks.remote(step, list(load.blocks))
             if load.kind == "snapshot":
+                writer = snapshots.writer(step, load.part)
+                if writer == wid:   # a survivor's own slice: in its node's object store already
+                    return ("own", snapshots.ref(step, load.part))
+                # A sharded slice is cut where it lies to what the reader needs (its blocks' weights,
+                # the moments' ranges it now owns): the worker asks for it once it knows its ranges.
+                sliced = snapshots.sliced(step, load.part)
                 # Where the part's node died, Ray reads its object from the dead node until it
                 # declares it lost (about 30 s); a holder's pinned copy answers at once.
                 holder = snapshots.live_holder(step, load.part, pool.nodes(), set(pool.workers))
                 if holder is not None:
                     self.holder_reads += 1
+                    if sliced:
+                        return ("read", pool[holder].actor, "pinned_part", ((step, load.part),))
                     return pool[holder].actor.pinned_part.remote((step, load.part))
-                writer = snapshots.writer(step, load.part)
-                if writer in pool.workers and writer != wid:
+                if writer in pool.workers and sliced:
+                    self.relayed_reads += 1
+                    return ("read", pool[writer].actor, "relay_part", ([snapshots.ref(step, load.part)],))
+                if writer in pool.workers:
                     return relay(writer, ("part", load.part), snapshots.ref(step, load.part))
                 return snapshots.ref(step, load.part)
             return self._durable_refs[load.shard]

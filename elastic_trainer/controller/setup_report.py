@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..worker.actor import SETUP_PARTS
 from .group_carry import count_groups
+from .restore_check import check_restore
 
 
 def setup_report(outs: dict[int, dict], keys: dict[int, dict[str, list[int]]]) -> tuple[dict, dict]:
@@ -14,8 +15,13 @@ def setup_report(outs: dict[int, dict], keys: dict[int, dict[str, list[int]]]) -
     moved = sum(o["moved"]["bytes"] for o in outs.values())
     fetch_s = max(o["moved"]["seconds"] for o in outs.values())
     report = {"restore_bytes": moved, "restore_fetch_s": fetch_s,
+              # What every rank taking its blocks' whole state from the parts it read would have moved.
+              "restore_regather_bytes": sum(o["moved"].get("regather", 0) for o in outs.values()),
               # Ranks fetch at once, so the rate is the bytes over the longest fetch: what the restore saw.
               "restore_rate_bytes_s": moved / fetch_s if moved and fetch_s > 0 else None,
+              # checkpoint.verify_restores: the restored state against the saved, tensor by tensor.
+              "restore_check": check_restore({r: o.get("fingerprints") for r, o in outs.items()},
+                                             {r: o["blocks"] for r, o in outs.items()}),
               "blocks_built": sum(len(o["build"]["built"]) for o in outs.values()),
               "blocks_reused": sum(len(o["build"]["reused"]) for o in outs.values()),
               # How the ranks joined: in the survivors' shrunk world, or by rendezvous.

@@ -389,6 +389,10 @@ class SnapshotStore:
     def ref(self, step: int, rank: int):
         return self.snaps[step].shards[rank].ref
 
+    def sliced(self, step: int, rank: int) -> bool:
+        """Whether ``rank``'s part of ``step`` is a sharded optimizer's slice of its blocks."""
+        return self.snaps[step].shards[rank].group is not None
+
     def writer(self, step: int, rank: int) -> int | None:
         """The worker that produced ``rank``'s part of ``step``."""
         return self.snaps[step].shards[rank].wid

@@ -56,7 +56,7 @@ def _build_key(cfg: TrainerConfig, device) -> tuple:
 
 
 # The parts of a set-up, timed in order (its answer's ``timings``).
-SETUP_PARTS = ("reset", "groups", "fetch", "build", "load")
+SETUP_PARTS = ("reset", "groups", "build", "fetch", "load")
 
 
 class InjectedFault(RuntimeError):
@@ -193,16 +193,21 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
                                                    rank, collective_timeout_s or cfg.comm.timeout_s,
                                                    rendezvous_timeout_s, aborted, device, reuse_world, group_keys)
         t.append(time.perf_counter())
-        shards, moved = fetch_sources(sources, self.copies, aborted, self.worker_id) if sources else ([], {"bytes": 0, "seconds": 0.0})
-        t.append(time.perf_counter())
         trainer = _stage_trainer()(cfg, topo, rank, groups, stage_bounds, device, ps=ps, restoring=bool(sources),
                                    held=held, exporter=self._snapshot_exporter(device))
         del held
         t.append(time.perf_counter())
-        step = 0
+        # Built first: a sharded rank's owned ranges say what of the parts it reads it needs.
+        shards, moved = (fetch_sources(sources, self.copies, aborted, self.worker_id, trainer.restore_want())
+                         if sources else ([], {"bytes": 0, "seconds": 0.0, "regather": 0}))
+        t.append(time.perf_counter())
+        step, fingerprints = 0, None
         if sources:
             mine = set(trainer.blocks)
-            step = trainer.load([s for s in shards if mine & set(s["blocks"])])
+            shards = [s for s in shards if mine & set(s["blocks"])]
+            step = trainer.load(shards)
+            if cfg.checkpoint.verify_restores:
+                fingerprints = trainer.restore_fingerprints(shards)
         del shards
         t.append(time.perf_counter())
         self._build_key = _build_key(cfg, device)
@@ -217,7 +222,8 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
                 "params": sum(p.numel() for p in trainer.params), "device": str(device),
                 "world": joined, "carried": carried, "group_parts": dict(self.groups.join_timings),
                 "timings": dict(zip(SETUP_PARTS, (b - a for a, b in zip(t, t[1:])))),
-                "moved": moved, "build": trainer.build_info, "addresses": self.groups.addresses()}
+                "moved": moved, "build": trainer.build_info, "addresses": self.groups.addresses(),
+                "fingerprints": fingerprints}
 
     def _snapshot_exporter(self, device: torch.device) -> ShardExporter:
         """The worker's snapshot copy buffers: one arena within its budget, reused by every plan."""

@@ -114,9 +114,13 @@ class ShardedOptimizer:
         return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
                    for v in st.values() if torch.is_tensor(v))
 
+    def owned_ranges(self) -> dict[str, tuple[int, int]]:
+        """name -> ``(start, end)``: the elements of the flattened parameter whose moments this rank owns."""
+        return {o.name: (o.start, o.end) for o in self.owned}
+
     def load_state(self, optim: dict) -> None:
-        """Set the owned moments from whole-parameter state by name (``{name: {kind: array}}``);
-        a name without state starts fresh."""
+        """Set the owned moments from ``{name: {kind: flat array of the owned range, or number}}``
+        (``merge_shards(..., owned=self.owned_ranges())``); a name without state starts fresh."""
         group = self.optimizer.param_groups[0]
         for o in self.owned:
             st = optim.get(o.name)
@@ -125,5 +129,5 @@ class ShardedOptimizer:
                 continue
             self.optimizer.state[o.view] = {
                 k: step_tensor(v, o.view.device, group) if k == "step" else
-                as_tensor(np.asarray(v).reshape(-1)[o.start:o.end].copy(), o.view.dtype).to(o.view.device)
+                as_tensor(np.array(v).reshape(-1), o.view.dtype).to(o.view.device)
                 for k, v in st.items()}

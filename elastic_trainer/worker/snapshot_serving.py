@@ -12,7 +12,8 @@ import time
 
 import ray
 
-from ..checkpoint.state import select_blocks
+from ..checkpoint.slices import cut_moments
+from ..checkpoint.state import select_blocks, shard_nbytes
 from ..config import TrainerConfig
 from .copies import HeldCopies
 from .device import bind
@@ -133,16 +134,31 @@ class SnapshotServing:
         return self.copies.pin(key, ray.get(refs[0]), keep_from)
 
     @ray.method(concurrency_group="snapshot")
-    def relay_part(self, refs: list) -> dict:
+    def relay_part(self, refs: list, want: tuple | None = None) -> dict:
         """This worker's own snapshot part (``refs[0]``, in its node's object store) returned as a
         new object from here. The part's own object also has copies on its holders' nodes; when
         one of those just died, a reader's pull can try that node first and wait until Ray
-        declares it dead (10-30 s), while the new object lies on this live node alone."""
-        return ray.get(refs[0])
+        declares it dead (10-30 s), while the new object lies on this live node alone. ``want``: what
+        the reader needs of it (``cut_for_reader``)."""
+        return cut_for_reader(ray.get(refs[0]), want)
 
     @ray.method(concurrency_group="snapshot")
-    def pinned_part(self, key: tuple) -> dict:
+    def pinned_part(self, key: tuple, want: tuple | None = None) -> dict:
         """The copy this worker pinned of another rank's part (``key`` = (step, rank)), returned as a
         new object from this node: a restore whose part's own node died reads it from here, instead
-        of waiting for Ray to give up on the dead node's copy (tens of seconds)."""
-        return self.copies.pinned(tuple(key))
+        of waiting for Ray to give up on the dead node's copy (tens of seconds). ``want``: what the
+        reader needs of it (``cut_for_reader``)."""
+        return cut_for_reader(self.copies.pinned(tuple(key)), want)
+
+
+def cut_for_reader(part: dict, want: tuple | None) -> dict:
+    """What a restoring rank needs of a snapshot part: ``want`` = (its blocks, the moments' ranges it
+    owns or None for all), with ``regather_nbytes``, what the part's blocks would have moved whole."""
+    if want is None:
+        return part
+    blocks, owned = want
+    part = select_blocks(part, blocks)
+    whole = shard_nbytes(part)
+    out = cut_moments(part, owned) if owned is not None else part   # a new dict either way
+    out["regather_nbytes"] = whole
+    return out

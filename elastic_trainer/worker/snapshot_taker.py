@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..checkpoint.fingerprint import part_fingerprint
 from ..checkpoint.flat import ShardExporter
 from ..checkpoint.tensor_loan import TensorLoan
 from ..checkpoint.state import block_of, export_shard
@@ -81,9 +82,12 @@ class SnapshotJob:
 class SnapshotTaker:
     """Takes one rank's snapshots (see the module docstring). ``wait_timeout_s`` bounds the barrier."""
 
-    def __init__(self, device: torch.device, wait_timeout_s: float, exporter: ShardExporter | None = None):
+    def __init__(self, device: torch.device, wait_timeout_s: float, exporter: ShardExporter | None = None,
+                 fingerprint: bool = False):
         """``exporter``: the worker's, whose buffers outlive this plan (``checkpoint.host_arena``);
-        None: one of this taker's own."""
+        None: one of this taker's own. ``fingerprint``: each part carries its fingerprint
+        (``checkpoint.verify_restores``)."""
+        self.fingerprint = fingerprint
         self.device = device
         self.wait_timeout_s = wait_timeout_s
         self.exporter = exporter if exporter is not None else ShardExporter(pinned=device.type == "cuda")
@@ -109,6 +113,8 @@ class SnapshotTaker:
             loan = TensorLoan()
             part = export_shard(step, named, optimizer, blocks, extra=extra, comm=comm, comm_meta=comm_meta,
                                 loan=loan, ranges=ranges)
+            if self.fingerprint:   # now, before the next update changes what is lent
+                part["fingerprint"] = part_fingerprint(part)
             self.job = SnapshotJob(step, nbytes, loan=loan, part=part)
             return self.job
         ready = None
@@ -119,13 +125,16 @@ class SnapshotTaker:
 
         def copy() -> dict:
             if ready is None:
-                return self.exporter.export(step, named, optimizer, blocks, block_of, extra=extra, comm=comm,
-                                            comm_meta=comm_meta, ranges=ranges)
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(ready)
                 shard = self.exporter.export(step, named, optimizer, blocks, block_of, extra=extra, comm=comm,
-                                             comm_meta=comm_meta, non_blocking=True, ranges=ranges)
-            self._stream.synchronize()
+                                             comm_meta=comm_meta, ranges=ranges)
+            else:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(ready)
+                    shard = self.exporter.export(step, named, optimizer, blocks, block_of, extra=extra, comm=comm,
+                                                 comm_meta=comm_meta, non_blocking=True, ranges=ranges)
+                self._stream.synchronize()
+            if self.fingerprint:
+                shard["fingerprint"] = part_fingerprint(shard)
             return shard
 
         self.job = SnapshotJob(step, nbytes, future=self._thread.submit(copy))

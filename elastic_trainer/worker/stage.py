@@ -97,7 +97,7 @@ class StageTrainer(StageState):
         }
         del blocks
         self.params = [p for m in self.modules.values() for p in m.parameters()]
-        self.snapshots = SnapshotTaker(device, cfg.comm.timeout_s, exporter)
+        self.snapshots = SnapshotTaker(device, cfg.comm.timeout_s, exporter, fingerprint=cfg.checkpoint.verify_restores)
         named = list(self.named_parameters())
         comm = cfg.comm
         self.ties = TiedGrads(self.build_info["ties"], dict(named), stage_bounds, topo, self.replica, groups.pp)

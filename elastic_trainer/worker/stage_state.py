@@ -8,6 +8,7 @@ taker. What a snapshot holds is laid out in ``checkpoint.state``.
 
 from __future__ import annotations
 
+from ..checkpoint.fingerprint import held_fingerprint, saved_fingerprint
 from ..checkpoint.state import load_into, merge_shards, pick_comm
 from .snapshot_taker import SnapshotJob
 
@@ -53,6 +54,19 @@ class StageState:
         """Training state beside parameters and optimizer: fp16's loss scale (the same on every rank)."""
         return self.scaler.state_dict() if self.scaler is not None else {}
 
+    def restore_want(self) -> tuple[list[int], dict | None]:
+        """What a restore must bring this rank: its blocks, and the ranges of the moments it owns
+        (a sharded optimizer's rank; None: all of them)."""
+        return list(self.blocks), (self.zero.owned_ranges() if self.zero is not None else None)
+
+    def restore_fingerprints(self, shards: list[dict]) -> dict:
+        """What the parts this rank loaded held of its tensors, and what it holds now, as
+        fingerprints (``checkpoint.fingerprint``), for the controller to compare across its stage."""
+        names = [n for n, _ in self.named_parameters()]
+        owned = {o.name: (o.view, o.start) for o in self.zero.owned} if self.zero is not None else None
+        return {"saved": saved_fingerprint(shards, names), "sharded": self.zero is not None,
+                "held": held_fingerprint(self.named_parameters(), self.optimizer, owned)}
+
     def load(self, shards: list[dict]) -> int:
         """Load this rank's blocks from shards of one step; returns that step.
 
@@ -62,7 +76,7 @@ class StageState:
         """
         self.snapshots.wait()
         names = [n for n, _ in self.named_parameters()]
-        step, params, optim = merge_shards(shards, names)
+        step, params, optim = merge_shards(shards, names, self.zero.owned_ranges() if self.zero is not None else None)
         load_into(self.named_parameters(), self.optimizer, params, optim if self.zero is None else {})
         if self.zero is not None:
             self.zero.load_state(optim)

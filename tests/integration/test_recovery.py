@@ -34,7 +34,8 @@ def config(corpus, name, steps=24, **sections):
     # tests/integration/test_snapshot_budget.py).
     sections["checkpoint"] = {"memory_every": 1, **sections.get("checkpoint", {})}
     run = {"name": name, **sections.pop("run", {})}
-    return TrainerConfig.from_dict(tiny_config(corpus, run=run, train={"steps": steps}, **sections))
+    train = {"steps": steps, **sections.pop("train", {})}
+    return TrainerConfig.from_dict(tiny_config(corpus, run=run, train=train, **sections))
 
 
 def status(name):

@@ -8,6 +8,7 @@ import torch
 
 from elastic_trainer.checkpoint.state import merge_shards
 from elastic_trainer.config import TrainerConfig
+from elastic_trainer.controller.restore_check import check_restore
 from elastic_trainer.parallel.shard_ranges import owned, owned_slices, shard_len
 
 from ..conftest import tiny_config
@@ -17,15 +18,19 @@ STEPS = 3
 N_BLOCKS = 8   # tiny_config's GPT: 6 layers, the embedding and the head
 
 
-def _cfg(corpus, shard, dp=2):
+def _cfg(corpus, shard, dp=2, bucket_mb=0.05):
+    # Parts fingerprinted, for the restores below to be checked as a run checks them.
     return TrainerConfig.from_dict(tiny_config(corpus, parallel={"dp": dp, "pp": 1, "shard_optimizer": shard},
-                                               run={"output_dir": None}, comm={"bucket_mb": 0.05}))
+                                               run={"output_dir": None}, comm={"bucket_mb": bucket_mb},
+                                               checkpoint={"verify_restores": True}))
 
 
 def _rank(rank, port, corpus, q):
     from elastic_trainer.comm.shard_exchange import ShardExchange
     from elastic_trainer.parallel.topology import Topology
     from elastic_trainer.worker.process_group import destroy_groups, init_groups
+    from elastic_trainer.checkpoint.state import shard_nbytes
+    from elastic_trainer.worker.snapshot_serving import cut_for_reader
     from elastic_trainer.worker.stage import StageTrainer
 
     torch.set_num_threads(1)   # as a Ray worker of one CPU runs
@@ -51,18 +56,23 @@ def _rank(rank, port, corpus, q):
 
         parts = [None, None]
         dist.all_gather_object(parts, out["gradients"]["part"], group=groups.dp)
-        out["reloaded"] = {}
+        out["reloaded"], out["cut_bytes"], out["fingerprints"] = {}, {}, {}
         # And the reverse: a whole part (what an unsharded run wrote) into a ZeRO-2 rank.
         cfg = _cfg(corpus, "gradients")
         t = StageTrainer(cfg, topo, rank, groups, [(0, N_BLOCKS)], torch.device("cpu"), restoring=True)
         t.load([out["none"]["part"]])
+        out["fingerprints"]["from_whole"] = t.restore_fingerprints([out["none"]["part"]])
         out["reloaded"]["from_whole"] = dict(t.export(STEPS))
         t.close()
         for shard, bucket_mb in (("optimizer", 0.02), ("none", 25)):
-            cfg = TrainerConfig.from_dict(tiny_config(corpus, parallel={"dp": 2, "pp": 1, "shard_optimizer": shard},
-                                                      run={"output_dir": None}, comm={"bucket_mb": bucket_mb}))
+            cfg = _cfg(corpus, shard, bucket_mb=bucket_mb)
             t = StageTrainer(cfg, topo, rank, groups, [(0, N_BLOCKS)], torch.device("cpu"), restoring=True)
-            assert t.load(parts) == STEPS
+            # As a restore reads them: each part cut where it lies to the weights and the moments'
+            # ranges this rank owns (whole moments for an unsharded rank).
+            cut = [cut_for_reader(p, t.restore_want()) for p in parts]
+            out["cut_bytes"][shard] = [(shard_nbytes(c), c["regather_nbytes"]) for c in cut]
+            assert t.load(cut) == STEPS
+            out["fingerprints"][shard] = t.restore_fingerprints(cut)
             out["reloaded"][shard] = dict(t.export(STEPS))
             t.close()
         # The built reduce-scatter and all-gather against the backend's.
@@ -167,6 +177,38 @@ def test_a_sharded_state_reloads_bit_for_bit_under_other_slices_and_unsharded(ru
             assert np.array_equal(got[1][n], params[n]), n
             for kind in ("exp_avg", "exp_avg_sq", "step"):
                 assert np.array_equal(got[2][n][kind], optim[n][kind]), (n, kind)
+
+
+def test_a_sharded_rank_reads_only_the_moments_it_owns(runs):
+    """Cut for a ZeRO-1 rank of dp=2, each part gives its weights whole and the moments of the
+    ranges the rank owns: what moves is the weights and half the moments (2/3 of a re-gather)."""
+    for r in (0, 1):
+        got = runs[r]["cut_bytes"]
+        moved, regather = sum(m for m, _ in got["optimizer"]), sum(w for _, w in got["optimizer"])
+        assert moved == pytest.approx(regather * 2 / 3, rel=0.02)
+        # An unsharded reader takes every moment: the whole of each part.
+        assert [m for m, _ in got["none"]] == [w for _, w in got["none"]]
+
+
+@pytest.mark.parametrize("reload", ["optimizer", "none", "from_whole"])
+def test_the_restore_check_finds_each_reload_equal_to_the_saved_state(runs, reload):
+    """As ``checkpoint.verify_restores`` checks a run's restore: both ranks' fingerprints of what
+    they hold against those of the parts they read, tensor by tensor (6 layers' weights, moments
+    and steps, the embedding and the head)."""
+    fps = {r: runs[r]["fingerprints"][reload] for r in (0, 1)}
+    got = check_restore(fps, {0: list(range(N_BLOCKS)), 1: list(range(N_BLOCKS))})
+    n_params = len(runs[0]["none"]["part"]["params"])
+    assert got["differ"] == [] and got["unverified"] == 0
+    # Each parameter's weights on each replica, its two moments (summed over the ranks where
+    # sharded, each replica's where whole), and its step on each rank holding any of it.
+    if reload == "none":
+        assert got["tensors"] == n_params * 2 * 4
+    else:
+        assert n_params * 5 <= got["tensors"] <= n_params * 6
+    # One element changed on one rank is found, and named.
+    name = next(iter(runs[0]["none"]["part"]["params"]))
+    fps[1]["held"][f"{name}|param"] ^= 1
+    assert check_restore(fps, {0: list(range(N_BLOCKS)), 1: list(range(N_BLOCKS))})["differ"] == [f"{name}|param"]
 
 
 def test_a_whole_state_loads_into_sharded_ranks_bit_for_bit(runs):
