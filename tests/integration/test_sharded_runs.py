@@ -67,7 +67,8 @@ def test_dp_down_then_up_under_zero2_restores_the_saved_state_bit_for_bit(fresh_
 def test_a_stage_lost_whole_under_zero1_comes_back_from_the_object_store(fresh_cluster, corpus_dir):
     """Both replicas of stage 0 at once: no live rank holds any of its slices."""
     c, nodes = fresh_cluster(4)
-    cfg = config(corpus_dir, "zloss2", parallel={"dp": 2, "pp": 2, "shard_optimizer": "optimizer"})
+    cfg = config(corpus_dir, "zloss2", parallel={"dp": 2, "pp": 2, "shard_optimizer": "optimizer"},
+                 checkpoint={"verify_restores": True})
 
     def kill():
         lost = [node_of_rank("zloss2", r, nodes) for r in (0, 2)]
@@ -80,6 +81,8 @@ def test_a_stage_lost_whole_under_zero1_comes_back_from_the_object_store(fresh_c
     rec = result.recoveries[-1]
     assert set(rec["sources"]) == {"snapshot"}
     assert rec["parts_from_holders"] >= 2   # the lost ranks' parts, read from their pinned copies
+    check = rec["restore_check"]
+    assert check["differ"] == [] and check["unverified"] == 0 and check["tensors"] > 0, check
     _follows_reference(result, cfg, result.recoveries[0]["failed_step"])
 
 
