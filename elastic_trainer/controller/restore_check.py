@@ -21,7 +21,17 @@ def check_restore(fingerprints: dict[int, dict], blocks_of: dict[int, list[int]]
     stages: dict[tuple, list[dict]] = {}
     for r, fp in sorted(got.items()):
         stages.setdefault(tuple(sorted(blocks_of[r])), []).append(fp)
-    compared, unverified, differ = 0, 0, set()
+    tally = {"tensors": 0, "unverified": 0}
+    differ: set = set()
+
+    def compare(key: str, held, saved: dict) -> None:
+        if key not in saved:
+            tally["unverified"] += 1
+        else:
+            tally["tensors"] += 1
+            if held != saved[key]:
+                differ.add(key)
+
     for fps in stages.values():
         saved: dict = {}
         for fp in fps:
@@ -32,21 +42,11 @@ def check_restore(fingerprints: dict[int, dict], blocks_of: dict[int, list[int]]
             for k, v in fp["held"].items():
                 if fp["sharded"] and isinstance(v, int) and not k.endswith("|param"):
                     summed[k] = add(summed.get(k, 0), v)   # this rank's range of the moments
-                    continue
-                if k not in saved:
-                    unverified += 1
-                    continue
-                compared += 1
-                if v != saved[k]:
-                    differ.add(k)
+                else:
+                    compare(k, v, saved)
         for k, v in summed.items():
-            if k not in saved:
-                unverified += 1
-                continue
-            compared += 1
-            if v != saved[k]:
-                differ.add(k)
+            compare(k, v, saved)
         # Saved but held by no rank of the stage: state the restore dropped.
         held = set(summed) | {k for fp in fps for k in fp["held"]}
         differ |= {k for k in saved if k not in held}
-    return {"tensors": compared, "unverified": unverified, "differ": sorted(differ)}
+    return {**tally, "differ": sorted(differ)}
