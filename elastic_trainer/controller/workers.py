@@ -154,7 +154,8 @@ class WorkerPool:
         # "snapshot" hands over snapshot parts, whose object-store writes overlap the next step.
         self._actor_cls = ray.remote(
             max_concurrency=16,
-            concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4, "snapshot": 2, "storage": 1})(TrainWorker)
+            concurrency_groups={"train": _TRAIN_CONCURRENCY, "control": 4, "snapshot": 2, "restore": 2,
+                                "storage": 1})(TrainWorker)
 
     def __len__(self) -> int:
         return len(self.workers)

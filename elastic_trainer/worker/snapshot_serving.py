@@ -133,7 +133,9 @@ class SnapshotServing:
             time.sleep(delay)
         return self.copies.pin(key, ray.get(refs[0]), keep_from)
 
-    @ray.method(concurrency_group="snapshot")
+    # Restore reads have threads of their own: in "snapshot" they could queue behind a
+    # ``snapshot_part`` still waiting for a step the failure ended.
+    @ray.method(concurrency_group="restore")
     def relay_part(self, refs: list, want: tuple | None = None) -> dict:
         """This worker's own snapshot part (``refs[0]``, in its node's object store) returned as a
         new object from here. The part's own object also has copies on its holders' nodes; when
@@ -142,7 +144,7 @@ class SnapshotServing:
         the reader needs of it (``cut_for_reader``)."""
         return cut_for_reader(ray.get(refs[0]), want)
 
-    @ray.method(concurrency_group="snapshot")
+    @ray.method(concurrency_group="restore")
     def pinned_part(self, key: tuple, want: tuple | None = None) -> dict:
         """The copy this worker pinned of another rank's part (``key`` = (step, rank)), returned as a
         new object from this node: a restore whose part's own node died reads it from here, instead
