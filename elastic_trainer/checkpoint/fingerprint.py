@@ -18,6 +18,7 @@ import uuid
 
 import numpy as np
 
+from .dtypes import to_numpy
 from .slices import range_of
 
 _MASK = (1 << 64) - 1
@@ -82,13 +83,12 @@ def held_fingerprint(named_params, optimizer, owned: dict | None) -> dict[str, i
     """What a rank holds, by ``name|kind``: its parameters whole, and the moments it owns
     (``owned``: name -> (tensor the optimizer steps, start in the flattened parameter), a sharded
     optimizer's; None: each parameter's own state, whole)."""
-    from .dtypes import to_numpy
-
     out: dict = {}
     for n, p in named_params:
         out[f"{n}|param"] = range_fingerprint(to_numpy(p, p.device.type != "cpu"), 0)
         key, start = (p, 0) if owned is None else owned.get(n, (None, 0))
-        for k, v in (optimizer.state.get(key) or {}).items() if key is not None else ():
+        state = optimizer.state.get(key) if key is not None else None
+        for k, v in (state or {}).items():
             out[f"{n}|{k}"] = float(v) if v.ndim == 0 else range_fingerprint(to_numpy(v, v.device.type != "cpu"), start)
     return out
 

@@ -3,7 +3,7 @@ back together.
 
 A shard with ``ranges`` (name -> ``[start, end, shape]``) holds, for those names, the flat
 elements ``[start, end)`` of the parameter and of its moments. A shard cut for one reader
-(``select_slices``) may hold fewer elements of the moments than of the parameter: its
+(``worker.snapshot_serving.cut_for_reader``, through ``cut_moments``) may hold fewer elements of the moments than of the parameter: its
 ``optim_ranges`` (same form) gives the moments' range where it differs. Every replica of a
 stage holds its weights whole, but a sharded rank owns the moments of 1/dp of them, so a
 restore moves whole weights and only the moments' ranges that change owner. Pure numpy.
@@ -79,14 +79,11 @@ def gather_range(name: str, pieces: list, lo: int, hi: int, what: str) -> dict:
     return out
 
 
-def assemble_slices(name: str, pieces: list) -> tuple[np.ndarray, dict]:
-    """One parameter and its optimizer state, whole, from ``(range, param slice, state slices or None)``."""
+def assemble_param(name: str, pieces: list) -> np.ndarray:
+    """One parameter, whole, from its slices ``(range, flat slice)`` (``range``: ``[start, end, shape]``)."""
     shape = tuple(pieces[0][0][2])
-    numel = math.prod(shape)
-    param = gather_range(name, [((r[0], r[1]), {"p": a}) for r, a, _ in pieces], 0, numel, "parameter")["p"]
-    moments = [((r[0], r[1]), st) for r, _, st in pieces if st]
-    state = gather_range(name, moments, 0, numel, "moments") if moments else {}
-    return param.reshape(shape), {k: (v.reshape(shape) if v.ndim else v) for k, v in state.items()}
+    return gather_range(name, [((r[0], r[1]), {"p": a}) for r, a in pieces], 0, math.prod(shape),
+                        "parameter")["p"].reshape(shape)
 
 
 def merge_moments(shards: list[dict], name: str, lo: int, hi: int) -> dict:

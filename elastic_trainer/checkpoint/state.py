@@ -31,7 +31,7 @@ import torch
 
 from .dtypes import as_tensor, to_numpy
 from .flat import FlatShard, flat_shard
-from .slices import assemble_slices, merge_moments
+from .slices import assemble_param, merge_moments
 
 
 def block_of(name: str) -> int:
@@ -120,7 +120,7 @@ def merge_shards(shards: list[dict], names: list[str], owned: dict[str, tuple[in
         if whole is not None:
             params[n] = whole["params"][n]
         elif holders:
-            params[n], _ = assemble_slices(n, [(s["ranges"][n], s["params"][n], None) for s in holders])
+            params[n] = assemble_param(n, [(s["ranges"][n], s["params"][n]) for s in holders])
         else:
             missing.append(n)
             continue

@@ -27,7 +27,7 @@ from ..storage.filesystems import open_fs
 from ..storage.uris import join, split_secrets
 from ..errors import ElasticTrainerError
 from .dtypes import as_tensor
-from .slices import assemble_slices
+from .slices import assemble_param
 from ..storage.retry import with_retries
 
 WEIGHTS = "model.safetensors"
@@ -52,12 +52,12 @@ def weights_from_shards(shards: list[dict], dtypes: dict[str, torch.dtype] | Non
         ranges = s.get("ranges") or {}
         for name, a in s["params"].items():
             if name in ranges:   # a sharded optimizer's slice: put together below
-                sliced.setdefault(name, []).append((ranges[name], a, None))
+                sliced.setdefault(name, []).append((ranges[name], a))
             else:
                 out.setdefault(name, as_tensor(a, (dtypes or {}).get(name, torch.float32)).clone())
     for name, pieces in sliced.items():
         if name not in out:
-            whole, _ = assemble_slices(name, pieces)
+            whole = assemble_param(name, pieces)
             out[name] = as_tensor(whole, (dtypes or {}).get(name, torch.float32)).clone()
     return out
 
