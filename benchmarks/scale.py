@@ -117,6 +117,31 @@ def vm_hwm_mb(pid: int) -> float | None:
     return None
 
 
+def process_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of every process on this machine: pid -> (title, seconds).
+    The simulated cluster lives here, so this counts what every raylet, worker and store burns."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            title = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")[:60]
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(d.name)] = (title or stat[stat.index("(") + 1:stat.rindex(")")],
+                            (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_spent(before: dict, after: dict, top: int = 8) -> list[tuple[str, float]]:
+    """The ``top`` processes by CPU seconds spent between two ``process_cpu`` samples."""
+    spent = [(f"{after[p][0]} [{p}]", after[p][1] - before.get(p, ("", 0.0))[1]) for p in after]
+    return [(t, round(s, 2)) for t, s in sorted(spent, key=lambda x: -x[1])[:top] if s > 0]
+
+
 def steady(history: list[dict], skip: int = 5) -> float | None:
     """Median step time from step skip+1 on (warm-up and the first snapshots left out)."""
     times = [r["step_time_s"] for r in history[skip:]]
@@ -151,11 +176,15 @@ def fit(raw: dict, kill: dict | None = None) -> dict:
             mb = vm_hwm_mb(pid)
             if mb is not None:
                 peak[wid] = max(peak.get(wid, 0.0), mb)
+        if killed and "cpu" not in killed:
+            # The first step after the recovery: who burned the machine's CPU since the kill.
+            killed["cpu"] = cpu_spent(killed.pop("cpu_at_kill"), process_cpu())
         if kill and rec["step"] >= kill["at"] and not killed:
             st = status()
             target = max((w for w in st["workers"] if w["rank"] is not None), key=lambda w: w["rank"])
             node = next(n for n in kill["nodes"] if n.node_id == target["node_id"])
-            killed.update(step=st["step"], at=time.time())
+            cpu = process_cpu()
+            killed.update(step=st["step"], at=time.time(), cpu_at_kill=cpu)
             kill["cluster"].remove_node(node, allow_graceful=False)
             kill["nodes"].remove(node)
             pids.clear()  # the survivors' pids are read again after the re-plan
@@ -195,7 +224,7 @@ def recovery(out: dict) -> dict:
             "restore_parts": rec.get("restore_parts"), "steps_redone": rec["steps_redone"],
             "restore_bytes": rec.get("restore_bytes"), "restore_rate_bytes_s": rec.get("restore_rate_bytes_s"),
             "restore_regather_bytes": rec.get("restore_regather_bytes"),
-            "sources": rec.get("sources"), "plan_before": rec["plan_before"], "plan_after": rec["plan_after"]}
+            "sources": rec.get("sources"), "cpu": out["killed"].get("cpu"), "plan_before": rec["plan_before"], "plan_after": rec["plan_after"]}
 
 
 def machine_rates(nodes, nbytes: int = 256 << 20) -> dict:

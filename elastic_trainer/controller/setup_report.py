@@ -19,6 +19,9 @@ def setup_report(outs: dict[int, dict], keys: dict[int, dict[str, list[int]]]) -
               "restore_regather_bytes": sum(o["moved"].get("regather", 0) for o in outs.values()),
               # Ranks fetch at once, so the rate is the bytes over the longest fetch: what the restore saw.
               "restore_rate_bytes_s": moved / fetch_s if moved and fetch_s > 0 else None,
+              # Each rank's share, to find the one a slow restore waited for.
+              "restore_ranks": {r: {"fetch_s": round(o["timings"]["fetch"], 3), "load_s": round(o["timings"]["load"], 3),
+                                    "bytes": o["moved"]["bytes"]} for r, o in sorted(outs.items())},
               # checkpoint.verify_restores: the restored state against the saved, tensor by tensor.
               "restore_check": check_restore({r: o.get("fingerprints") for r, o in outs.items()},
                                              {r: o["blocks"] for r, o in outs.items()}),

@@ -8,6 +8,7 @@ import ray
 
 from ..checkpoint.state import select_blocks, shard_nbytes
 from .copies import HeldCopies
+from .local_wait import wait_local
 from .process_group import SetupAborted
 from .setup_progress import PROGRESS
 
@@ -24,7 +25,7 @@ def fetch_sources(sources: list, copies: HeldCopies, aborted=lambda: False, work
     sharded rank moves only the ranges it now owns.
 
     An object whose node just died can block a fetch for tens of seconds, until Ray
-    declares it lost; the wait is in short slices so that ``aborted()`` (the controller
+    declares it lost; the wait polls (``local_wait``) so that ``aborted()`` (the controller
     gave this set-up up) ends it at once."""
     out: list = [None] * len(sources)
     remote = {}
@@ -39,14 +40,9 @@ def fetch_sources(sources: list, copies: HeldCopies, aborted=lambda: False, work
         else:
             remote[i] = s
     t0 = time.perf_counter()
-    pending = list(remote.values())
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=True)
-        for _ in ready:
-            PROGRESS.tick()
-        if pending and aborted():
-            raise SetupAborted(f"worker {worker_id} stopped fetching its restore sources: "
-                               "the controller abandoned this plan")
+    if not wait_local(list(remote.values()), aborted, PROGRESS.tick):
+        raise SetupAborted(f"worker {worker_id} stopped fetching its restore sources: "
+                           "the controller abandoned this plan")
     for i, shard in zip(remote, ray.get(list(remote.values()))):
         out[i] = shard
     moved = {"bytes": sum(shard_nbytes(out[i]) for i in remote), "seconds": time.perf_counter() - t0,

@@ -17,6 +17,7 @@ from ..checkpoint.state import select_blocks, shard_nbytes
 from ..config import TrainerConfig
 from .copies import HeldCopies
 from .device import bind
+from .local_wait import wait_local
 
 
 class SnapshotServing:
@@ -131,6 +132,7 @@ class SnapshotServing:
         delay = self.faults.pin_delay(key[0])
         if delay:
             time.sleep(delay)
+        wait_local(refs[:1])   # not a blocking get: it would stall this worker's restore reads
         return self.copies.pin(key, ray.get(refs[0]), keep_from)
 
     # Restore reads have threads of their own: in "snapshot" they could queue behind a
