@@ -49,34 +49,77 @@ def cut_moments(part: dict, owned: dict[str, tuple[int, int]]) -> dict:
     return out
 
 
+class Assembled(np.ndarray):
+    """An array put together here from slices: new memory that nothing else holds, so a load takes
+    it as it is (``owned_array``) instead of copying it once more."""
+
+
+def owned_array(v) -> np.ndarray:
+    """``v`` as an array the caller may keep and write: an ``Assembled`` one as it is, any other
+    copied (an object-store array is read-only, and a local copy's buffers are reused by the next
+    snapshot)."""
+    return np.asarray(v).view(np.ndarray) if isinstance(v, Assembled) else np.array(v)
+
+
+def check_cover(name: str, spans: list[tuple[int, int]], lo: int, hi: int, what: str) -> None:
+    """Error unless the ``[start, end)`` ``spans`` cover ``[lo, hi)`` (``what`` names the arrays for it)."""
+    covered = np.zeros(hi - lo, dtype=bool)
+    for s, e in spans:
+        a, z = max(s, lo), min(e, hi)
+        if a < z:
+            covered[a - lo:z - lo] = True
+    if not covered.all():
+        gap = lo + int(np.argmin(covered))
+        raise ValueError(f"{name}: the slices given hold {int(covered.sum())} of the {hi - lo} elements "
+                         f"[{lo}, {hi}) of its {what} (none from element {gap}): a shard of its sharded "
+                         "optimizer is missing")
+
+
 def gather_range(name: str, pieces: list, lo: int, hi: int, what: str) -> dict:
     """Elements ``[lo, hi)`` of each array of ``name`` from ``pieces`` = ``((start, end), {key: flat array
     or number})`` (a number, AdamW's ``step``, is the same in every piece). Error if the pieces leave
-    part of ``[lo, hi)`` out (``what`` names the arrays for it)."""
+    part of ``[lo, hi)`` out (``what`` names the arrays for it). Arrays put together from several
+    pieces are ``Assembled``."""
     for (s, e), arrays in pieces:
         if (s, e) == (lo, hi):   # one piece is all of it (a whole shard's): no copy
             return {k: (np.asarray(v) if np.ndim(v) == 0 else np.asarray(v).reshape(-1)) for k, v in arrays.items()}
-    covered = np.zeros(hi - lo, dtype=bool)
+    check_cover(name, [span for span, _ in pieces], lo, hi, what)
     out: dict = {}
     for (s, e), arrays in pieces:
         a, z = max(s, lo), min(e, hi)
         if a >= z:
             continue
-        covered[a - lo:z - lo] = True
         for k, v in arrays.items():
             v = np.asarray(v)
             if v.ndim == 0:
                 out.setdefault(k, v)
                 continue
             if k not in out:
-                out[k] = np.empty(hi - lo, dtype=v.dtype)
+                out[k] = np.empty(hi - lo, dtype=v.dtype).view(Assembled)
             out[k][a - lo:z - lo] = v.reshape(-1)[a - s:z - s]
-    if not covered.all():
-        gap = lo + int(np.argmin(covered))
-        raise ValueError(f"{name}: the slices given hold {int(covered.sum())} of the {hi - lo} elements "
-                         f"[{lo}, {hi}) of its {what} (none from element {gap}): a shard of its sharded "
-                         "optimizer is missing")
     return out
+
+
+class Pieces:
+    """A parameter's slices not put together: ``shape``, and ``pieces`` = ``[((start, end), flat
+    array)]`` that cover it (checked). A load writes each piece where it belongs in the live
+    tensor (``state.load_into``): one copy, where putting it together first would be two."""
+
+    def __init__(self, name: str, pieces: list):
+        self.shape = tuple(pieces[0][0][2])
+        self.pieces = [((int(r[0]), int(r[1])), np.asarray(a).reshape(-1)) for r, a in pieces]
+        check_cover(name, [span for span, _ in self.pieces], 0, self.size, "parameter")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def whole(self) -> np.ndarray:
+        """The parameter put together (for a destination that cannot be written by flat ranges)."""
+        out = np.empty(self.size, dtype=self.pieces[0][1].dtype)
+        for (s, e), a in self.pieces:
+            out[s:e] = a
+        return out.reshape(self.shape)
 
 
 def assemble_param(name: str, pieces: list) -> np.ndarray:

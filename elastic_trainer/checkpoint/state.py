@@ -24,6 +24,7 @@ slices of a step back together, whatever sharding wrote them.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -31,7 +32,7 @@ import torch
 
 from .dtypes import as_tensor, to_numpy
 from .flat import FlatShard, flat_shard
-from .slices import assemble_param, merge_moments
+from .slices import Pieces, assemble_param, merge_moments, owned_array
 
 
 def block_of(name: str) -> int:
@@ -103,12 +104,13 @@ def select_blocks(shard: dict, blocks) -> dict:
     return out
 
 
-def merge_shards(shards: list[dict], names: list[str], owned: dict[str, tuple[int, int]] | None = None
-                 ) -> tuple[int, dict, dict]:
+def merge_shards(shards: list[dict], names: list[str], owned: dict[str, tuple[int, int]] | None = None,
+                 pieces: bool = False) -> tuple[int, dict, dict]:
     """Pick ``names`` out of shards of one step: each parameter whole (held whole by a shard, else put
     together from the slices of sharded ones), with its moments. ``owned`` (name -> ``(start, end)``
     of the flattened parameter): the reader is a rank of a sharded optimizer, whose moments are
-    those ranges only, as flat arrays, and none for other names. Error if the step differs, a
+    those ranges only, as flat arrays, and none for other names. ``pieces``: a sliced parameter
+    comes as its ``Pieces``, for ``load_into`` to write in place. Error if the step differs, a
     name is missing, or its slices leave part of it out."""
     steps = {s["step"] for s in shards}
     if len(steps) > 1:
@@ -120,14 +122,15 @@ def merge_shards(shards: list[dict], names: list[str], owned: dict[str, tuple[in
         if whole is not None:
             params[n] = whole["params"][n]
         elif holders:
-            params[n] = assemble_param(n, [(s["ranges"][n], s["params"][n]) for s in holders])
+            sliced = [(s["ranges"][n], s["params"][n]) for s in holders]
+            params[n] = Pieces(n, sliced) if pieces else assemble_param(n, sliced)
         else:
             missing.append(n)
             continue
         if owned is None:
-            shape = params[n].shape
+            shape = tuple(params[n].shape)
             st = {k: (v.reshape(shape) if v.ndim else v)
-                  for k, v in merge_moments(shards, n, 0, params[n].size).items()}
+                  for k, v in merge_moments(shards, n, 0, math.prod(shape)).items()}
         else:
             st = merge_moments(shards, n, *owned[n]) if n in owned else {}
         if st:
@@ -163,19 +166,29 @@ def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, opti
     """Write parameters and optimizer state into the live tensors (shapes checked); each
     ``step`` is held as torch itself holds it (``step_placement``)."""
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    named_params = list(named_params)
+    for name, p in named_params:
+        src = params[name]
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
     with torch.no_grad():
         for name, p in named_params:
             src = params[name]
-            if tuple(src.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
             with warnings.catch_warnings():
                 # Object-store arrays are read-only; they are only read here.
                 warnings.simplefilter("ignore", UserWarning)
-                p.copy_(as_tensor(src, p.dtype))
+                if isinstance(src, Pieces) and p.is_contiguous():
+                    flat = p.view(-1)   # a sharded optimizer's slices, each written where it belongs
+                    for (s, e), a in src.pieces:
+                        flat[s:e].copy_(as_tensor(a, p.dtype))
+                elif isinstance(src, Pieces):
+                    p.copy_(as_tensor(src.whole(), p.dtype))
+                else:
+                    p.copy_(as_tensor(src, p.dtype))
             if name in optim:
                 optimizer.state[p] = {
                     k: step_tensor(v, p.device, groups.get(id(p), {})) if k == "step" else
-                    as_tensor(np.array(v), p.dtype).to(p.device)
+                    as_tensor(owned_array(v), p.dtype).to(p.device)
                     for k, v in optim[name].items()
                 }
             else:

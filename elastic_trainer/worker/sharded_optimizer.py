@@ -18,10 +18,10 @@ taken under one sharding loads under any other (``checkpoint.state``).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..checkpoint.dtypes import as_tensor
+from ..checkpoint.slices import owned_array
 from ..checkpoint.state import step_tensor
 from ..comm.grad_sync import GradSync
 from ..comm.shard_exchange import ShardExchange
@@ -129,5 +129,5 @@ class ShardedOptimizer:
                 continue
             self.optimizer.state[o.view] = {
                 k: step_tensor(v, o.view.device, group) if k == "step" else
-                as_tensor(np.array(v).reshape(-1), o.view.dtype).to(o.view.device)
+                as_tensor(owned_array(v).reshape(-1), o.view.dtype).to(o.view.device)
                 for k, v in st.items()}

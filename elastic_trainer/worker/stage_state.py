@@ -76,7 +76,8 @@ class StageState:
         """
         self.snapshots.wait()
         names = [n for n, _ in self.named_parameters()]
-        step, params, optim = merge_shards(shards, names, self.zero.owned_ranges() if self.zero is not None else None)
+        step, params, optim = merge_shards(shards, names, self.zero.owned_ranges() if self.zero is not None else None,
+                                           pieces=True)
         load_into(self.named_parameters(), self.optimizer, params, optim if self.zero is None else {})
         if self.zero is not None:
             self.zero.load_state(optim)
