@@ -183,7 +183,7 @@ def fit(raw: dict, kill: dict | None = None) -> dict:
             st = status()
             target = max((w for w in st["workers"] if w["rank"] is not None), key=lambda w: w["rank"])
             node = next(n for n in kill["nodes"] if n.node_id == target["node_id"])
-            cpu = process_cpu()
+            cpu = process_cpu()   # before the kill's time is taken: the scan is not the recovery's
             killed.update(step=st["step"], at=time.time(), cpu_at_kill=cpu)
             kill["cluster"].remove_node(node, allow_graceful=False)
             kill["nodes"].remove(node)

@@ -115,7 +115,7 @@ class Pieces:
         return math.prod(self.shape)
 
     def whole(self) -> np.ndarray:
-        """The parameter put together (for a destination that cannot be written by flat ranges)."""
+        """The parameter put together (new memory)."""
         out = np.empty(self.size, dtype=self.pieces[0][1].dtype)
         for (s, e), a in self.pieces:
             out[s:e] = a
@@ -124,9 +124,7 @@ class Pieces:
 
 def assemble_param(name: str, pieces: list) -> np.ndarray:
     """One parameter, whole, from its slices ``(range, flat slice)`` (``range``: ``[start, end, shape]``)."""
-    shape = tuple(pieces[0][0][2])
-    return gather_range(name, [((r[0], r[1]), {"p": a}) for r, a in pieces], 0, math.prod(shape),
-                        "parameter")["p"].reshape(shape)
+    return Pieces(name, pieces).whole()
 
 
 def merge_moments(shards: list[dict], name: str, lo: int, hi: int) -> dict:
