@@ -233,9 +233,10 @@ def test_a_silent_worker_is_fenced_not_killed_and_rejoins_as_a_spare_when_it_ans
     # heartbeat: lost to its step, and the run re-plans without it. It is fenced, not killed:
     # resumed once the run steps on the smaller plan, it answers, comes back as a spare, and the
     # run grows onto it again. A false suspicion costs a re-plan each way, and no process.
+    # The steps are there to outlast its return: 5 steps after the grow the run is stopped.
     fresh_cluster(4)
-    cfg = config(corpus_dir, "hang", steps=60, parallel={"dp": 2, "pp": 2}, scaling={"grow_check_s": 0.5})
-    stopped, resumed = [], []
+    cfg = config(corpus_dir, "hang", steps=2000, parallel={"dp": 2, "pp": 2}, scaling={"grow_check_s": 0.5})
+    stopped, resumed, grown = [], [], []
 
     def hang():
         pid = next(w["pid"] for w in status("hang")["workers"] if w["rank"] == 1)
@@ -247,6 +248,10 @@ def test_a_silent_worker_is_fenced_not_killed_and_rejoins_as_a_spare_when_it_ans
         if stopped and not resumed and rec["world_size"] < 4:   # stepping without it: wake it
             os.kill(stopped[0], signal.SIGCONT)
             resumed.append(rec["step"])
+        if resumed and rec["world_size"] == 4:
+            grown.append(rec["step"])
+            if len(grown) == 5:
+                ray.get(ray.get_actor("hang-controller", namespace=NAMESPACE).stop.remote("grown back"))
 
     try:
         result = Trainer(cfg, verbose=False, on_step=on_step).fit()
@@ -256,7 +261,8 @@ def test_a_silent_worker_is_fenced_not_killed_and_rejoins_as_a_spare_when_it_ans
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    assert_contiguous_data(result, cfg)
+    assert result.state == "STOPPED" and len(grown) >= 5, (result.state, resumed, grown)
+    assert_contiguous_data(result, cfg, last=result.step)
     # A paused process answers no heartbeat: lost within failure.heartbeat_timeout_s of its step.
     [fail] = result.failures
     assert fail["failure"] == "silent" and fail["rank"] == 1, result.failures
@@ -269,7 +275,7 @@ def test_a_silent_worker_is_fenced_not_killed_and_rejoins_as_a_spare_when_it_ans
     assert grow["reason"] == "grow" and grow["plan_after"]["world_size"] == 4, result.recoveries
     # The same process, back in the plan: never killed.
     assert stopped[0] in {w["pid"] for w in result.workers if w["rank"] is not None}, result.workers
-    ref = reference_losses(cfg, cfg.train.steps)
+    ref = reference_losses(cfg, len(result.history))
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
 
 
