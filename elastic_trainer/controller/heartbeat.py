@@ -2,9 +2,14 @@
 
 A rank whose step runs long is asked after every quarter of
 ``failure.heartbeat_timeout_s`` once the step has run that long; one unheard
-of for the whole timeout since a question asked after it is lost
-(``StepOutcome.silent``, docs/runtime.md "When nodes die"). A frozen node
+of for the whole timeout since it was last heard (its step began, or it
+answered), with a question out to it a quarter of the timeout at least, is
+lost (``StepOutcome.silent``, docs/runtime.md "When nodes die"). A frozen node
 keeps its sockets open, so nothing else would tell before the step timeout.
+The timeout counts from the last answer, not from the first question left
+unanswered: that would add up to a quarter of it to every detection (a
+question goes a quarter after the last answer) for no more certainty, since
+a live rank answers each question within milliseconds.
 
 The questions go one a node, and past ``failure.heartbeat_fanout`` nodes
 through relays: the controller asks one worker per ``fanout`` nodes, which
@@ -25,8 +30,8 @@ import ray
 
 
 class Heartbeat:
-    """The heartbeats of one step's wait (see the module docstring): a rank is silent once a
-    heartbeat that asked after it has gone unanswered for the whole timeout.
+    """The heartbeats of one step's wait (see the module docstring): a rank is silent once it
+    has gone unheard of for the whole timeout, with a heartbeat that asked after it unanswered.
 
     One question a node, not a rank (``TrainWorker.ping_node``): a worker there answers, and
     says of its node-mates whether their processes run (``worker.liveness``), so the calls
@@ -45,6 +50,8 @@ class Heartbeat:
         self.refs: dict = {}
         self.asked_at: dict = {}                   # group (node, or a rank) -> when last asked
         self.waiting: dict[int, float] = {}        # worker id -> when it was first asked after since it was heard
+        self.started = started
+        self.heard: dict[int, float] = {}          # worker id -> when it was last heard (else: ``started``)
         self.direct: set[int] = set()              # asked on their own: no node-mate could vouch for them
         self.unanswered: set[int] = set()          # asked and not answered: asked last next time
         self.sent_last = 0
@@ -65,7 +72,7 @@ class Heartbeat:
             got = {who: got for who in asks}
         else:
             self.unanswered.discard(relay)
-            self.waiting.pop(relay, None)   # it answered: alive, whatever its nodes said
+            self._heard(relay)   # it answered: alive, whatever its nodes said
         for who, covers in asks.items():
             states = got.get(who)
             if states is None:
@@ -75,14 +82,24 @@ class Heartbeat:
             for w in covers:
                 state = True if w == who else states.get(w)
                 if state:
-                    self.waiting.pop(w, None)
+                    self._heard(w)
                 elif state is None:
                     self.direct.add(w)   # stopped reads False and stays unheard; unknown is asked itself
 
     def heard_again(self, wids: list[int]) -> None:
         """These answered otherwise: they are not waited on."""
         for w in wids:
-            self.waiting.pop(w, None)
+            self._heard(w)
+
+    def _heard(self, w: int) -> None:
+        self.waiting.pop(w, None)
+        self.heard[w] = time.perf_counter()
+
+    def _silent_at(self, w: int) -> float:
+        """When ``w``, asked after at ``waiting[w]`` and unheard since, counts as silent: the
+        whole timeout after it was last heard, its question out a quarter of it at least (one
+        asked a moment ago has had no time to be answered)."""
+        return max(self.heard.get(w, self.started) + self.timeout_s, self.waiting[w] + self.timeout_s / 4)
 
     def _group(self, w: int):
         loc = self.where(w)
@@ -98,7 +115,7 @@ class Heartbeat:
             for ref in ready:
                 self.answer(ref)
         now = time.perf_counter()
-        silent = [w for w in pending if w in self.waiting and now - self.waiting[w] >= self.timeout_s]
+        silent = [w for w in pending if w in self.waiting and now >= self._silent_at(w)]
         if silent:
             self.sent_last = 0
             return silent
@@ -127,8 +144,7 @@ class Heartbeat:
             for w in members:
                 self.waiting.setdefault(w, now)
         self.sent_last = self._send(asks, pending, busy, now)
-        oldest = min([self.waiting[w] for w in pending if w in self.waiting] + [now])
-        self.next_at = min(now + self.timeout_s / 4, oldest + self.timeout_s)
+        self.next_at = min([now + self.timeout_s / 4] + [self._silent_at(w) for w in pending if w in self.waiting])
         return []
 
     def _send(self, asks: list[tuple], pending: list[int], busy: set[int], now: float) -> int:
