@@ -32,7 +32,8 @@ from lab import Lab, LabRun
 
 HERE = Path(__file__).resolve().parent
 MODES = ([(c, "allreduce") for c in ("none", "fp16", "int8", "topk", "powersgd")]
-         + [("none", s) for s in ("local_sgd", "diloco", "parameter_server")])
+         + [("none", s) for s in ("local_sgd", "diloco", "parameter_server")]
+         + [("fp16", s) for s in ("local_sgd", "diloco")])   # meetings sent in fp16
 SWEEP_PORT = 29611
 
 

@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 
 from .base import Strict as _Strict
 
+# The codecs a local SGD / DiLoCo meeting can send its change in.
+MEETING_CODECS = ("fp16", "bf16")
+
 
 class ScalingSection(_Strict):
     """Where workers run."""
@@ -64,7 +67,9 @@ class CommSection(_Strict):
         "ring", description="All-reduce: the backend's ring, or the project's own tree (recursive "
                             "halving-doubling) or chunked ring over point-to-point operations.")
     compression: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = Field(
-        "none", description="Gradient compression; int8, topk and powersgd keep an error-feedback residual.")
+        "none", description="Gradient compression; int8, topk and powersgd keep an error-feedback residual. "
+                            "With sync local_sgd or diloco, fp16 or bf16 sends each meeting's change since "
+                            "the last one in 2-byte floats (half the bytes).")
     topk_ratio: float = Field(0.01, gt=0, le=1, description="topk: share of gradient entries sent.")
     topk_exchange: Literal["allgather", "sparse_reduce"] = Field(
         "allgather", description="topk: 'allgather' sends every rank's entries to every rank ((dp-1) x k per "
@@ -94,10 +99,14 @@ class CommSection(_Strict):
             raise ValueError(f"comm.algorithm({self.algorithm!r}) replaces an all-reduce; comm.compression"
                              f"({self.compression!r}) is built from all-to-all / all-gather: use algorithm 'ring', "
                              "or compression none, fp16 or bf16")
-        if self.sync != "allreduce" and (self.compression != "none" or self.algorithm != "ring"):
+        meeting = self.sync in ("local_sgd", "diloco") and self.compression in MEETING_CODECS
+        if self.sync != "allreduce" and ((self.compression != "none" and not meeting) or self.algorithm != "ring"):
+            fits = ("'none', 'fp16' or 'bf16' (the meeting's change in 2-byte floats)"
+                    if self.sync in ("local_sgd", "diloco") else "'none'")
             raise ValueError(
                 f"comm.compression({self.compression!r}) and comm.algorithm({self.algorithm!r}) apply to "
-                f"comm.sync 'allreduce' only, not {self.sync!r}; leave them at 'none' and 'ring'")
+                f"comm.sync 'allreduce' only, not {self.sync!r}; leave the algorithm at 'ring' and the "
+                f"compression at {fits}")
         return self
 
 

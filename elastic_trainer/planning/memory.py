@@ -86,7 +86,10 @@ class MemoryModel:
         """The model of a run's config (``TrainerConfig``); ``shard``: the sharding a layout runs with
         (default: the config's own, where it names one; ``auto`` is decided per layout, ``layout_shard``)."""
         c = cfg.comm
-        extra = 8 if c.sync == "diloco" else 4 if c.compression in ("int8", "topk", "powersgd") else 0
+        # DiLoCo keeps the outer parameters and momentum; local SGD meeting in 2-byte floats the last
+        # meeting's parameters; int8, top-k and PowerSGD an error-feedback residual.
+        meeting = c.sync == "local_sgd" and c.compression != "none"
+        extra = 8 if c.sync == "diloco" else 4 if meeting or c.compression in ("int8", "topk", "powersgd") else 0
         if shard is None:
             shard = cfg.parallel.shard_optimizer if cfg.parallel.shard_optimizer != "auto" else "none"
         return cls(buckets=4 if c.sync == "allreduce" else 0, extra=extra, extra_alone=c.sync == "diloco",

@@ -4,8 +4,8 @@ Pure (torch on the meta device, no Ray), so ``elastic-trainer plan``, the
 re-plan after a failure (:mod:`planning.policy`) and tests call it directly.
 One row per feasible ``dp x pp`` on at most ``workers`` workers (the
 layouts of :func:`layouts.feasible_layouts`) times each codec under ``sync: allreduce`` plus the
-``local_sgd``, ``diloco`` and ``parameter_server`` modes (uncompressed, as
-the config requires). The heaviest rank sets the pace, so every term is
+``local_sgd`` and ``diloco`` modes (uncompressed, or their meetings in fp16
+or bf16) and ``parameter_server`` (uncompressed, as the config requires). The heaviest rank sets the pace, so every term is
 that rank's:
 
 - compute: ``6 * params * tokens_per_replica / flops_per_s`` (forward +
@@ -21,9 +21,10 @@ that rank's:
 - overlap: with ``comm.overlap`` every bucket but the last can run during
   backward; at most :data:`OVERLAP_EFFICIENCY` of that comm is taken as
   hidden, and never more than the last micro-batch's backward;
-- ``local_sgd`` / ``diloco``: one fp32 ring all-reduce of the rank's
-  parameters every ``local_steps`` steps, charged ``1 / local_steps`` per
-  step, not hidden;
+- ``local_sgd`` / ``diloco``: one ring all-reduce of the rank's parameters
+  (fp32), or of their change since the last meeting (fp16 / bf16, at its
+  codec's arithmetic), every ``local_steps`` steps, charged
+  ``1 / local_steps`` per step, not hidden;
 - ``parameter_server``: push gradients, pull parameters; all shards sit on
   the controller's node, whose link carries every replica's gradients:
   ``cost_model.predict("ps", ..., shards=1)`` at the constants' ``ps``
@@ -56,6 +57,7 @@ from collections.abc import Sequence
 from ..comm.algorithms import bytes_sent
 from ..comm.compression import CODECS
 from ..config import TrainerConfig
+from ..config.runtime import MEETING_CODECS
 from ..errors import ConfigError
 from . import cost_model
 from .constants import (CODEC_S_PER_ELEMENT, DEFAULT_CONSTANTS, DEFAULT_FLOPS_PER_S, OVERLAP_EFFICIENCY, alpha_beta,
@@ -266,14 +268,19 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                     step_compute -= optimizer * (1 - 1 / dp)
                     notes = f"optimizer sharded ({shards[lay]}): AdamW on 1/{dp}, then an all-gather"
                 rows.append(row(name, "allreduce", algorithm, wire, codec, hidden, sent, notes, compute=step_compute))
-            # local SGD / DiLoCo: at a meeting, one fp32 ring all-reduce of all the rank's parameters
-            # (comm.local_sgd), after the optimizer step, so nothing hides it; charged 1/local_steps per step.
-            wire = cost_model.predict("ring", 4 * rank_params, dp, *ab["ring"])
-            sent = bytes_sent("ring", rank_params, dp, 0)
-            for sync in ("local_sgd", "diloco"):
-                if wanted(dp, "none", sync):
-                    rows.append(row("none", sync, "ring", wire / c.local_steps, 0.0, 0.0, sent // c.local_steps,
-                                    f"parameters averaged every {c.local_steps} steps"))
+            # local SGD / DiLoCo: at a meeting, one ring all-reduce of all the rank's parameters (fp32),
+            # or of their change since the last meeting (fp16 / bf16) (comm.local_sgd), after the
+            # optimizer step, so nothing hides it; charged 1/local_steps per step.
+            for name in ("none", *MEETING_CODECS):
+                size = ALLREDUCE_CODECS[name]
+                wire = cost_model.predict("ring", size * rank_params, dp, *ab["ring"])
+                sent = bytes_sent("ring", rank_params, dp, 0, element_size=size)
+                codec = rank_params * CODEC_S_PER_ELEMENT[name] * host * slowdown
+                what = "parameters averaged" if name == "none" else f"changes averaged in {name}"
+                for sync in ("local_sgd", "diloco"):
+                    if wanted(dp, name, sync):
+                        rows.append(row(name, sync, "ring", wire / c.local_steps, codec / c.local_steps, 0.0,
+                                        sent // c.local_steps, f"{what} every {c.local_steps} steps"))
         if not wanted(dp, "none", "parameter_server"):
             continue
         # Parameter server (comm.parameter_server, controller.ps_group): a worker pushes its gradients and
@@ -326,6 +333,8 @@ def recommend(rows: Sequence[dict]) -> tuple[dict, str]:
         parts.append(f"runner-up {_label(nxt)} {nxt['total_s'] * 1e3:.1f} ms "
                      f"({_ratio(nxt['total_s'], best['total_s'])})")
     caveat = _CAVEATS.get(best["sync"]) or _CAVEATS.get(best["compression"])
+    if caveat and best["sync"] in ("local_sgd", "diloco") and best["compression"] != "none":
+        caveat += f"; its meetings send the change in {best['compression']}, which rounds the change, not the weights"
     if caveat:
         parts.append(caveat)
     conf = next((r for r in ranked if r.get("configured")), None)

@@ -122,7 +122,9 @@ def test_shipped_job_files_are_valid():
 
 
 @pytest.mark.parametrize("comm, message", [
-    ({"sync": "diloco", "compression": "int8"}, r"comm.compression\('int8'\) and comm.algorithm\('ring'\) apply to comm.sync 'allreduce' only"),
+    ({"sync": "diloco", "compression": "int8"}, r"comm.compression\('int8'\) and comm.algorithm\('ring'\) apply to "
+                                                r"comm.sync 'allreduce' only.*compression at 'none', 'fp16' or 'bf16'"),
+    ({"sync": "parameter_server", "compression": "fp16"}, r"not 'parameter_server'.*compression at 'none'$"),
     ({"algorithm": "tree", "compression": "topk"}, r"comm.algorithm\('tree'\) replaces an all-reduce; comm.compression\('topk'\)"),
     ({"compression": "zip"}, r"comm.compression: Input should be 'none', 'fp16'"),
     ({"topk_ratio": 0}, r"comm.topk_ratio: Input should be greater than 0"),

@@ -47,7 +47,7 @@ def test_candidates_cover_every_feasible_layout_with_every_codec_and_sync():
         want = [("none", "allreduce"), ("none", "parameter_server")]
         if dp > 1:
             want += [(c, "allreduce") for c in CODECS if c != "none"]
-            want += [("none", "local_sgd"), ("none", "diloco")]
+            want += [(c, s) for c in ("none", "fp16", "bf16") for s in ("local_sgd", "diloco")]
         assert got == sorted(want), (dp, pp)
     assert [(r["dp"], r["pp"], r["compression"], r["sync"]) for r in rows if r["configured"]] == [
         (2, 2, "none", "allreduce")]
@@ -109,6 +109,12 @@ def test_local_sgd_diloco_and_parameter_server_terms():
     many = demo("comm.local_steps=4", "comm.bucket_mb=0.25")
     local = pick(predict_candidates(many, 4, consts()), 4, 1, sync="local_sgd")
     assert local["dp_comm_s"] == pytest.approx(cost_model.predict("ring", 4 * local["rank_params"], 4, A, B) / 4)
+    # A meeting in fp16 sends the change in 2 bytes an element: half the bytes, and its cast's arithmetic.
+    for sync in ("local_sgd", "diloco"):
+        half = pick(rows, 4, 1, compression="fp16", sync=sync)
+        assert half["comm_bytes"] == pytest.approx(pick(rows, 4, 1, sync=sync)["comm_bytes"] / 2, abs=1)
+        assert half["dp_comm_s"] == pytest.approx(cost_model.predict("ring", 2 * half["rank_params"], 4, A, B) / 4)
+        assert half["codec_s"] > 0
     # Every shard sits on one node: its link is the one server of cost_model's "ps".
     ps = pick(rows, 4, 1, sync="parameter_server")
     n = 4 * ps["rank_params"]
