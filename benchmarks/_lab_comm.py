@@ -9,7 +9,8 @@ runs, at dp=4 x pp=1 on the demo GPT (``comm.demo_config``):
    (``calibration.fit_constants``); the parameter server's latency stays the
    built-in one (Ray's object store), its bandwidth the ring's;
 2. each mode (none, fp16, int8, topk, PowerSGD; local SGD, DiLoCo, the
-   parameter server): median step after warm-up (``comm.steady_stats``);
+   parameter server; local SGD and DiLoCo with their meetings in fp16):
+   median step after warm-up (``comm.steady_stats``);
 3. Ray Train's TorchTrainer with DDP, the same model and data
    (``_lab_ray_train``);
 4. the planner's prediction of each mode with the sweep's constants and a
