@@ -181,8 +181,10 @@ class Trainer:
             return False
         res = cfg.scaling.resources_per_worker
         num_cpus = max(os.cpu_count() or 1, int(res.get("CPU", 1) * cfg.world_size + 0.999))
-        # A local cluster is for this machine only: keep it on loopback.
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+        # A local cluster is for this machine only: keep it on loopback (Ray would otherwise
+        # resolve 127.0.0.1 to the machine's routable address and listen there).
+        with _loopback_kept("127.0.0.1"):
+            ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
         return True
 
     def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool,
@@ -292,9 +294,10 @@ def _started_cluster() -> str | None:
 
 @contextlib.contextmanager
 def _loopback_kept(address: str):
-    """Ray resolves a loopback cluster address to this machine's routable address (where the
-    cluster does not listen) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: a head started with
-    `--node-ip-address 127.0.0.1` is joined on loopback, as that variable would."""
+    """Ray resolves a loopback address to this machine's routable one unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: for joining a head started with `--node-ip-address
+    127.0.0.1` (where the cluster does not listen otherwise), and for starting a local cluster
+    (which would listen there). Kept on loopback, as that variable would."""
     from ray._private import ray_constants
 
     loopback = address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "::1", "[::1]")
