@@ -9,7 +9,8 @@ from pydantic import Field, model_validator
 
 from .base import Strict as _Strict
 
-# The codecs a local SGD / DiLoCo meeting can send its change in.
+# The sync modes whose replicas meet every comm.local_steps, and the codecs a meeting can send its change in.
+MEETING_SYNCS = ("local_sgd", "diloco")
 MEETING_CODECS = ("fp16", "bf16")
 
 
@@ -99,10 +100,10 @@ class CommSection(_Strict):
             raise ValueError(f"comm.algorithm({self.algorithm!r}) replaces an all-reduce; comm.compression"
                              f"({self.compression!r}) is built from all-to-all / all-gather: use algorithm 'ring', "
                              "or compression none, fp16 or bf16")
-        meeting = self.sync in ("local_sgd", "diloco") and self.compression in MEETING_CODECS
-        if self.sync != "allreduce" and ((self.compression != "none" and not meeting) or self.algorithm != "ring"):
-            fits = ("'none', 'fp16' or 'bf16' (the meeting's change in 2-byte floats)"
-                    if self.sync in ("local_sgd", "diloco") else "'none'")
+        meets = self.sync in MEETING_SYNCS
+        if self.sync != "allreduce" and ((self.compression not in ("none", *(MEETING_CODECS if meets else ())))
+                                         or self.algorithm != "ring"):
+            fits = "'none', 'fp16' or 'bf16' (the meeting's change in 2-byte floats)" if meets else "'none'"
             raise ValueError(
                 f"comm.compression({self.compression!r}) and comm.algorithm({self.algorithm!r}) apply to "
                 f"comm.sync 'allreduce' only, not {self.sync!r}; leave the algorithm at 'ring' and the "

@@ -38,6 +38,7 @@ import math
 import statistics
 
 from ..config import TrainerConfig
+from ..config.runtime import MEETING_SYNCS
 
 WARMUP = 3
 SAMPLES = 5
@@ -51,7 +52,7 @@ class SnapshotSchedule:
         ck, comm = cfg.checkpoint, cfg.comm
         self.cfg = cfg
         self.auto = ck.memory_every == "auto"
-        self.unit = comm.local_steps if comm.sync in ("local_sgd", "diloco") else 1
+        self.unit = comm.local_steps if comm.sync in MEETING_SYNCS else 1
         self.interval = 1 if self.auto else ck.memory_every   # periods (auto) or steps between snapshots
         self.last_taken = 0
         self.choice: dict | None = None

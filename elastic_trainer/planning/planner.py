@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from ..comm.algorithms import bytes_sent
 from ..comm.compression import CODECS
 from ..config import TrainerConfig
-from ..config.runtime import MEETING_CODECS
+from ..config.runtime import MEETING_CODECS, MEETING_SYNCS
 from ..errors import ConfigError
 from . import cost_model
 from .constants import (CODEC_S_PER_ELEMENT, DEFAULT_CONSTANTS, DEFAULT_FLOPS_PER_S, OVERLAP_EFFICIENCY, alpha_beta,
@@ -277,7 +277,7 @@ def predict_candidates(cfg: TrainerConfig, workers: int, constants: dict | None 
                 sent = bytes_sent("ring", rank_params, dp, 0, element_size=size)
                 codec = rank_params * CODEC_S_PER_ELEMENT[name] * host * slowdown
                 what = "parameters averaged" if name == "none" else f"changes averaged in {name}"
-                for sync in ("local_sgd", "diloco"):
+                for sync in MEETING_SYNCS:
                     if wanted(dp, name, sync):
                         rows.append(row(name, sync, "ring", wire / c.local_steps, codec / c.local_steps, 0.0,
                                         sent // c.local_steps, f"{what} every {c.local_steps} steps"))
@@ -333,7 +333,7 @@ def recommend(rows: Sequence[dict]) -> tuple[dict, str]:
         parts.append(f"runner-up {_label(nxt)} {nxt['total_s'] * 1e3:.1f} ms "
                      f"({_ratio(nxt['total_s'], best['total_s'])})")
     caveat = _CAVEATS.get(best["sync"]) or _CAVEATS.get(best["compression"])
-    if caveat and best["sync"] in ("local_sgd", "diloco") and best["compression"] != "none":
+    if caveat and best["sync"] in MEETING_SYNCS and best["compression"] != "none":
         caveat += f"; its meetings send the change in {best['compression']}, which rounds the change, not the weights"
     if caveat:
         parts.append(caveat)

@@ -23,6 +23,7 @@ from ..comm.shard_exchange import ShardExchange
 from ..comm.local_sgd import ModelAverager
 from ..comm.parameter_server import PSClient
 from ..config import TrainerConfig, TrainSection
+from ..config.runtime import MEETING_SYNCS
 from ..data.dataset import ensure_prepared
 from ..lr_schedule import lr_at, set_lr
 from ..parallel.partition import stage_indices_for_rank
@@ -117,7 +118,7 @@ class StageTrainer(StageState):
                                       build_optimizer, skip_in_norm=self.ties.followers) if sharded else None)
         self.optimizer = self.zero.optimizer if self.zero is not None else build_optimizer(self.params, cfg.train)
         self.model_avg = (ModelAverager(named, groups.dp, topo.dp, comm)
-                          if comm.sync in ("local_sgd", "diloco") else None)
+                          if comm.sync in MEETING_SYNCS else None)
         # Parameter-server mode: the shards own the optimizer; this rank's never steps.
         if comm.sync == "parameter_server" and ps is None:
             raise ValueError("comm.sync is parameter_server but no parameter-server shards were given")
