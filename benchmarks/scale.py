@@ -81,6 +81,7 @@ def size_config(n_layer: int, d_model: int, steps: int, name: str, args, checkpo
     raw["train"].update(steps=steps, global_batch_size=8, micro_batch_size=2, precision=args.precision,
                         activation_checkpointing=args.activation_checkpointing)
     raw["checkpoint"] = dict(checkpoint)
+    raw.setdefault("scaling", {})["cpu_allocator"] = args.allocator
     return raw
 
 
@@ -281,6 +282,8 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", choices=["none", "blocks"], default="none")
     ap.add_argument("--kill-at", type=int, default=None, help="step after which a node is killed (default steps/2)")
     ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--allocator", choices=["jemalloc", "system"], default="jemalloc",
+                    help="the workers' malloc (scaling.cpu_allocator; jemalloc is the default)")
     ap.add_argument("--only-fixed", action="store_true",
                     help="only off and memory_every 1, without checkpoint.overlap or 'auto' (older builds)")
     ap.add_argument("--durable", action="store_true", help="also time durable checkpoints, local against S3")

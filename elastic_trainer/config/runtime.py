@@ -40,6 +40,10 @@ class ScalingSection(_Strict):
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables of the worker processes (NCCL_*, CUDA_*, ...), "
                                           "set through Ray's runtime_env.")
+    cpu_allocator: Literal["jemalloc", "system"] = Field(
+        "jemalloc", description="malloc of CPU workers: jemalloc (Ray's own copy, preloaded; freed memory is kept for "
+                                "reuse, so a worker's resident memory stays at its working set's peak) or system "
+                                "(the C library's). GPU workers keep the system's: their tensors are not malloc'd.")
     min_workers: int = Field(1, ge=1, description="Below this many live workers the run waits for nodes, then stops.")
     max_workers: int | None = Field(None, ge=1, description="Grow up to this many workers when nodes join; default: dp * pp.")
     worker_memory_gb: float | None = Field(

@@ -24,6 +24,7 @@ from ..naming import NAMESPACE, spare_name
 from ..planning.node_share import snapshot_host_budget
 from ..storage.credentials import storage_env
 from ..worker.actor import TrainWorker
+from ..worker.allocator import allocator_env
 from ..worker.device import SHARE_GPUS_ENV
 from .placement import pick_nodes
 
@@ -48,6 +49,7 @@ class WorkerHandle:
     mark: str | None = None   # its process's start time (worker.liveness): a node-mate can vouch for it
     oom_kills: int | None = None   # its memory cgroup's OOM kills when it joined (controller.memory_kills)
     memory_limit: int | None = None   # and that cgroup's limit, bytes (None: none)
+    allocator: str | None = None      # the malloc it runs on (worker.allocator)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -148,6 +150,9 @@ class WorkerPool:
         self.avoided: set[str] = set()       # nodes where no worker is started again (a memory kill there)
         self.lock = threading.Lock()
         self._next_wid = 0
+        # A preload of the run's own (scaling.env_vars) replaces this one, and is not checked.
+        self._allocator_env = allocator_env(cfg.scaling.cpu_allocator, cfg.scaling.uses_gpu)
+        self._allocator_warned = "LD_PRELOAD" in cfg.scaling.env_vars
         # Groups: "train" runs steps one at a time (a lock), with a thread for a lease queued behind
         # the one running; "control" (ping, queries) never waits
         # behind the default pool, where a set-up may sit in a rendezvous for a while;
@@ -196,6 +201,7 @@ class WorkerPool:
             if "memory" in res:
                 opts["memory"] = res["memory"]
             env = dict(SHARE_GPUS_ENV) if self.cfg.scaling.uses_gpu else {}
+            env.update(self._allocator_env)
             env.update(storage_env())   # the storage's credentials, as the driver passed them here
             env.update(self.cfg.scaling.env_vars)   # the run's own settings win
             if env:
@@ -252,9 +258,10 @@ class WorkerPool:
             with self.lock:
                 self.workers[wid] = WorkerHandle(wid, actor, info["node_id"], info["pid"], info["ip"],
                                                  mark=info.get("mark"), oom_kills=info.get("oom_kills"),
-                                                 memory_limit=info.get("memory_limit"))
+                                                 memory_limit=info.get("memory_limit"), allocator=info.get("allocator"))
             log.info("[%s] worker %d joined on node %s (pid %d)", self.run_name, wid, info["node_id"][:12],
                      info["pid"])
+            self._check_allocator(wid, info.get("allocator"))
         if required:
             for wid, (actor, _, node) in list(self.joining.items()):
                 lost.append((wid, node, f"did not start within {timeout:g}s"))
@@ -262,10 +269,20 @@ class WorkerPool:
             self.joining = {}
         return lost
 
+    def _check_allocator(self, wid: int, got: str | None) -> None:
+        """Say once when a worker runs on another allocator than the run asked for (``worker.allocator``)."""
+        if not self._allocator_env or got in (None, "jemalloc") or self._allocator_warned:
+            return
+        self._allocator_warned = True
+        log.warning("[%s] worker %d runs on the system allocator, not jemalloc (scaling.cpu_allocator): %s was "
+                    "not loaded on its node; its resident memory may grow with freed memory glibc keeps",
+                    self.run_name, wid, self._allocator_env["LD_PRELOAD"])
+
     def table(self) -> list[dict]:
         """One row per live worker, off a copy of the pool taken at once: ``status`` reads it on a
         call's thread while the loop thread drops and adds workers."""
-        return [{"worker_id": w.wid, "rank": w.rank, "node_id": w.node, "pid": w.pid, "ip": w.ip}
+        return [{"worker_id": w.wid, "rank": w.rank, "node_id": w.node, "pid": w.pid, "ip": w.ip,
+                 "allocator": w.allocator}
                 for w in self.handles()]
 
     def ask(self, method: str, wids, timeout: float, *args) -> dict:

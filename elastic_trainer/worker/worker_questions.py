@@ -12,6 +12,7 @@ import socket
 
 import ray
 
+from .allocator import in_use as allocator_in_use
 from .device import bind
 from .heartbeat_relay import relay_pings
 from .liveness import process_mark, running
@@ -38,6 +39,7 @@ class WorkerQuestions:
             # when it is dead says memory killed it (controller.memory_kills).
             "oom_kills": oom_kills(),
             "memory_limit": memory_limit(),
+            "allocator": allocator_in_use(),
         }
 
     @ray.method(concurrency_group="control")

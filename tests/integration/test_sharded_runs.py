@@ -86,12 +86,15 @@ def test_a_stage_lost_whole_under_zero1_comes_back_from_the_object_store(fresh_c
 
 def test_durable_checkpoints_load_under_any_sharding(cluster, corpus_dir, tmp_path):
     """Written under ZeRO-2 at 2 x 2, resumed whole at 2 x 1 (whole parts loading into sharded
-    ranks: tests/unit/test_sharded_optimizer.py)."""
+    ranks: tests/unit/test_sharded_optimizer.py). The first run's workers run on jemalloc (the
+    default), the second's on the system allocator (``scaling.cpu_allocator``)."""
     ck = {"storage": str(tmp_path / "ck"), "durable_every": 3}
-    runs = [("gradients", 2, 3), ("none", 1, 6)]
-    for i, (shard, pp, steps) in enumerate(runs):
-        cfg = config(corpus_dir, "zdur", steps=steps, checkpoint=ck, parallel={"dp": 2, "pp": pp, "shard_optimizer": shard})
+    runs = [("gradients", 2, 3, "jemalloc"), ("none", 1, 6, "system")]
+    for i, (shard, pp, steps, allocator) in enumerate(runs):
+        cfg = config(corpus_dir, "zdur", steps=steps, checkpoint=ck, parallel={"dp": 2, "pp": pp, "shard_optimizer": shard},
+                     scaling={"cpu_allocator": allocator})
         result = Trainer(cfg, verbose=False).fit(**({"resume": True, "accept_change": ["train.steps"]} if i else {}))
+        assert {w["allocator"] for w in result.workers} == {allocator}, result.workers
         if i:
             [ev] = [e for e in result.events if e["kind"] == "resume"]
             assert ev["step"] == runs[i - 1][2]

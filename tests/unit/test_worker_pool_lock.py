@@ -66,5 +66,6 @@ def test_the_table_is_a_snapshot_while_the_loop_thread_drops_a_worker():
 def test_the_table_and_the_nodes_agree_with_the_workers_held():
     pool = WorkerPool(TrainerConfig.from_dict(tiny_config("/nonexistent")), "plain")
     pool.workers = {3: WorkerHandle(3, None, "node-a", 7, "10.0.0.1", rank=None)}
-    assert pool.table() == [{"worker_id": 3, "rank": None, "node_id": "node-a", "pid": 7, "ip": "10.0.0.1"}]
+    assert pool.table() == [{"worker_id": 3, "rank": None, "node_id": "node-a", "pid": 7, "ip": "10.0.0.1",
+                             "allocator": None}]
     assert pool.nodes() == {"node-a"}
