@@ -220,7 +220,9 @@ def recovery(out: dict) -> dict:
     """Kill -> first step after, its parts, and the bytes restored (n/a until the controller reports them)."""
     [rec] = out["result"].recoveries
     at = out["killed"]["at"]
+    signal = rec.get("first_signal_at")   # the first rank's word of the failed step (None: found otherwise)
     return {"kill_to_first_step_s": rec["resumed_at"] - at, "kill_to_detect_s": rec["detected_at"] - at,
+            "kill_to_first_signal_s": signal - at if signal else None,
             "replan_s": rec["replan_s"], "restore_s": rec["restore_s"], "first_step_s": rec["first_step_s"],
             "restore_parts": rec.get("restore_parts"), "steps_redone": rec["steps_redone"],
             "restore_bytes": rec.get("restore_bytes"), "restore_rate_bytes_s": rec.get("restore_rate_bytes_s"),
