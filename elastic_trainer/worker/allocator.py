@@ -3,8 +3,9 @@
 A CPU worker's tensors come from the C library's ``malloc``. Under glibc's, a
 rank with a sharded optimizer grew by 20-60 MB a step without end: its live
 memory was lower than an unsharded rank's, and what grew was freed memory
-glibc kept in its main heap and could not reuse (``mallinfo2``: 233 MB in use,
-615 MB free after 10 steps, ``benchmarks/shard_memory.py``). A sharded step
+glibc kept in its main heap and could not reuse (``mallinfo2`` after 16 steps:
+351 MB in use, 725 MB free but kept; unsharded, 465 and 70;
+``benchmarks/shard_memory.py --allocator system``). A sharded step
 frees buffers of a bucket's size (the bucket's gradients under ZeRO-2, its
 flat copy once reduce-scattered, gloo's copy of it inside
 ``reduce_scatter_tensor``) while backward is still allocating, and the holes
@@ -14,7 +15,7 @@ jemalloc keeps freed extents by size class and hands them out again, so the
 resident set is the working set's peak, flat from the first steps. Its purging
 is turned off (``dirty_decay_ms:-1``): with it on, the pages of every step's
 buffers went back to the kernel and were faulted in again (2.7 M page faults
-in 10 steps against 0.47 M, steps 40% slower). This is what CUDA's caching
+in 10 steps against 0.47 M, steps 25-40% slower). This is what CUDA's caching
 allocator does for GPU tensors; a GPU worker's tensors do not live in
 ``malloc``, so GPU workers keep the system's allocator.
 
