@@ -91,6 +91,8 @@ def format_status(st: dict) -> str:
         lines.append(f"    rank {w['rank']}: worker {w['worker_id']} pid {w['pid']} node {str(w['node_id'])[:12]}"
                      + (f" pace {p:.2f}" if p is not None else "")
                      + (f" memory {peak / 2**20:.0f} MiB" if peak else "")
+                     # How to read that figure: jemalloc keeps freed memory (worker.allocator).
+                     + (f" on {w['allocator']}" if peak and w.get("allocator") else "")
                      + (f" device {on_device / 2**20:.0f} MiB" if on_device else "")
                      + (f" (set-up peak {at_setup / 2**20:.0f} MiB)" if at_setup else "")
                      + (f" STRAGGLER since step {slow[w['rank']]}" if w["rank"] in slow else ""))

@@ -96,6 +96,17 @@ def test_status_says_stopping_then_stopped_and_no_time_left():
     assert "min left" not in "\n".join(stopped)
 
 
+def test_status_gives_each_rank_its_memory_and_the_allocator_it_runs_on():
+    st = {"run": "r", "state": "RUNNING", "step": 12, "steps": 40, "last": _rec(12), "tokens_per_s": 1000.0,
+          "step_time_s": 0.5, "plan": None, "failures": [], "recoveries": 0,
+          "workers": [{"worker_id": 4, "rank": 0, "pid": 99, "node_id": "abcdef0123456789", "allocator": "jemalloc"},
+                      {"worker_id": 5, "rank": 1, "pid": 98, "node_id": "abcdef0123456789", "allocator": None}],
+          "memory": {"step_peak_rss_bytes": {"0": 900 * 2**20, "1": 800 * 2**20}}}
+    ranks = [ln.strip() for ln in format_status(st).splitlines() if ln.strip().startswith("rank ")]
+    assert ranks == ["rank 0: worker 4 pid 99 node abcdef012345 memory 900 MiB on jemalloc",
+                     "rank 1: worker 5 pid 98 node abcdef012345 memory 800 MiB"]
+
+
 def test_the_result_of_a_stopped_run_says_so():
     stopped = Result("r", [_rec(s) for s in range(1, 13)], [], {}, state="STOPPED", step=12)
     assert stopped.stopped and not stopped.finished and stopped.step == 12
