@@ -31,6 +31,7 @@ from .reporting.rank_file import RankFile, ranks_path, read_rank_figures
 from .storage.credentials import storage_env
 from .storage.uris import is_uri, join
 from .storage.preflight import check_storage
+from .worker.allocator import nodes_start_on
 
 
 @dataclass
@@ -183,7 +184,8 @@ class Trainer:
         num_cpus = max(os.cpu_count() or 1, int(res.get("CPU", 1) * cfg.world_size + 0.999))
         # A local cluster is for this machine only: keep it on loopback (Ray would otherwise
         # resolve 127.0.0.1 to the machine's routable address and listen there).
-        with _loopback_kept("127.0.0.1"):
+        # Its processes start on the workers' allocator, so Ray's idle ones can serve as workers.
+        with _loopback_kept("127.0.0.1"), nodes_start_on(cfg.scaling.cpu_allocator, cfg.scaling.uses_gpu):
             ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
         return True
 

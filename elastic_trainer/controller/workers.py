@@ -24,7 +24,7 @@ from ..naming import NAMESPACE, spare_name
 from ..planning.node_share import snapshot_host_budget
 from ..storage.credentials import storage_env
 from ..worker.actor import TrainWorker
-from ..worker.allocator import allocator_env
+from ..worker.allocator import allocator_env, inherited
 from ..worker.device import SHARE_GPUS_ENV
 from .placement import pick_nodes
 
@@ -151,7 +151,13 @@ class WorkerPool:
         self.lock = threading.Lock()
         self._next_wid = 0
         # A preload of the run's own (scaling.env_vars) replaces this one, and is not checked.
-        self._allocator_env = allocator_env(cfg.scaling.cpu_allocator, cfg.scaling.uses_gpu)
+        # This process was started by the cluster as its workers will be: where it runs on what
+        # the run asks for, so will they, with no environment of their own (worker.allocator).
+        here = inherited()
+        self._allocator_env = allocator_env(cfg.scaling.cpu_allocator, cfg.scaling.uses_gpu, inherited=here)
+        # Checked where jemalloc is to be had: preloaded by us, or by the cluster's start.
+        self._expect_jemalloc = (cfg.scaling.cpu_allocator == "jemalloc" and not cfg.scaling.uses_gpu
+                                 and (here == "jemalloc" or bool(self._allocator_env.get("LD_PRELOAD"))))
         self._allocator_warned = "LD_PRELOAD" in cfg.scaling.env_vars
         # Groups: "train" runs steps one at a time (a lock), with a thread for a lease queued behind
         # the one running; "control" (ping, queries) never waits
@@ -271,12 +277,13 @@ class WorkerPool:
 
     def _check_allocator(self, wid: int, got: str | None) -> None:
         """Say once when a worker runs on another allocator than the run asked for (``worker.allocator``)."""
-        if not self._allocator_env or got in (None, "jemalloc") or self._allocator_warned:
+        if not self._expect_jemalloc or got in (None, "jemalloc") or self._allocator_warned:
             return
         self._allocator_warned = True
-        log.warning("[%s] worker %d runs on the system allocator, not jemalloc (scaling.cpu_allocator): %s was "
-                    "not loaded on its node; its resident memory may grow with freed memory glibc keeps",
-                    self.run_name, wid, self._allocator_env["LD_PRELOAD"])
+        how = (f"{self._allocator_env['LD_PRELOAD']} was not loaded on its node" if self._allocator_env else
+               "its node's environment lacks the jemalloc preload this controller's node has")
+        log.warning("[%s] worker %d runs on the system allocator, not jemalloc (scaling.cpu_allocator): %s; its "
+                    "resident memory may grow with freed memory glibc keeps", self.run_name, wid, how)
 
     def table(self) -> list[dict]:
         """One row per live worker, off a copy of the pool taken at once: ``status`` reads it on a

@@ -4,6 +4,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from elastic_trainer.worker.allocator import nodes_start_on
+
 NUM_NODES = 4
 # Ray's GCS declares a killed node dead once it misses this many health checks, this far apart
 # (Ray's defaults, 5 x 3 s, take about 15 s); until then a new run could place a worker there.
@@ -16,13 +18,22 @@ _SETTLE_S = 30.0
 
 
 def start_cluster(num_nodes: int) -> tuple[Cluster, list]:
-    """A head with no CPUs (so work lands on removable nodes) plus one-CPU nodes."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                      "_system_config": _HEALTH_CHECKS})
-    nodes = [c.add_node(num_cpus=1) for _ in range(num_nodes)]
+    """A head with no CPUs (so work lands on removable nodes) plus one-CPU nodes, started on
+    jemalloc as a local cluster of the trainer's is: Ray's idle processes can serve as workers
+    (``worker.allocator``)."""
+    with nodes_start_on("jemalloc"):
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                          "_system_config": _HEALTH_CHECKS})
+    nodes = [add_node(c) for _ in range(num_nodes)]
     c.wait_for_nodes()
     ray.init(address=c.address)
     return c, nodes
+
+
+def add_node(c: Cluster, **args):
+    """A one-CPU node (``args`` for Ray's ``add_node``), its processes on jemalloc as the head's."""
+    with nodes_start_on("jemalloc"):
+        return c.add_node(**{"num_cpus": 1, **args})
 
 
 def stop_cluster(c: Cluster) -> None:
@@ -58,7 +69,7 @@ class SharedCluster:
         for node in live[num_nodes:]:
             c.remove_node(node, allow_graceful=True)
         live = live[:num_nodes]
-        live += [c.add_node(num_cpus=1) for _ in range(num_nodes - len(live))]
+        live += [add_node(c) for _ in range(num_nodes - len(live))]
         self.nodes = live
         want = {c.head_node.node_id} | {n.node_id for n in live}
         deadline = time.monotonic() + _SETTLE_S

@@ -122,3 +122,5 @@ def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
     assert step_metric is not None and step_metric >= 1, "no ray_elastic_trainer_step series for the run"
     assert status_out is not None and "run jobtest: RUNNING" in status_out, status_out
     assert "plan dp=2 x pp=2" in status_out and "rank 3: worker" in status_out
+    # A head started plainly: the workers' own environment preloads jemalloc (worker.allocator).
+    assert "MiB on jemalloc" in status_out, status_out

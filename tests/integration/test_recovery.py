@@ -17,6 +17,7 @@ from elastic_trainer.chaos.simulate import freeze_node, kill_pids
 
 from ..conftest import tiny_config
 from ..helpers import reference_losses
+from .conftest import add_node
 from .test_runs import actor_log_lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -370,7 +371,7 @@ def test_a_cluster_short_at_the_start_starts_on_what_fits_and_grows_as_nodes_joi
                  scaling={"start_wait_s": 1, "grow_check_s": 0.5})
     added, grown = [], []
 
-    def on_step(rec, chaos=Chaos().at(3, lambda: added.extend(c.add_node(num_cpus=1) for _ in range(2)))):
+    def on_step(rec, chaos=Chaos().at(3, lambda: added.extend(add_node(c) for _ in range(2)))):
         chaos(rec)
         if rec["world_size"] == 4:
             grown.append(rec["step"])
@@ -421,7 +422,7 @@ def test_whole_cluster_lost_then_resume_and_corrupt_checkpoint_fallback(fresh_cl
     [newest] = storage.glob(f"step-{saved[-1]:08d}-*/shard-000.pt")
     newest.write_bytes(newest.read_bytes()[:-100] + b"\0" * 100)
     for _ in range(4):
-        c.add_node(num_cpus=1)
+        add_node(c)
     c.wait_for_nodes()
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))

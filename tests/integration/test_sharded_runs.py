@@ -11,6 +11,7 @@ from elastic_trainer.models.factory import block_param_counts
 from elastic_trainer.naming import NAMESPACE
 
 from ..helpers import reference_losses
+from .conftest import add_node
 from .test_recovery import Chaos, assert_contiguous_data, config, node_of_rank
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -38,7 +39,7 @@ def test_dp_down_then_up_under_zero2_restores_the_saved_state_bit_for_bit(fresh_
     def on_step(rec, chaos=Chaos().at(4, lambda: c.remove_node(node_of_rank("zgrow", 2, nodes), allow_graceful=False))):
         chaos(rec)
         if rec["world_size"] == 2 and not added:
-            added.append(c.add_node(num_cpus=1))
+            added.append(add_node(c))
         if added and rec["world_size"] == 3:
             grown.append(rec["step"])
             if len(grown) == 10:
