@@ -112,3 +112,9 @@ def in_use() -> str:
             return "jemalloc" if any("libjemalloc" in line for line in f) else "system"
     except OSError:
         return "system"
+
+
+if __name__ == "__main__":
+    # For `env $(python -m elastic_trainer.worker.allocator) ray start ...`: a node whose processes
+    # all start on jemalloc, so CPU workers need no environment of their own.
+    print(" ".join(f"{k}={v}" for k, v in node_env().items()))

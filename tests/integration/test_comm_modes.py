@@ -8,11 +8,15 @@ demo's loss has fallen from ~5.6 to ~3 and is still falling steeply, so a
 mode that trains worse shows.
 """
 
+import os
+
 import pytest
 
 from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.comm.algorithms import ring_allreduce_bytes
 from elastic_trainer.models.factory import block_param_counts
+
+from ..conftest import weights_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -33,6 +37,7 @@ EXTRA = {"powersgd": ["comm.powersgd_start_step=5"], "topk": ["comm.topk_warmup_
 def demo(name: str, *overrides: str) -> TrainerConfig:
     return TrainerConfig.from_yaml("jobs/demo.yaml", [
         f"train.steps={STEPS}", f"run.name={name}", "run.report_dir=null", "parallel.dp=2", "parallel.pp=1",
+        f"run.output_dir={os.path.join(weights_dir(), name)}",   # not the checkout's elastic_trainer_reports/
         "checkpoint.memory_every=1000", *overrides])
 
 

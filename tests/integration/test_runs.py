@@ -8,7 +8,7 @@ import ray
 from elastic_trainer import PlacementError, Trainer, TrainerConfig
 from elastic_trainer.cli.commands import main
 
-from ..conftest import tiny_config
+from ..conftest import tiny_config, weights_dir
 from .conftest import NUM_NODES
 
 pytestmark = pytest.mark.integration
@@ -165,7 +165,8 @@ def test_cli_run_with_overrides(cluster, corpus_dir, tmp_path, capsys):
 @pytest.mark.timeout(300)
 def test_demo_job_loss_falls_by_a_third(cluster):
     """The shipped demo (real stdlib corpus, dp=2 x pp=2), cut short: the loss falls clearly."""
-    cfg = TrainerConfig.from_yaml("jobs/demo.yaml", ["train.steps=60", "run.name=demo-short", "run.report_dir=null"])
+    cfg = TrainerConfig.from_yaml("jobs/demo.yaml", ["train.steps=60", "run.name=demo-short", "run.report_dir=null",
+                                                  f"run.output_dir={weights_dir()}/demo-short"])
     result = Trainer(cfg, verbose=False).fit()
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     assert last <= 0.7 * first, (first, last)

@@ -49,7 +49,9 @@ def test_dp_down_then_up_under_zero2_restores_the_saved_state_bit_for_bit(fresh_
     assert result.state == "STOPPED" and len(grown) >= 10, (result.state, grown)
     assert_contiguous_data(result, cfg, last=result.step)
     loss, grow = result.recoveries
-    assert (loss["reason"], grow["reason"]) == ("death", "grow")
+    # A killed node is seen by its peers' broken connections or by its heartbeat's silence,
+    # whichever comes first (under load, either), as in test_recovery.
+    assert loss["reason"] in ("death", "silent") and grow["reason"] == "grow", (loss["reason"], grow["reason"])
     assert [(r["plan_after"]["dp"], r["plan_after"]["pp"]) for r in (loss, grow)] == [(2, 1), (3, 1)]
     for rec in (loss, grow):
         # Every block from the group's slices; the state then held is the state saved, bit for bit.

@@ -50,6 +50,8 @@ def test_a_host_killed(lab, corpus_dir, tmp_path):
     check_curve(result, config)
     [rec] = result["recoveries"]
     assert rec["reason"] in ("death", "silent") and rec["plan_after"]["world_size"] < 4, rec
+    # Hosts started plainly: the workers' own environment preloads jemalloc (worker.allocator).
+    assert {w["allocator"] for w in result["workers"]} == {"jemalloc"}, result["workers"]
 
 
 @pytest.mark.parametrize("fault", ["cut", "freeze"])
