@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
 
-from elastic_trainer.controller.heartbeat import Heartbeat  # noqa: E402
+from elastic_trainer.controller.stepping.heartbeat import Heartbeat  # noqa: E402
 from elastic_trainer.worker.heartbeat_relay import relay_pings  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .checkpoint.compat import resume_request
 from .config import TrainerConfig
 from .controller.controller import ControllerActor
-from .controller.saving import SaveError  # noqa: F401  (a run's error, importable from here)
+from .controller.state.saving import SaveError  # noqa: F401  (a run's error, importable from here)
 from .data.dataset import ensure_prepared
 from .data.splits import data_order, open_datasets
 from .errors import DataError, ElasticTrainerError
@@ -85,9 +85,14 @@ class Trainer:
     cluster is started (and shut down after ``fit``).
     """
 
-    def __init__(self, config: TrainerConfig, on_step: Callable[[dict], None] | None = None, verbose: bool = True):
+    def __init__(self, config: TrainerConfig, on_step: Callable[[dict], None] | None = None, verbose: bool = True,
+                 on_start: Callable[[object], None] | None = None):
+        """``on_step``: called with each step's record as the driver sees it. ``on_start``: called
+        with the run's controller actor before the run starts (a fault campaign arms its fault
+        points with it: ``chaos.campaign``)."""
         self.config = config
         self.on_step = on_step
+        self.on_start = on_start
         self.verbose = verbose
         self.report_path: str | None = None  # the run report PNG of the last fit
         self.ranks_path: str | None = None   # the per-rank figures of the last fit (rank_file.py)
@@ -199,6 +204,8 @@ class Trainer:
             **({"runtime_env": {"env_vars": env}} if env else {}),
         ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape)
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
+        if self.on_start:
+            self.on_start(controller)
         done_ref = controller.run.remote(return_model_state, resume)
         # What the driver has seen, kept so a failed run still gets its report.
         history: list[dict] = []
@@ -240,6 +247,9 @@ class Trainer:
                 cause = e.cause if isinstance(e.cause, ElasticTrainerError) else e.as_instanceof_cause()
                 error = re.sub(r"\x1b\[[0-9;]*m", "", str(cause))
                 self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": error}])
+                # What the driver saw of the failed run goes with its error: the steps and events.
+                with contextlib.suppress(AttributeError, TypeError):
+                    cause.history, cause.events = history, events
                 raise cause from None
         finally:
             ray.kill(controller, no_restart=True)

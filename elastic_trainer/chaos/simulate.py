@@ -24,7 +24,7 @@ def object_store_bytes() -> int:
     return int(reply.store_stats.object_store_bytes_used)
 
 
-def _process_tree(root: int) -> list[int]:
+def process_tree(root: int) -> list[int]:
     """``root`` and every process below it (from /proc)."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -47,7 +47,7 @@ def freeze_node(node) -> list[int]:
     """Stop a simulated node whole (SIGSTOP to its raylet and every process below it): nothing
     exits and no connection closes, as when a machine freezes. Returns the pids, for
     :func:`kill_pids` once done (Linux)."""
-    pids = _process_tree(node.all_processes["raylet"][0].process.pid)
+    pids = process_tree(node.all_processes["raylet"][0].process.pid)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     return pids

@@ -46,6 +46,7 @@ from ..storage.filesystems import open_fs
 from ..storage.uris import is_uri, join, split_secrets
 from ..errors import ElasticTrainerError
 from ..storage.retry import StorageError, with_retries
+from .cover import cover_problems, part_spans
 from .part_io import HashingWriter, read_bytes, sha256_of, to_numpy, to_torch
 from .weights import not_seen
 
@@ -155,15 +156,21 @@ class DurableStore:
                  "seconds": time.perf_counter() - t0}
         if shard.get("ranges"):
             entry["sliced"] = True   # a slice of its blocks: loads with the other slices of the same blocks
+            entry["spans"] = part_spans(shard)   # which moments it holds, for the cover check
         return entry
 
-    def commit(self, step: int, files: list[dict], meta: dict) -> str:
+    def commit(self, step: int, files: list[dict], meta: dict, n_blocks: int | None = None) -> str:
         """Write the manifest of ``step``'s checkpoint, once every part in ``files`` (their
         ``write_part`` entries) is written: the checkpoint exists from this moment; its directory
         (``shown``). Every part
         must be there as seen from here (a local path that is not one shared filesystem holds
-        each on its writer's machine): else a ``CheckpointError`` naming them, and no manifest."""
+        each on its writer's machine): else a ``CheckpointError`` naming them, and no manifest.
+        ``n_blocks``: the model's blocks, which the parts must hold whole (``cover``), else a
+        ``CheckpointError`` naming what is left out, and no manifest."""
         d = self.step_dir(step)
+        if n_blocks is not None and (problems := cover_problems(files, n_blocks)):
+            raise CheckpointError(f"checkpoint {d} of step {step} would not hold the whole model: "
+                                  + "; ".join(problems) + "; no manifest written")
         gone = self._retry(lambda: not_seen(self.fs, [f"{d}/{f['name']}" for f in files], [f["bytes"] for f in files]),
                            f"listing {d}")
         unseen = [files[i] for i in gone]
@@ -173,7 +180,7 @@ class DurableStore:
                 + "; ".join(f"{f['name']} (written on node {f.get('node', '?')})" for f in unseen)
                 + f" not in {d} as seen from here; give checkpoint.storage a shared filesystem or an object "
                 "store URI (s3://, gs://)")
-        entries = [{k: f[k] for k in ("name", "sha256", "bytes", "blocks", "sliced") if k in f} for f in files]
+        entries = [{k: f[k] for k in ("name", "sha256", "bytes", "blocks", "sliced", "spans") if k in f} for f in files]
         manifest = {"format": FORMAT, "step": step, "run_id": self.run_id, "created": time.time(),
                     "files": entries, **meta}
 

@@ -1,5 +1,5 @@
 """The ``elastic-trainer`` command: ``commands`` (run, plan, bench-comm, status, stop,
-prepare-data, export) and ``status`` (the live runs on a cluster, through their controllers)."""
+prepare-data, export; campaign in ``campaign_cmd``) and ``status`` (the live runs on a cluster, through their controllers)."""
 
 
 def main(argv=None) -> int:

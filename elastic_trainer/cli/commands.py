@@ -240,6 +240,8 @@ def _cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import campaign_cmd
+
     parser = argparse.ArgumentParser(
         prog="elastic-trainer",
         description="Train models with data + pipeline parallelism on a Ray cluster.",
@@ -342,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("source", help="weights file, run output folder, or durable checkpoint directory")
     ex.add_argument("--hf", required=True, metavar="OUT", help="the folder to write")
     ex.set_defaults(fn=_cmd_export)
+    campaign_cmd.add_parser(sub)
     return parser
 
 

@@ -250,7 +250,10 @@ class ParameterServerShard:
 
         Names without optimizer state in ``state`` start AdamW afresh. Returns the step.
         """
-        shards = [state] if isinstance(state, dict) else list(state)
+        names = set(self._params)
+        # Object refs (a restore passes them unresolved) are read one at a time, each cut at once to
+        # this shard's names: a shard never holds more of the model than its own part.
+        shards = [_own_part(_resolve(s), names) for s in ([state] if isinstance(state, dict) else list(state))]
         with self._cond:
             step, params, optim = merge_shards(shards, sorted(self._params))
             load_into(self._params.items(), self._optimizer, params, optim)
@@ -274,6 +277,24 @@ class ParameterServerShard:
                 self.n_workers = n_workers
             self._cond.notify_all()
             return dropped
+
+
+def _resolve(part):
+    """``part``, or the value of the object ref it is."""
+    if isinstance(part, dict):
+        return part
+    import ray
+
+    return ray.get(part)
+
+
+def _own_part(part: dict, names: set[str]) -> dict:
+    """``part`` with only ``names``' parameters, slices and moments."""
+    out = dict(part)
+    for key in ("params", "optim", "ranges", "optim_ranges"):
+        if part.get(key):
+            out[key] = {n: v for n, v in part[key].items() if n in names}
+    return out
 
 
 def remote_shard_class(**actor_options):

@@ -50,32 +50,33 @@ from ..planning.constants import run_constants
 from ..planning.model_shape import ModelShape, model_shape, remember_shape
 from ..planning.plan import make_plan
 from ..planning.policy import check_start, choose_plan, cut_fits, memory_bound
-from .balance import Balance
-from .benching import Bench
-from .durable_writer import DurableWriter
-from .evaluation import Evaluator
-from .fences import Fences
-from .first_placement import place_first
-from .placement import assign_ranks, fault_tolerance
-from .plan_setup import PlanSetup
-from .ps_group import ParameterServers
+from .balance.stragglers import Balance
+from .balance.benching import Bench
+from .state.durable_writer import DurableWriter
+from .stepping.evaluation import Evaluator
+from .failures.fences import Fences
+from .replanning.first_placement import place_first
+from .run.fault_points import FaultPoints
+from .run.placement import assign_ranks, fault_tolerance
+from .replanning.plan_setup import PlanSetup
+from .run.ps_group import ParameterServers
 from .queries import ControllerQueries
-from .failure_budget import FailureBudget
-from .growth import Growth
-from .memory_bound import resolve_memory_bound
-from .store_room import warn_store_short
-from .memory_kills import MemoryKills
-from .recovery import Recovery
-from .replan import Replanner
-from .restore_points import RestorePoints
-from .run_record import RunRecord
-from .run_state import RunState
-from .saving import RunSaver, SaveError
-from .snapshot_schedule import SnapshotSchedule
-from .snapshots import SnapshotStore
+from .failures.failure_budget import FailureBudget
+from .replanning.growth import Growth
+from .replanning.memory_bound import resolve_memory_bound
+from .state.store_room import warn_store_short
+from .failures.memory_kills import MemoryKills
+from .failures.recovery import Recovery
+from .replanning.replan import Replanner
+from .state.restore_points import RestorePoints
+from .run.run_record import RunRecord
+from .run.run_state import RunState
+from .state.saving import RunSaver, SaveError
+from .state.snapshot_schedule import SnapshotSchedule
+from .state.snapshots import SnapshotStore
 from .step_loop import StepLoop
-from .stepping import StepDriver
-from .workers import WorkerPool
+from .stepping.one_step import StepDriver
+from .run.workers import WorkerPool
 
 __all__ = ["Controller", "ControllerActor", "RunError", "RunState"]
 
@@ -112,6 +113,9 @@ class Controller:
         self.points = RestorePoints(cfg, cfg_json, self.data, run, self.pool, self.snapshots, self.durable, ps)
         self.memory = MemoryKills(self.pool)
         self.fences = Fences(self.pool, cfg.failure.fence_timeout_s, self.run_name, self.memory)
+        if cfg.failure.allow_fault_injection:
+            # Where a fault campaign may hold the run (chaos.campaign); no other run has any.
+            run.points = self.fences.points = FaultPoints()
         budget = FailureBudget(cfg, self.saver.emergency)
         self.recovery = Recovery(cfg, run, self.pool, budget, self.fences, self.memory, ps)
         self.growth = Growth(cfg, run, self.pool, self.bench, self.schedule, self.fences)
@@ -169,6 +173,20 @@ class Controller:
             raise ValueError("slow_durable needs checkpoint.storage: this run writes no durable checkpoints")
         self.writer.delay_s = seconds
 
+    def fault_point(self, op: str, point: str | None = None, occurrence: int = 1):
+        """A fault campaign's hold on the run (``run.fault_points``): ``arm`` ``point`` at its
+        ``occurrence``-th pass from now, see what is ``held``, ``release`` it, or its ``state``.
+        Only where the config sets ``failure.allow_fault_injection``."""
+        if not self.cfg.failure.allow_fault_injection:
+            raise PermissionError(f"fault points are for fault injection, which is off in run {self.run_name!r}: "
+                                  "set failure.allow_fault_injection true in its config")
+        points = self.record.points
+        if op == "arm":
+            return points.arm(point, occurrence)
+        if op in ("held", "release", "state"):
+            return getattr(points, op)()
+        raise ValueError(f"unknown fault point op {op!r}; use arm, held, release or state")
+
     # -- the run -------------------------------------------------------------------------
     def run(self, return_model_state: bool = False, resume: bool | dict = False) -> dict:
         """The whole run, once: place, start, step, save. It ends FINISHED after the last step or
@@ -195,6 +213,7 @@ class Controller:
             if self.durable:
                 self.writer = DurableWriter(self.durable, cfg, self.cfg_json, self.snapshots, len(run.counts),
                                             run.event, self.run_name, self.data, self._live_actor)
+                self.writer.points = run.points
             self.step_loop = StepLoop(cfg, run, self.pool, self.driver, self.balance, self.bench, self.snapshots,
                                       self.schedule, self.recovery, self.growth, self.replanner, self.evaluator,
                                       self.writer, lambda: self.ps, self.memory)
@@ -220,6 +239,7 @@ class Controller:
                 run.transition(RunState.FAILED, error=f"{type(e).__name__}: {e}")
             raise
         finally:
+            self.replanner.flush()
             if self.ps:
                 self.ps.kill()
             self.fences.clear()
@@ -304,7 +324,7 @@ class ControllerActor:
     with its internals that move the run (``transition``, ``apply_plan``, ``event``, ...), is
     out of a client's reach. What is left: ``run`` (once: the driver that made the actor calls
     it), ``stop`` (ends the run STOPPED, with what it has saved), the read-only ``progress``,
-    ``status``, and two chaos hooks, ``inject_fault`` and
+    ``status``, and three chaos hooks, ``inject_fault``, ``fault_point`` and
     ``worker_handles``, refused unless the run's config sets ``failure.allow_fault_injection``.
     """
 
@@ -330,6 +350,11 @@ class ControllerActor:
     def inject_fault(self, *args, **kwargs) -> None:
         """``Controller.inject_fault``; only with ``failure.allow_fault_injection``."""
         return self._ctl.inject_fault(*args, **kwargs)
+
+    def fault_point(self, op: str, point: str | None = None, occurrence: int = 1):
+        """``Controller.fault_point``: a fault campaign's hold on the run; only with
+        ``failure.allow_fault_injection``."""
+        return self._ctl.fault_point(op, point, occurrence)
 
     def worker_handles(self) -> list:
         """The live workers' actors, for chaos tools that inject faults into them: only with

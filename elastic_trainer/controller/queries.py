@@ -13,11 +13,11 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from .balance import Balance
-from .benching import Bench
-from .run_record import RunRecord
-from .snapshot_schedule import SnapshotSchedule
-from .workers import WorkerPool
+from .balance.stragglers import Balance
+from .balance.benching import Bench
+from .run.run_record import RunRecord
+from .state.snapshot_schedule import SnapshotSchedule
+from .run.workers import WorkerPool
 
 
 class ControllerQueries:

@@ -20,22 +20,23 @@ import time
 from typing import Callable
 
 from ..config import TrainerConfig
-from .balance import Balance, Moves
-from .benching import Bench
-from .durable_writer import DurableWriter
-from .evaluation import Evaluator
-from .leases import lease_length, schedule_after
-from .memory_kills import MemoryKills
-from .ps_group import ParameterServers
-from .rank_figures import split_rank_figures
-from .growth import Growth
-from .recovery import Recovery
-from .replan import ReplanOrder, Replanner
-from .run_record import RunRecord
-from .snapshot_schedule import SnapshotSchedule
-from .snapshots import SnapshotStore
-from .stepping import StepDriver, StepOutcome
-from .workers import WorkerPool
+from .balance.stragglers import Balance, Moves
+from .balance.benching import Bench
+from .state.durable_writer import DurableWriter
+from .stepping.evaluation import Evaluator
+from .stepping.leases import lease_length, schedule_after
+from .failures.memory_kills import MemoryKills
+from .run.ps_group import ParameterServers
+from .run.rank_figures import split_rank_figures
+from .replanning.growth import Growth
+from .failures.recovery import Recovery
+from .replanning.replan import Replanner
+from .run.orders import ReplanOrder
+from .run.run_record import RunRecord
+from .state.snapshot_schedule import SnapshotSchedule
+from .state.snapshots import SnapshotStore
+from .stepping.one_step import StepDriver, StepOutcome
+from .run.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class StepLoop:
                     continue
                 if run.step >= self.cfg.train.steps:
                     break
+                run.points.reach("between_steps", step=run.step)
                 order = self.growth.maybe_grow()
                 if order is not None:
                     self.replan(order)
@@ -79,6 +81,7 @@ class StepLoop:
                     raise RuntimeError(f"injected controller error at step {step}")
                 count = self.lease_at(step)
                 granted.append(self._issue(step, count))
+                run.points.reach("in_step", step=step, steps=count)
             if len(granted) == 1 and self.cfg.control.renew_early:
                 renewal = self._renew(granted[0], running=True)
                 if renewal is not None:
@@ -238,6 +241,7 @@ class StepLoop:
             self.snapshots.take_step(step, {r: pool[w] for r, w in run.ranks.items()}, out.shard_refs,
                                      nbytes=sum(o.get("snapshot_bytes", 0) for o in out.results.values()),
                                      results=out.results)
+            run.points.reach("snapshot_in_flight", step=step)
             if ps:
                 ps.snapshot(step)
         for snap in self.snapshots.poll():

@@ -42,11 +42,11 @@ RECOVERY_PHASES = ("detect", "replan", "restore", "first_step", "total")
 
 # Every value the controller gives a counter's own tag, so the recorder can export each series at
 # 0 before its first event (increase() and `offset` miss the event that creates a series).
-# controller/recovery.py emits the failure kinds, controller/balance.py and benching.py the
+# controller/failures/recovery.py emits the failure kinds, controller/balance/stragglers.py and benching.py the
 # rebalance actions; tests/unit/test_metrics.py reads those sources to keep the lists whole.
 FAILURE_KINDS = ("startup", "death", "silent", "hang", "exception", "collective", "during_recovery")
 REBALANCE_ACTIONS = ("shares", "equal shares", "balanced cut", "recut", "spare", "readmit")
-# controller/durable_writer.py's roles of a durable checkpoint.
+# controller/state/durable_writer.py's roles of a durable checkpoint.
 DURABLE_ROLES = ("periodic", "final", "emergency")
 
 # Dashboard rows, in display order.

@@ -1,6 +1,6 @@
 """``<run.report_dir>/<run>.ranks.jsonl``: each step's per-rank figures, one JSON line a step.
 
-The driver appends what the controller hands it (``controller/rank_figures.py``) as
+The driver appends what the controller hands it (``controller/run/rank_figures.py``) as
 the run goes, so neither the step records nor the driver's memory grow with the
 number of ranks. A step run again after a rollback has a line each time; readers
 keep the last. The report's pace strip reads it back at most ``max_steps`` steps

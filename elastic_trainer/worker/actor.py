@@ -141,7 +141,7 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
               master_addr: str, master_port: int, sources: list | None = None,
               collective_timeout_s: float | None = None, rendezvous_timeout_s: float | None = None,
               generation: int = 0, ps: tuple | None = None, reuse_world: int | None = None,
-              group_keys: dict | None = None, keep: list[str] | None = None) -> dict:
+              group_keys: dict | None = None, keep: list[str] | None = None, timeline: list | None = None) -> dict:
         """Join the process groups of a plan as ``rank`` and build its stage(s).
 
         ``sources``: object refs (nested in a list, so Ray does not resolve them
@@ -152,22 +152,25 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         the id of a shrink (``abort_comms``) whose world this plan keeps, instead of a rendezvous.
         ``group_keys``: role (``dp``, ``pp``) -> the worker ids of this rank's group in the plan;
         ``keep``: the roles whose group of the last plan has those members and is carried.
+        ``timeline``: ``(generation, restored step)`` of the run's set-ups, this one's last: local
+        copies of a timeline it abandoned are let go and never restored (``copies.on_timeline``).
         """
         bind(self.gpu)  # CUDA's current device is per thread, and Ray's calls come on several
         with self._setup_lock:
             try:
                 return self._setup(cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
                                    collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world,
-                                   group_keys or {}, keep or [])
+                                   group_keys or {}, keep or [], timeline)
             except BaseException as e:
                 log.warning("[%s] worker %d: set-up as rank %d of dp=%d x pp=%d failed: %s", self.run_name,
                             self.worker_id, rank, dp, pp, error_line(e))
                 traceback.clear_frames(e.__traceback__)
-                self.reset()
+                self._reset()
                 raise
 
     def _setup(self, cfg_json, dp, pp, stage_bounds, rank, master_addr, master_port, sources,
-               collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world, group_keys, keep) -> dict:
+               collective_timeout_s, rendezvous_timeout_s, generation, ps, reuse_world, group_keys, keep,
+               timeline=None) -> dict:
         t = [time.perf_counter()]
         PROGRESS.begin()
         cfg = TrainerConfig.model_validate(cfg_json)
@@ -175,13 +178,13 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         idle_rss = rss_bytes()
         reset_peaks(peak_device)
         self._hold_on_failure = cfg.failure.keep_groups
-        self.reset(keep={role: group_keys[role] for role in keep if role in group_keys})
+        self._reset(keep={role: group_keys[role] for role in keep if role in group_keys})
         held = self._held_blocks(cfg) if sources else None
         self._kept = None  # not reused: let it go before building
         delay = self.faults.setup_delay()
         if delay:
             time.sleep(delay)
-        self._configure_snapshots(cfg)
+        self._configure_snapshots(cfg, generation, timeline)
         topo = Topology(dp, pp)
         device = self.gpu if cfg.scaling.uses_gpu else torch.device("cpu")
         t.append(time.perf_counter())
@@ -199,7 +202,7 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         t.append(time.perf_counter())
         # Built first: a sharded rank's owned ranges say what of the parts it reads it needs.
         shards, moved = (fetch_sources(sources, self.copies, aborted, self.worker_id, trainer.restore_want())
-                         if sources else ([], {"bytes": 0, "seconds": 0.0, "regather": 0}))
+                         if sources else ([], {"bytes": 0, "seconds": 0.0, "regather": 0, "local_generations": []}))
         t.append(time.perf_counter())
         step, fingerprints = 0, None
         if sources:
@@ -242,6 +245,13 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         return kept[1]
 
     def reset(self, keep: dict | None = None, hold: bool = False) -> None:
+        """Leave the process groups and drop the stage; keep local copies. Ordered with set-ups
+        (it takes their lock): a reset sent before a set-up never runs beside it, where it would
+        tear down the groups that set-up just joined. ``_reset`` has the arguments."""
+        with self._setup_lock:
+            self._reset(keep, hold)
+
+    def _reset(self, keep: dict | None = None, hold: bool = False) -> None:
         """Leave the process groups and drop the stage; keep local copies.
 
         gloo closes a group's sockets only when the last reference to it goes,
@@ -379,7 +389,7 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
                     self.rank, error_line(e))
         traceback.clear_frames(e.__traceback__)
         # gloo: the groups stay until the controller says which the next plan keeps (settle_groups).
-        self.reset(hold=self._hold_on_failure and self.groups.backend == "gloo")
+        self._reset(hold=self._hold_on_failure and self.groups.backend == "gloo")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()

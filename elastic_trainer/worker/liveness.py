@@ -18,6 +18,7 @@ the interpreter). Such a rank answers no call, and the step timeout takes it.
 from __future__ import annotations
 
 import os
+import signal
 
 # /proc/<pid>/stat states of a process that does not run: stopped, traced, zombie, dead.
 _NOT_RUNNING = frozenset("TtZXx")
@@ -47,3 +48,30 @@ def running(pid: int, mark: str) -> bool | None:
     if not fields or len(fields) <= 19 or fields[19] != mark:
         return None
     return fields[0] not in _NOT_RUNNING
+
+
+def kill_marked(pid: int, mark: str | None) -> str:
+    """SIGKILL the process ``(pid, mark)`` and no other: ``killed``, ``gone`` (no such process
+    runs: it ended, or its pid is another's now) or ``unmarked`` (killed by pid alone: no /proc
+    named its start time when it joined). Race-free where the kernel has pidfds: the mark is read
+    after the pidfd is open, so the signal goes to the process that was checked."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, AttributeError, OSError) as e:
+        if isinstance(e, ProcessLookupError):
+            return "gone"
+        fd = None
+    try:
+        if mark is not None and process_mark(pid) != mark:
+            return "gone"
+        try:
+            if fd is not None:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return "gone"
+        return "killed" if mark is not None else "unmarked"
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -29,9 +29,11 @@ def fetch_sources(sources: list, copies: HeldCopies, aborted=lambda: False, work
     gave this set-up up) ends it at once."""
     out: list = [None] * len(sources)
     remote = {}
+    used: list[int] = []   # the set-up generations of the local copies read
     for i, s in enumerate(sources):
         if isinstance(s, tuple) and s[0] == "local":
             out[i] = copies.local_copy(s[1])
+            used.append(copies.made_in.get(s[1], 0))
         elif isinstance(s, tuple) and s[0] == "own":
             out[i] = ray.get(s[1])
         elif isinstance(s, tuple) and s[0] == "read":
@@ -47,5 +49,6 @@ def fetch_sources(sources: list, copies: HeldCopies, aborted=lambda: False, work
         out[i] = shard
     moved = {"bytes": sum(shard_nbytes(out[i]) for i in remote), "seconds": time.perf_counter() - t0,
              "regather": sum(s.get("regather_nbytes") or shard_nbytes(select_blocks(s, want[0] if want else s["blocks"]))
-                             for s in out)}
+                             for s in out),
+             "local_generations": used}
     return out, moved

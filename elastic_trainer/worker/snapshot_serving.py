@@ -32,9 +32,15 @@ class SnapshotServing:
         self._setups = 0
         self._overlap = True
         self._snapshot_wait_s = 60.0
+        self._generation = 0      # the set-up the steps now run under: each local copy carries it
+        self._timeline: list = []  # the run's restores, as its set-ups named them (``copies.on_timeline``)
 
-    def _configure_snapshots(self, cfg: TrainerConfig) -> None:
+    def _configure_snapshots(self, cfg: TrainerConfig, generation: int = 0, timeline: list | None = None) -> None:
         self.copies.keep = cfg.checkpoint.snapshots_kept
+        self._generation = generation
+        if timeline is not None:
+            self._timeline = [tuple(t) for t in timeline]
+            self.copies.drop_abandoned(self._timeline)
         self._overlap = cfg.checkpoint.overlap
         self._snapshot_wait_s = cfg.failure.startup_timeout_s + cfg.comm.timeout_s
 
@@ -60,9 +66,11 @@ class SnapshotServing:
             self.copies.make_room()  # the copy's buffer is then one that was let go
         job = self.trainer.begin_snapshot(step, lend=lend)
         if not job.lent:
-            def keep(fut, step=step):
+            # A copy still being made when its step failed lands after the set-up that rolled it back:
+            # its generation and the timeline then say it is not the run's.
+            def keep(fut, step=step, generation=self._generation):
                 if fut.exception() is None:
-                    self.copies.add_local(step, fut.result())
+                    self.copies.add_local(step, fut.result(), generation, self._timeline)
             job.future.add_done_callback(keep)
         with self._snap_cv:
             for old in [s for s in self._jobs if s < step]:
@@ -108,15 +116,36 @@ class SnapshotServing:
 
     # -- local copies and restore sources -------------------------------------------
     @ray.method(concurrency_group="control")
-    def local_steps(self) -> dict[int, list[int]]:
-        """Steps this worker holds a local copy of, with the blocks each covers."""
-        return self.copies.local_blocks()
+    def local_steps(self, timeline: list | None = None, settle_s: float = 0.0) -> dict[int, list[int]]:
+        """Steps this worker holds a local copy of, with the blocks each covers: only copies of
+        the run's ``timeline`` (``(generation, restored step)`` of its set-ups, and the one about to
+        be; ``copies.on_timeline``), which is kept for the copies still to come. ``settle_s``: a
+        re-plan between steps (a grow) first lets the copy in flight finish, up to that long, so
+        the step just ended is a source and nothing is redone."""
+        if settle_s > 0:
+            self._settle_copy(settle_s)
+        if timeline is not None:
+            # The controller's word is the newest: copies it shows abandoned go, and a late one is refused.
+            self._timeline = [tuple(t) for t in timeline]
+            self.copies.drop_abandoned(self._timeline)
+        return self.copies.local_blocks(self._timeline)
+
+    def _settle_copy(self, wait_s: float) -> None:
+        with self._snap_cv:
+            jobs = [(s, job) for s, job in self._jobs.items() if not job.lent]
+            generation = self._generation
+        for step, job in jobs:
+            try:
+                # Kept here as well as by its callback: a waiter may wake before the callback ran.
+                self.copies.add_local(step, job.copied(wait_s), generation, self._timeline)
+            except Exception:  # noqa: BLE001 - a copy that failed or is late is no source; older ones are
+                pass
 
     def export_snapshot(self, step: int) -> dict:
         """A local copy of the current state as ``step`` (for a final snapshot off the schedule)."""
         bind(self.gpu)
         shard = self.trainer.export(step)
-        self.copies.add_local(step, shard)
+        self.copies.add_local(step, shard, self._generation)
         return shard
 
     def export_blocks(self, step: int, blocks: list[int]) -> dict:

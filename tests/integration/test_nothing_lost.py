@@ -13,7 +13,7 @@ from torch import nn
 
 from elastic_trainer import RunError, Trainer
 from elastic_trainer.checkpoint.weights import load_weights
-from elastic_trainer.controller.saving import SaveError
+from elastic_trainer.controller.state.saving import SaveError
 from elastic_trainer.data.dataset import TokenDataset
 from elastic_trainer.data.splits import make_sampler
 from elastic_trainer.models import build_model

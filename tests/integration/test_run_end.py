@@ -10,7 +10,7 @@ import ray
 from elastic_trainer import Trainer
 from elastic_trainer.checkpoint.durable import DurableStore
 from elastic_trainer.checkpoint.weights import load_weights, read_metadata
-from elastic_trainer.controller.saving import SaveError
+from elastic_trainer.controller.state.saving import SaveError
 from elastic_trainer.naming import NAMESPACE, controller_name
 
 from .test_recovery import config

@@ -76,9 +76,9 @@ def test_controller_and_workers_log_through_logging_with_the_run_name(cluster, c
     cfg = TrainerConfig.from_dict(tiny_config(corpus_dir, parallel={"dp": 2, "pp": 1}, run={"name": "logged"},
                                               train={"steps": 3}))
     Trainer(cfg, verbose=False).fit()
-    want = ("elastic_trainer.controller.run_record: [logged] PLACING -> STARTING",
-            "elastic_trainer.controller.run_record: [logged] RUNNING -> FINISHED",
-            "elastic_trainer.controller.workers: [logged] worker 0 joined",
+    want = ("elastic_trainer.controller.run.run_record: [logged] PLACING -> STARTING",
+            "elastic_trainer.controller.run.run_record: [logged] RUNNING -> FINISHED",
+            "elastic_trainer.controller.run.workers: [logged] worker 0 joined",
             "elastic_trainer.worker.actor: [logged] worker 1: rank 1 of dp=2 x pp=1")
     lines = actor_log_lines("[logged]", until=lambda got: all(w in "\n".join(got) for w in want))
     text = "\n".join(lines)

@@ -14,7 +14,7 @@ import ray
 
 from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.checkpoint.weights import load_weights
-from elastic_trainer.controller.saving import SaveError
+from elastic_trainer.controller.state.saving import SaveError
 
 from ..conftest import tiny_config
 from .test_recovery import FAST_FAILURE, Chaos, node_of_rank

@@ -6,7 +6,7 @@ import torch
 
 from elastic_trainer import Trainer, TrainerConfig
 from elastic_trainer.models.factory import block_param_counts
-from elastic_trainer.controller.snapshot_schedule import CYCLES
+from elastic_trainer.controller.state.snapshot_schedule import CYCLES
 from elastic_trainer.naming import NAMESPACE
 from elastic_trainer.worker.faults import SNAPSHOT_DELAY_ENV
 

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from elastic_trainer.controller.balance import Moves
+from elastic_trainer.controller.balance.stragglers import Moves
 from elastic_trainer.controller.step_loop import StepLoop
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_trainer.config import BalanceSection, TrainerConfig
-from elastic_trainer.controller.balance import Balance
+from elastic_trainer.controller.balance.stragglers import Balance
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.planning.balancing import (predict_step_s, propose_shares, share_micro_batches,
                                                 share_quantum)

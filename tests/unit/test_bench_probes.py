@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.benching import Bench, Benched
+from elastic_trainer.controller.balance.benching import Bench, Benched
 
 from ..conftest import tiny_config
 

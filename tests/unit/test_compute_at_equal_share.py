@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_trainer.controller.compute_at_equal_share import EqualShare
+from elastic_trainer.controller.balance.compute_at_equal_share import EqualShare
 from elastic_trainer.worker.compute_clock import ComputeClock
 
 # One step's calls of each pass: the first runs cold, the last launches the gradient buckets.

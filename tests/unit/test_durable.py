@@ -356,3 +356,28 @@ def test_resume_from_a_checkpoint_path(tmp_path):
     _spoil(tmp_path, "b2")
     with pytest.raises(CheckpointError, match=r"step-00000008-b2: shard-000.pt is corrupt"):
         load_resume(store, "x", "step-00000008-b2")   # the one asked for, or none
+
+
+def _slice(step, blocks, lo, hi):
+    """One sharded rank's part: every block's weights whole, the moments of elements [lo, hi) only."""
+    part = shard(step, blocks, 1.0)
+    part["ranges"] = {n: [lo, hi, [2, 3]] for n in part["params"]}
+    part["optim"] = {n: {"exp_avg": np.ones(hi - lo, np.float32), "step": np.asarray(step, np.float32)}
+                     for n in part["params"]}
+    return part
+
+
+def test_a_sharded_checkpoint_missing_a_ranks_slice_is_refused_before_its_manifest(tmp_path):
+    # Two ranks of one stage each hold half of the moments: one slice alone is not a checkpoint.
+    store = DurableStore(str(tmp_path / "ck"), run_id="r1")
+    whole = [store.write_part(5, 0, _slice(5, [0, 1], 0, 3)), store.write_part(5, 1, _slice(5, [0, 1], 3, 6))]
+    assert whole[0]["spans"]["blocks.0.w"] == [0, 3, 6]
+    store.commit(5, whole, {}, n_blocks=2)
+    assert store.load(5)[1]["step"] == 5
+    half = [store.write_part(6, 0, _slice(6, [0, 1], 0, 3))]
+    with pytest.raises(CheckpointError, match=r"3 of its 6 moments' elements.*slice is missing"):
+        store.commit(6, half, {}, n_blocks=2)
+    with pytest.raises(CheckpointError, match=r"block\(s\) \[2\] in no part"):
+        store.commit(6, [store.write_part(6, 0, shard(6, [0, 1], 1.0))], {}, n_blocks=3)
+    # No manifest was written: the newest checkpoint is still step 5's.
+    assert store.load_latest()[1]["step"] == 5

@@ -9,8 +9,8 @@ import numpy as np
 
 from elastic_trainer import TrainerConfig
 from elastic_trainer.checkpoint.durable import DurableStore
-from elastic_trainer.controller.durable_writer import DurableWriter
-from elastic_trainer.controller.snapshots import SnapshotStore
+from elastic_trainer.controller.state.durable_writer import DurableWriter
+from elastic_trainer.controller.state.snapshots import SnapshotStore
 from elastic_trainer.reporting.progress import ProgressPrinter
 
 from ..conftest import tiny_config
@@ -33,7 +33,7 @@ def test_a_failed_durable_write_is_an_event_a_warning_and_a_line_at_once(tmp_pat
         return events[-1]
 
     writer = DurableWriter(DurableStore(storage, "run1", retries=0), cfg, {}, SnapshotStore(1, 2), 2, event, "dur")
-    with caplog.at_level(logging.WARNING, logger="elastic_trainer.controller.durable_writer"):
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.controller.state.durable_writer"):
         assert writer.write(2, [(_shard(2), None, None)], [], {}) is None
     # Recorded before the call returns, on the writer's own thread: not first found at the end.
     assert [e["kind"] for e in events] == ["durable_failed"]

@@ -4,7 +4,7 @@ step, and again for steps a rollback will run again."""
 from types import SimpleNamespace
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.evaluation import Evaluator
+from elastic_trainer.controller.stepping.evaluation import Evaluator
 
 
 def evaluator(every=3, steps=8):

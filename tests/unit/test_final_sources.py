@@ -1,8 +1,8 @@
 """Where the final weights of each pipeline stage come from: replica 0's worker, else another live
 DP replica of the stage, else the snapshot of the final step on a live node, else an error naming
-the stage and what is gone (controller/final_sources.py)."""
+the stage and what is gone (controller/state/final_sources.py)."""
 
-from elastic_trainer.controller.final_sources import lost_stages_error, snapshot_cover, stage_replicas, take_stages
+from elastic_trainer.controller.state.final_sources import lost_stages_error, snapshot_cover, stage_replicas, take_stages
 from elastic_trainer.errors import RunError
 from elastic_trainer.parallel.topology import Topology
 
@@ -62,3 +62,18 @@ def test_no_live_replica_and_no_snapshot_of_the_step_is_an_error_naming_the_stag
     assert "stage 0 (blocks 0..2) has no live replica (replica 0, worker 10: gone); stage 1" in str(two)
     assert "stage 1 (blocks 3..4, 8..9)" in str(two)   # a rank of interleaved stages holds two spans
     assert str(two).endswith("no snapshot of step 5 holds them on a live node; no snapshot is kept to save instead")
+
+
+def test_the_final_checkpoint_from_exports_takes_every_replica_of_a_sharded_stage():
+    from elastic_trainer.controller.state.final_sources import exported_parts
+
+    order = stage_replicas(TOPO, RANKS, {10, 11, 12, 13})
+    assert exported_parts(order, sharded=False, dp=2) == [10, 11]           # one replica a stage is whole
+    assert exported_parts(order, sharded=True, dp=2) == [10, 12, 11, 13]    # each replica holds its slice
+    # A sharded stage that lost a replica lost that slice of its moments: no export makes it whole.
+    # (Before, the first live replica's part was written, and the run ended FINISHED with a
+    # checkpoint that a resume refused.)
+    lost = stage_replicas(TOPO, RANKS, {10, 11, 13})
+    assert exported_parts(lost, sharded=False, dp=2) == [10, 11]
+    assert exported_parts(lost, sharded=True, dp=2) is None
+    assert exported_parts(stage_replicas(TOPO, RANKS, {10, 12}), sharded=False, dp=2) is None

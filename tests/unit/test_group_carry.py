@@ -13,8 +13,8 @@ import multiprocessing
 import os
 import signal
 
-from elastic_trainer.controller.group_carry import count_groups, keep_for, plan_keys, whole_groups
-from elastic_trainer.controller.stuck_steps import stuck
+from elastic_trainer.controller.run.group_carry import count_groups, keep_for, plan_keys, whole_groups
+from elastic_trainer.controller.failures.stuck_steps import stuck
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.worker.process_group import free_port
 
@@ -169,7 +169,7 @@ def test_stuck_is_a_rank_blocked_in_a_whole_group_on_an_operation_its_idle_peers
 
 
 def test_survivors_keep_their_ranks_where_the_layout_stays():
-    from elastic_trainer.controller.group_carry import sticky_ranks
+    from elastic_trainer.controller.run.group_carry import sticky_ranks
 
     assert sticky_ranks(TOPO, TOPO, PLAN_A, [10, 11, 12, 14, 15]) == {0: 10, 1: 11, 2: 12, 3: 14}
     assert sticky_ranks(Topology(4, 1), TOPO, PLAN_A, [10, 11, 12, 14]) is None   # the stages changed

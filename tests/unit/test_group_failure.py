@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from elastic_trainer.controller.survivor_collectives import ShrunkWorld, end_collectives, exclusion, shrunk_ranks
+from elastic_trainer.controller.failures.survivor_collectives import ShrunkWorld, end_collectives, exclusion, shrunk_ranks
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.planning.plan import Plan
 from elastic_trainer.worker import group_failure

@@ -167,7 +167,7 @@ def _killed_peer(rank: int, port: int, peer, out) -> None:
 
 
 def test_the_survivors_error_names_an_address_the_killed_peer_reported():
-    from elastic_trainer.controller.stepping import StepDriver
+    from elastic_trainer.controller.stepping.one_step import StepDriver
 
     ctx = multiprocessing.get_context("fork")
     out, peer = ctx.Queue(), ctx.Queue()

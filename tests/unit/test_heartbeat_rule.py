@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic_trainer.controller import heartbeat as hb
+from elastic_trainer.controller.stepping import heartbeat as hb
 
 
 class Ref:

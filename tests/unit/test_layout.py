@@ -73,15 +73,33 @@ def test_the_scan_sees_a_circle_where_there_is_one():
 
 
 def _module_imports(package: Path) -> dict[str, set[str]]:
-    """Module of ``package`` -> the modules of the same package it imports (relative imports)."""
+    """Module of ``package`` and its subpackages (dotted, below ``package``) -> the modules of the
+    same package it imports (relative imports, lazy ones included)."""
     edges: dict[str, set[str]] = {}
-    for path in package.glob("*.py"):
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package).with_suffix("").parts
+        here = list(rel[:-1])
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
-        edges[path.stem] = found
+            if isinstance(node, ast.ImportFrom) and node.level and node.module:
+                if node.level - 1 > len(here):
+                    continue   # above the package
+                base = here[:len(here) - node.level + 1]
+                found.add(".".join(base + node.module.split(".")))
+        edges[".".join(rel)] = found
     return edges
+
+
+def _folder_imports(package: Path) -> dict[str, set[str]]:
+    """Subpackage of ``package`` -> the other subpackages it imports (modules at its top: ``.``)."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for mod, targets in _module_imports(package).items():
+        folder = mod.split(".")[0] if "." in mod else "."
+        for t in targets:
+            other = t.split(".")[0] if "." in t else "."
+            if other != folder:
+                out[folder].add(other)
+    return out
 
 
 def test_only_the_assembling_module_knows_the_controller_and_its_parts_form_no_circle():
@@ -101,8 +119,25 @@ def test_only_the_assembling_module_knows_the_controller_and_its_parts_form_no_c
                         users.append(f"{path.relative_to(ROOT)}:{node.name}({arg.arg})")
     assert not users, users
     edges = _module_imports(controller)
-    assert {"recovery", "step_loop", "run_record", "plan_setup"} <= set(edges)
+    assert {"failures.recovery", "step_loop", "run.run_record", "replanning.plan_setup"} <= set(edges)
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
     # Nothing hides a circle behind TYPE_CHECKING.
-    hidden = [p.name for p in controller.glob("*.py") if "TYPE_CHECKING" in p.read_text()]
+    hidden = [p.name for p in controller.rglob("*.py") if "TYPE_CHECKING" in p.read_text()]
     assert not hidden, hidden
+
+
+def test_the_controllers_rooms_import_downward_only():
+    # The folders of controller/ (failures, replanning, state, stepping, balance, and run, the
+    # run's record and worker pool beneath them all) form no circle; only the modules at the
+    # top (the controller, its step loop, its queries) assemble them.
+    folders = _folder_imports(ROOT / "controller")
+    assert {"failures", "replanning", "state", "stepping", "balance", "run"} <= set(folders) | {"run"}
+    assert _cycle(dict(folders)) is None, " -> ".join(_cycle(dict(folders)))
+    assert not folders["run"], folders["run"]
+    for room, imports in folders.items():
+        if room != ".":
+            assert "." not in imports, (room, imports)
+    # A room of more than about 15 modules hides its concerns.
+    for room in (ROOT / "controller").iterdir():
+        if room.is_dir() and room.name != "__pycache__":
+            assert len([p for p in room.glob("*.py") if p.name != "__init__.py"]) <= 15, room.name

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.leases import AUTO_LEASE_S
-from elastic_trainer.controller.snapshot_schedule import SnapshotSchedule
+from elastic_trainer.controller.stepping.leases import AUTO_LEASE_S
+from elastic_trainer.controller.state.snapshot_schedule import SnapshotSchedule
 from elastic_trainer.controller.step_loop import StepLoop
-from elastic_trainer.controller.stepping import StepDriver
+from elastic_trainer.controller.stepping.one_step import StepDriver
 from elastic_trainer.errors import ConfigError
 
 from ..conftest import tiny_config

@@ -40,3 +40,26 @@ def test_another_process_on_the_same_pid_is_unknown():
     me = os.getpid()
     assert running(me, process_mark()) is True
     assert running(me, "0") is None
+
+
+def test_a_hung_worker_is_killed_by_its_pid_and_start_time_never_by_its_pid_alone():
+    # kill_hung ran os.kill(pid) on the node: a worker that ended meanwhile left its pid to another
+    # process, which it took.
+    import subprocess
+    import sys
+
+    from elastic_trainer.worker.liveness import kill_marked, process_mark
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mark = process_mark(child.pid)
+        assert mark is not None
+        other = str(int(mark) - 1)      # the start time of an earlier process on that pid
+        assert kill_marked(child.pid, other) == "gone"
+        assert child.poll() is None     # the process that holds the pid now is left alone
+        assert kill_marked(child.pid, mark) == "killed"
+        assert child.wait(timeout=10) == -9
+        assert kill_marked(child.pid, mark) == "gone"
+    finally:
+        if child.poll() is None:
+            child.kill()

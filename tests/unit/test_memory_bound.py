@@ -3,7 +3,7 @@
 import pytest
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.memory_bound import HOST_HEADROOM, host_share_bytes, resolve_memory_bound
+from elastic_trainer.controller.replanning.memory_bound import HOST_HEADROOM, host_share_bytes, resolve_memory_bound
 
 GIB = 1 << 30
 
@@ -27,7 +27,7 @@ def test_a_worker_gets_its_share_of_the_smallest_node_it_fits_on():
 
 
 def test_a_bound_given_is_kept_and_an_unset_one_comes_from_the_cluster(monkeypatch):
-    import elastic_trainer.controller.memory_bound as mb
+    import elastic_trainer.controller.replanning.memory_bound as mb
 
     given = TrainerConfig.model_validate({"data": {"path": "x"}, "scaling": {"worker_memory_gb": 3}})
     assert resolve_memory_bound(given, "r") is None and given.scaling.worker_memory_gb == 3

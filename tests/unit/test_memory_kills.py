@@ -72,8 +72,8 @@ def test_growing_is_refused_where_nothing_limits_it(tmp_path):
 def test_an_actor_rays_memory_monitor_killed_is_a_death_known_to_be_memorys():
     import ray
 
-    from elastic_trainer.controller.failures import diagnose
-    from elastic_trainer.controller.stepping import StepOutcome
+    from elastic_trainer.controller.failures.detect import diagnose
+    from elastic_trainer.controller.stepping.one_step import StepOutcome
 
     oom = ray.exceptions.RayActorError(error_msg=(
         "The actor died unexpectedly before finishing this task.\nTask was killed due to the node running "
@@ -89,8 +89,8 @@ def test_a_count_that_rose_on_the_dead_workers_node_is_a_memory_kill_and_avoids_
     import ray
     from types import SimpleNamespace
 
-    from elastic_trainer.controller.memory_kills import MemoryKills
-    from elastic_trainer.controller.workers import WorkerHandle
+    from elastic_trainer.controller.failures.memory_kills import MemoryKills
+    from elastic_trainer.controller.run.workers import WorkerHandle
 
     started = not ray.is_initialized()
     if started:

@@ -255,7 +255,7 @@ def _emitted(kind: str, field: str) -> set[str]:
     def strings(node):
         return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
-    for path in Path(controller_pkg.__file__).parent.glob("*.py"):
+    for path in Path(controller_pkg.__file__).parent.rglob("*.py"):
         tree = ast.parse(path.read_text())
         loops = {}   # loop variable name -> the strings its loop's tuple gives it
         for node in ast.walk(tree):
@@ -309,7 +309,7 @@ def test_a_failed_durable_checkpoint_is_counted_by_its_role(recorder):
     # (the run goes on) from a final one.
     import inspect
 
-    from elastic_trainer.controller import durable_writer
+    from elastic_trainer.controller.state import durable_writer
     from elastic_trainer.metrics.names import DURABLE_ROLES
 
     source = inspect.getsource(durable_writer)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from elastic_trainer.controller.pace import PaceTracker
+from elastic_trainer.controller.balance.pace import PaceTracker
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.worker.compute_clock import ComputeClock
 
@@ -124,7 +124,7 @@ def test_a_ranks_reference_is_its_peers_median_read_off_one_sorted_list():
     import random
     import statistics
 
-    from elastic_trainer.controller.pace import _median_without
+    from elastic_trainer.controller.balance.pace import _median_without
 
     rng = random.Random(3)
     for n in (2, 3, 4, 5, 10, 11):

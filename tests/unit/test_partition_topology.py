@@ -1,6 +1,6 @@
 import pytest
 
-from elastic_trainer.controller.placement import assign_ranks
+from elastic_trainer.controller.run.placement import assign_ranks
 from elastic_trainer.parallel.partition import partition_blocks, stage_indices_for_rank
 from elastic_trainer.parallel.topology import Topology
 

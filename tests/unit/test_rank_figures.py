@@ -1,6 +1,6 @@
 """Per-rank figures leave the step record, and the controller keeps a bounded number of them."""
 
-from elastic_trainer.controller.rank_figures import RANK_FIELDS, RankFigures, split_rank_figures
+from elastic_trainer.controller.run.rank_figures import RANK_FIELDS, RankFigures, split_rank_figures
 
 
 def test_a_record_loses_its_per_rank_figures_to_a_record_of_their_own():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_trainer.config import BalanceSection, TrainerConfig
-from elastic_trainer.controller.balance import Balance
+from elastic_trainer.controller.balance.stragglers import Balance
 from elastic_trainer.models.factory import block_param_counts
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.planning.policy import cut_fits, plan_block_costs, plan_row

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_trainer import RunError, TrainerConfig
-from elastic_trainer.controller.failure_budget import FailureBudget
-from elastic_trainer.controller.growth import Growth
-from elastic_trainer.controller.replan import ReplanOrder, Replanner
-from elastic_trainer.controller.run_record import RunRecord
-from elastic_trainer.controller.run_state import RunState, RunStateMachine
-from elastic_trainer.controller.snapshot_schedule import SnapshotSchedule
+from elastic_trainer.controller.failures.failure_budget import FailureBudget
+from elastic_trainer.controller.replanning.growth import Growth
+from elastic_trainer.controller.replanning.replan import Replanner
+from elastic_trainer.controller.run.orders import ReplanOrder
+from elastic_trainer.controller.run.run_record import RunRecord
+from elastic_trainer.controller.run.run_state import RunState, RunStateMachine
+from elastic_trainer.controller.state.snapshot_schedule import SnapshotSchedule
 from elastic_trainer.errors import WorkerError
 from elastic_trainer.models.factory import block_param_counts
 from elastic_trainer.planning.plan import plan_for
@@ -74,7 +75,8 @@ def _run(state=RunState.RUNNING, workers=(0, 1)):
 
 def _replanner(cfg, run, setup, pool):
     bench = SimpleNamespace(usable=lambda: list(pool.workers), benched=set(), after_replan=lambda step, refs: None)
-    points = SimpleNamespace(restore_point=lambda: (8, {}, {"0": "memory"}), sources=None, durable_refs=None,
+    points = SimpleNamespace(restore_point=lambda between_steps=False: (8, {}, {"0": "memory"}), sources=None,
+                             durable_refs=None,
                              holder_reads=0, relayed_reads=0)
     budget = FailureBudget(cfg, emergency=lambda why: None)
     fences = SimpleNamespace(fence=lambda wids, *where: None)
@@ -104,7 +106,8 @@ def test_growth_orders_a_replan_asked_for_only_at_a_snapshot_step_and_forgets_it
     assert setup.calls[0]["ranks"] == {0: 0, 1: 1} and setup.calls[0]["whole"] is None
     growth.replanned()
     assert not growth.replan_pending() and run.state is RunState.RUNNING
-    [ev] = [e for e in run.events if e["kind"] == "recovery"]
+    assert not [e for e in run.events if e["kind"] == "recovery"]   # shown once its first step completes it
+    [ev] = [e for e in run._held if e["kind"] == "recovery"]
     assert ev["reason"] == "recut" and ev["policy"].startswith("re-cut") and ev["restored_step"] == 8
 
 
@@ -120,11 +123,18 @@ def test_a_failed_setup_counts_drops_the_groups_it_carried_and_starts_over():
     assert [c["whole"] for c in setup.calls] == [{"g0"}, set()]   # the retry carries nothing
     assert setup.aborted == 1 and budget.failures == 1
     assert [e["failure"] for e in run.events if e["kind"] == "failure"] == ["during_recovery"]
-    [ev] = [e for e in run.events if e["kind"] == "recovery"]
+    ev = replanner.pending_event
     assert (ev["reason"], ev["failed_step"], ev["attempts"], ev["settle_wait_end"]) == ("death", 9, 2, "all")
-    assert run.state is RunState.RUNNING and replanner.pending_event is ev
+    assert run.state is RunState.RUNNING
+    # A driver reads each event once: the recovery is not shown until its first step completes it.
+    # (Before, it was shown at once and completed in place, without the lock: a driver that had
+    # read it kept it without first_step_s and total_s.)
+    seen = run.events[:]
+    assert ev not in seen
     replanner.step_committed()
     assert replanner.pending_event is None and ev["total_s"] >= ev["detect_s"]
+    [shown] = [e for e in run.events[len(seen):] if e["kind"] == "recovery"]
+    assert shown is ev and "_resumed" not in shown and shown["first_step_s"] >= 0
 
 
 def test_setups_that_keep_failing_end_the_run_at_its_limit():
@@ -180,3 +190,17 @@ def test_a_layout_that_runs_out_of_memory_at_its_setup_is_not_retried_nor_chosen
     [unfit] = [e for e in run.events if e["kind"] == "layout_unfit"]
     assert (unfit["dp"], unfit["pp"]) == (1, 2) and "out of memory" in unfit["detail"]
     assert list(replanner.unfit) == [(1, 2, ((0, 4), (4, len(run.counts))))]
+
+
+def test_a_recovery_no_step_completed_is_shown_as_it_is_when_the_next_one_starts_or_the_run_ends():
+    cfg, run = _run(RunState.RECOVERING)
+    pool = _Pool([0, 1])
+    replanner, _ = _replanner(cfg, run, _Setup(), pool)
+    failed = SimpleNamespace(step=9, started=0.0, dropped=[], first_signal=None)
+    replanner.carry_out(ReplanOrder("death", detected=0.5, failed=failed, failure=1))
+    first = replanner.pending_event
+    run.machine = RunStateMachine(RunState.RECOVERING)
+    replanner.carry_out(ReplanOrder("death", detected=0.7, failed=failed, failure=2))
+    assert first in run.events and first["first_step_s"] is None and first["total_s"] is None
+    replanner.flush()
+    assert [e["failure"] for e in run.events if e["kind"] == "recovery"] == [1, 2] and not run._held

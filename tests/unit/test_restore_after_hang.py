@@ -10,9 +10,9 @@ lives: the run restores step 4 from it instead of ending with "no source".
 import pytest
 
 from elastic_trainer import TrainerConfig
-from elastic_trainer.controller.restore import choose_restore, newest_copies
-from elastic_trainer.controller.snapshots import ShardEntry, Snapshot, SnapshotStore
-from elastic_trainer.controller.workers import WorkerHandle, WorkerPool
+from elastic_trainer.controller.state.restore import choose_restore, newest_copies
+from elastic_trainer.controller.state.snapshots import ShardEntry, Snapshot, SnapshotStore
+from elastic_trainer.controller.run.workers import WorkerHandle, WorkerPool
 
 from ..conftest import tiny_config
 
@@ -88,3 +88,31 @@ def test_the_error_names_where_each_blocks_newest_copy_is():
                     "block 1: step 5 in the snapshot part of rank 3 on node node3 (lost); "
                     "newest reachable: step 3 in durable shard 0; "
                     "block 2: no copy")
+
+
+def test_a_grow_under_a_sharded_optimizer_restores_the_step_just_ended_not_an_older_one():
+    # ZeRO at dp=2 x pp=2: each rank's part of step 6 is a slice, in the object store, and the
+    # snapshot has not committed yet (its pinned copies are still going out). Every writer lives:
+    # a grow (no failure) restores step 6 from those parts. Before, a grow went ahead once step
+    # 6's snapshot was taken, the restore saw only step 4 (committed) and redid steps 5 and 6;
+    # with no committed snapshot at all and no storage, it ended the run.
+    store = SnapshotStore(replicas=2, keep=3)
+    group0, group1 = (0, 2), (1, 3)
+    store.snaps[4] = Snapshot(4, 0.0, {r: ShardEntry(f"s4r{r}", STAGE0 if r % 2 == 0 else STAGE1, f"node{r}", wid=r,
+                                                     sealed=True, group=group0 if r % 2 == 0 else group1)
+                                       for r in range(4)}, committed_at=1.0)
+    store.snaps[6] = Snapshot(6, 0.0, {r: ShardEntry(f"s6r{r}", STAGE0 if r % 2 == 0 else STAGE1, f"node{r}", wid=r,
+                                                     sealed=True, group=group0 if r % 2 == 0 else group1)
+                                       for r in range(4)})
+    alive = {0, 1, 2, 3}
+    snaps = store.available({f"node{r}" for r in range(4)}, alive)
+    assert choose_restore(8, {}, snaps, {}, max_step=6)[0] == 4      # what a failure may use
+    sealed = store.sealed_groups(6, alive)
+    assert sealed == {group0: STAGE0, group1: STAGE1}
+    snaps.setdefault(6, {}).update(sealed)
+    step, chosen = choose_restore(8, {}, snaps, {}, max_step=6)
+    assert step == 6 and {chosen[b].part for b in STAGE0} == {group0}
+    # A writer gone, or a part not yet in the object store: its group is no source.
+    assert store.sealed_groups(6, alive - {3}) == {group0: STAGE0}
+    store.snaps[6].shards[2].sealed, store.snaps[6].shards[2].error = False, "lost"
+    assert group0 not in store.sealed_groups(6, alive)

@@ -1,4 +1,4 @@
-from elastic_trainer.controller.restore import Load, Source, choose_restore, plan_loads
+from elastic_trainer.controller.state.restore import Load, Source, choose_restore, plan_loads
 
 
 def test_live_copies_win_and_the_latest_covering_step_is_chosen():

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from elastic_trainer.controller.run_state import TRANSITIONS, InvalidTransition, RunState, RunStateMachine
+from elastic_trainer.controller.run.run_state import TRANSITIONS, InvalidTransition, RunState, RunStateMachine
 
 ALL = list(RunState)
 

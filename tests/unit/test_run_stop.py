@@ -9,7 +9,7 @@ import pytest
 
 from elastic_trainer import RunError, TrainerConfig
 from elastic_trainer.controller.controller import Controller
-from elastic_trainer.controller.run_state import TRANSITIONS, RunState, RunStateMachine
+from elastic_trainer.controller.run.run_state import TRANSITIONS, RunState, RunStateMachine
 from elastic_trainer.reporting.progress import ProgressPrinter
 from elastic_trainer.cli.status import format_status
 from elastic_trainer.controller.controller import ControllerActor

@@ -8,7 +8,7 @@ from elastic_trainer.checkpoint.compat import resume_differences
 from elastic_trainer.storage.retry import StorageError, with_retries
 from elastic_trainer.checkpoint.weights import WeightsError, load_weights, save_weights, weights_from_shards
 from elastic_trainer.checkpoint.dtypes import to_numpy
-from elastic_trainer.controller.placement import fault_tolerance
+from elastic_trainer.controller.run.placement import fault_tolerance
 from elastic_trainer.parallel.topology import Topology
 
 

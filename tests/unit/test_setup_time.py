@@ -1,6 +1,6 @@
 """A set-up's time bound grows with the bytes the largest rank builds or restores."""
 
-from elastic_trainer.controller.setup_time import DEFAULT_BYTES_PER_S, FIXED_S, SetupTime
+from elastic_trainer.controller.replanning.setup_time import DEFAULT_BYTES_PER_S, FIXED_S, SetupTime
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.planning.plan import Plan
 

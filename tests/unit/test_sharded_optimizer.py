@@ -8,7 +8,7 @@ import torch
 
 from elastic_trainer.checkpoint.state import merge_shards
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.restore_check import check_restore
+from elastic_trainer.controller.state.restore_check import check_restore
 from elastic_trainer.parallel.shard_ranges import owned, owned_slices, shard_len
 
 from ..conftest import tiny_config

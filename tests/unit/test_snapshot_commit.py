@@ -10,8 +10,8 @@ import threading
 import pytest
 import ray
 
-from elastic_trainer.controller.snapshots import SnapshotStore
-from elastic_trainer.controller.workers import WorkerHandle
+from elastic_trainer.controller.state.snapshots import SnapshotStore
+from elastic_trainer.controller.run.workers import WorkerHandle
 from elastic_trainer.parallel.topology import Topology
 from elastic_trainer.planning.plan import Plan
 from elastic_trainer.worker.copies import HeldCopies

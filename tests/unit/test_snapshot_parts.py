@@ -1,7 +1,7 @@
 """How a stage's snapshot is shared among its DP replicas, and which parts restore a step."""
 
 from elastic_trainer.checkpoint.state import select_blocks
-from elastic_trainer.controller.snapshots import ShardEntry, Snapshot, SnapshotStore, put_phases
+from elastic_trainer.controller.state.snapshots import ShardEntry, Snapshot, SnapshotStore, put_phases
 from elastic_trainer.parallel.topology import Topology
 
 
@@ -174,3 +174,45 @@ def test_a_worker_reports_the_local_copies_it_made_since_its_set_up():
     worker._forget_snapshots()
     assert worker._copy_made() is None
     worker.trainer.snapshots.close()
+
+
+def test_copies_of_an_abandoned_timeline_are_never_offered_for_a_restore():
+    # Set-up 1 ran steps 1..12; a failure at 13 restored step 8 (set-up 2). The copies of 9..12
+    # made under set-up 1 are of the timeline the run abandoned: once the new timeline passes
+    # step 10 again, the old copy of 10 must not stand in for it. (Before, only step numbers
+    # counted, and it did.)
+    from elastic_trainer.worker.copies import HeldCopies, on_timeline
+
+    held = HeldCopies()
+    held.keep = 8
+    for step in (8, 9, 10, 11, 12):
+        held.add_local(step, {"blocks": [0], "step": step}, generation=1)
+    timeline = [(1, 0), (2, 8)]
+    assert held.local_blocks(timeline) == {8: [0]}
+    assert held.drop_abandoned(timeline) == [9, 10, 11, 12]
+    held.add_local(9, {"blocks": [0], "step": 9}, generation=2, timeline=timeline)
+    assert held.local_blocks(timeline) == {8: [0], 9: [0]}
+    # A copy of step 12 still in flight from set-up 1 lands late: refused, whatever it would evict.
+    assert not held.add_local(12, {"blocks": [0], "step": 12}, generation=1, timeline=timeline)
+    assert held.local_blocks(timeline) == {8: [0], 9: [0]}
+    # Two rollbacks: a copy counts only if no later set-up restored a step before it.
+    assert on_timeline(7, 1, [(2, 8), (3, 6)]) is False and on_timeline(6, 1, [(2, 8), (3, 6)])
+    assert on_timeline(7, 3, [(2, 8), (3, 6)])
+
+
+def test_a_late_copy_of_the_failed_step_does_not_evict_the_one_chosen_for_the_restore():
+    # snapshots_kept 1: the restore chose the local copy of step 8; the failed step 9's copy
+    # was in flight and lands after the controller named the rollback (timeline_to(8)). Before,
+    # it replaced step 8's copy and the set-up that loads it failed, counted as a failure.
+    from elastic_trainer.worker.copies import HeldCopies
+
+    held = HeldCopies()
+    held.keep = 1
+    held.add_local(8, {"blocks": [0, 1], "step": 8}, generation=1)
+    told = [(1, 0), (2, 8)]          # what the controller's local_steps question carries
+    assert held.local_blocks(told) == {8: [0, 1]}
+    assert not held.add_local(9, {"blocks": [0, 1], "step": 9}, generation=1, timeline=told)
+    assert held.local_copy(8)["step"] == 8
+    # The same copy from the new set-up's steps is kept, as the newest.
+    assert held.add_local(9, {"blocks": [0, 1], "step": 9}, generation=2, timeline=told)
+    assert held.local_blocks(told) == {9: [0, 1]}

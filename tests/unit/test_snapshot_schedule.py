@@ -1,7 +1,7 @@
 """memory_every: auto measures a snapshot's cost after each set-up and picks the interval that fits the budget."""
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.snapshot_schedule import CYCLES, SAMPLES, WARMUP, SnapshotSchedule
+from elastic_trainer.controller.state.snapshot_schedule import CYCLES, SAMPLES, WARMUP, SnapshotSchedule
 
 
 def _cfg(**checkpoint):

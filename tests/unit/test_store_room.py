@@ -1,7 +1,7 @@
 """The start says which nodes' object stores are smaller than the snapshots placed there."""
 
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.controller.store_room import store_shortfalls
+from elastic_trainer.controller.state.store_room import store_shortfalls
 from elastic_trainer.planning.plan import make_plan
 from elastic_trainer.planning.policy import rank_store_bytes
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import pytest
 
-from elastic_trainer.controller.stuck_steps import stuck
+from elastic_trainer.controller.failures.stuck_steps import stuck
 from elastic_trainer.worker.process_group import free_port
 from elastic_trainer.worker.wait_site import waiting_in, where
 

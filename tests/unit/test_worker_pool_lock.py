@@ -4,7 +4,7 @@ drops workers: the table is a snapshot taken under the pool's lock, never a walk
 import threading
 
 from elastic_trainer import TrainerConfig
-from elastic_trainer.controller.workers import WorkerHandle, WorkerPool
+from elastic_trainer.controller.run.workers import WorkerHandle, WorkerPool
 
 from ..conftest import tiny_config
 

@@ -1,0 +1,194 @@
+"""The campaign's checker: what a run under faults left, held to the invariants of a run that
+loses nothing.
+
+- it ended FINISHED, or FAILED with a named cause where the schedule left too little (more
+  lethal faults than ``failure.max_failures``); it never hung;
+- every step of its history appears once, in order, each reading the batch after the last;
+- its final weights and optimizer state equal the failure-free run's: bit for bit where every
+  step of its history ran under the failure-free run's layout (the same reductions in the same
+  order), else within ``4 * lr`` per step run under another layout (AdamW moves an element by
+  at most a few ``lr`` a step, whatever its gradient: an element whose gradient is at rounding
+  level can take that step either way once the reduction order changes);
+- every durable checkpoint of the run left in storage verifies, holds every block and every
+  slice of a sharded optimizer (``checkpoint.cover``), and loads whole (any layout can take it);
+  the final one holds exactly the run's final weights;
+- no restore read a local copy of a timeline the run had abandoned (``worker.copies.on_timeline``);
+- the failures counted match the faults struck: none without a lethal fault, at least one
+  failure or fence for each lethal fault struck at a worker;
+- nothing of the run outlived it: actors, worker processes.
+
+Each check is a function of plain values (history, events, states, manifests), so the tests
+plant violations in them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...checkpoint.cover import cover_problems
+from ...worker.copies import on_timeline
+from .schedule import LETHAL
+
+# What AdamW can move an element by in one step, in units of lr: |m_hat| / (sqrt(v_hat) + eps)
+# stays within (1 - beta1) / sqrt(1 - beta2) of 1 for default betas (about 3.2), rounded up.
+ADAMW_STEP_LR = 4.0
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.detail}"
+
+
+def check_end(state: str, error: str | None, lethal: int, max_failures: int) -> list[Violation]:
+    if state in ("FINISHED", "STOPPED"):
+        return []
+    if state == "FAILED" and error and "max_failures" in error and lethal > max_failures:
+        return []   # the schedule left too little, and the run said so
+    return [Violation("ended", f"{state}" + (f" ({error[:300]})" if error else "")
+                      + f" after {lethal} lethal fault(s), max_failures {max_failures}")]
+
+
+def check_history(history: list[dict], steps: int, global_batch: int) -> list[Violation]:
+    got = [r["step"] for r in history]
+    out = []
+    if got != list(range(1, steps + 1)):
+        seen: dict[int, int] = {}
+        for s in got:
+            seen[s] = seen.get(s, 0) + 1
+        twice = sorted(s for s, n in seen.items() if n > 1)
+        missing = sorted(set(range(1, steps + 1)) - set(got))
+        out.append(Violation("steps_once", f"history steps {_runs(got)}"
+                             + (f"; twice: {twice[:10]}" if twice else "") + (f"; missing: {missing[:10]}" if missing else "")
+                             + ("" if twice or missing else "; out of order")))
+    bad = [(r["step"], r.get("cursor")) for r in history if r.get("cursor") != (r["step"] - 1) * global_batch]
+    if bad:
+        out.append(Violation("data_cursor", f"steps whose batch is not the one after the last (step, cursor): {bad[:5]}"))
+    return out
+
+
+def layout_of(plan: dict | None) -> tuple | None:
+    """What decides a step's reductions and their order: dp, pp, the stage cut, the sharding."""
+    if not plan:
+        return None
+    return (plan.get("dp"), plan.get("pp"), tuple(tuple(s["blocks"]) for s in plan.get("stages", ())),
+            plan.get("shard_optimizer"))
+
+
+def steps_off_layout(history: list[dict], plans: list[dict], reference: tuple) -> int:
+    """How many steps of ``history`` ran under a layout other than ``reference``."""
+    return sum(1 for r in history if layout_of(plans[r["plan"]] if r.get("plan") is not None and r["plan"] < len(plans)
+                                               else None) != reference)
+
+
+def check_state(got: dict | None, want: dict, off_layout: int, lr: float, what: str = "final state") -> list[Violation]:
+    """``got`` against ``want`` (name -> tensor or array): equal bit for bit where ``off_layout`` is 0,
+    else within ``ADAMW_STEP_LR * lr`` per step run off it."""
+    if got is None:
+        return [Violation(what, "the run returned none")]
+    if set(got) != set(want):
+        return [Violation(what, f"names differ: {sorted(set(got) ^ set(want))[:5]}")]
+    bound = ADAMW_STEP_LR * lr * off_layout
+    worst, where = 0.0, None
+    for name in sorted(want):
+        a, b = _np(got[name]), _np(want[name])
+        if a.shape != b.shape:
+            return [Violation(what, f"{name}: shape {a.shape} != {b.shape}")]
+        if off_layout == 0:
+            if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+                n = int(np.sum(a != b))
+                return [Violation(what, f"{name}: {n} element(s) differ where bit-identity is due (every step "
+                                        f"ran under the failure-free layout), up to {float(np.max(np.abs(a - b))):.3g}")]
+            continue
+        d = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+        if d > worst:
+            worst, where = d, name
+    if worst > bound:
+        return [Violation(what, f"{where} is {worst:.3g} off the failure-free run's, over the bound {bound:.3g} "
+                                f"({ADAMW_STEP_LR:g} lr x {off_layout} step(s) under another layout)")]
+    return []
+
+
+def check_checkpoint(name: str, manifest: dict, parts: list[dict], n_blocks: int,
+                     final_state: dict | None = None) -> list[Violation]:
+    """One durable checkpoint: verified parts (the caller read them, checksums and all), every
+    block and slice held, the whole model assembled from them; ``final_state``: the run's last
+    weights, which the final checkpoint holds exactly."""
+    from ...checkpoint.state import merge_shards
+
+    problems = cover_problems(manifest.get("files", []), n_blocks)
+    if problems:
+        return [Violation("checkpoint_cover", f"{name}: " + "; ".join(problems))]
+    names = sorted({n for p in parts for n in p["params"]})
+    try:
+        step, params, _ = merge_shards(parts, names)
+    except ValueError as e:
+        return [Violation("checkpoint_loads", f"{name}: {e}")]
+    if step != manifest.get("step"):
+        return [Violation("checkpoint_loads", f"{name}: parts of step {step}, manifest of {manifest.get('step')}")]
+    if final_state is not None:
+        diff = [n for n in names if n in final_state and not np.array_equal(_np(params[n]), _np(final_state[n]))]
+        if diff or set(names) != set(final_state):
+            return [Violation("final_checkpoint", f"{name}: does not hold the run's final weights ("
+                                                  + (f"{diff[:3]} differ" if diff else "other names") + ")")]
+    return []
+
+
+def check_timeline(events: list[dict]) -> list[Violation]:
+    """No restore read a local copy made under a set-up of a timeline the run had abandoned."""
+    out = []
+    for ev in events:
+        if ev.get("kind") != "recovery" or not ev.get("local_generations"):
+            continue
+        timeline = [tuple(t) for t in ev.get("timeline") or []]
+        step = ev["restored_step"]
+        for rank, gens in ev["local_generations"].items():
+            stale = [g for g in gens if not on_timeline(step, g, timeline)]
+            if stale:
+                out.append(Violation("abandoned_timeline",
+                                     f"rank {rank} restored step {step} from a copy made under set-up(s) {stale}, "
+                                     f"rolled back since (timeline {timeline})"))
+    return out
+
+
+def check_counts(struck: list[dict], events: list[dict]) -> list[Violation]:
+    """Failures against the faults struck: none without a lethal fault that hit a worker; at least
+    one failure or fence for each that did."""
+    lethal = [s for s in struck if s["kind"] in LETHAL and s.get("done") not in ("skipped", "gone")]
+    failures = [e for e in events if e.get("kind") == "failure"]
+    fences = [e for e in events if e.get("kind") == "fence"]
+    if not lethal and failures:
+        return [Violation("failures_counted", f"{len(failures)} failure(s) with no lethal fault struck: "
+                                              f"{[(f.get('failure'), f.get('step')) for f in failures][:5]}")]
+    if lethal and not failures and not fences:
+        return [Violation("failures_counted", f"{len(lethal)} lethal fault(s) struck, no failure or fence recorded")]
+    return []
+
+
+def check_leftovers(leftovers: list[str]) -> list[Violation]:
+    return [Violation("leftovers", "; ".join(leftovers[:10]))] if leftovers else []
+
+
+def _np(v) -> np.ndarray:
+    if hasattr(v, "detach"):
+        v = v.detach().cpu()
+        if str(v.dtype) == "torch.bfloat16":
+            v = v.float()
+        return v.numpy()
+    return np.asarray(v)
+
+
+def _runs(steps: list[int]) -> str:
+    """[1, 2, 3, 5, 5, 6] -> '1..3, 5, 5..6'."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in spans)
