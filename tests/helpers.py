@@ -1,5 +1,6 @@
 """A user model factory for tests: a tiny token MLP as blocks (imported by path from configs)."""
 
+import functools
 import sys
 import threading
 import time
@@ -40,13 +41,15 @@ def not_a_pair():
     return [nn.Linear(2, 2)]
 
 
-def reference_run(cfg, steps: int, micro_batches: int = 1):
+def reference_run(cfg, steps: int, micro_batches: int = 1, replicas: int = 1):
     """Plain single-process torch on the same blocks, data and seed: (per-step losses, final state).
 
     ``cfg.train.precision`` bf16 / fp16 runs forward and loss under autocast, as torch's guide has it;
     fp16 with torch's ``GradScaler`` at the config's initial scale and growth interval.
     ``micro_batches``: accumulate gradients over that many equal chunks of the global batch
     (with bf16, the same matrix shapes as the workers' micro-batches round the same way).
+    ``replicas``: sum the gradients as that many DP replicas do: each replica's consecutive
+    share of the micro-batches on its own, then the replicas' sums (an fp32 sum's order).
     """
     import torch
     from torch import nn
@@ -71,12 +74,21 @@ def reference_run(cfg, steps: int, micro_batches: int = 1):
         x, y = data.sample(sampler.rows(step * gb, gb))
         opt.zero_grad()
         total = 0.0
-        for xm, ym in zip(torch.from_numpy(x).chunk(micro_batches), torch.from_numpy(y).chunk(micro_batches)):
+        sums = []   # each replica's gradients (replicas > 1)
+        for i, (xm, ym) in enumerate(zip(torch.from_numpy(x).chunk(micro_batches),
+                                         torch.from_numpy(y).chunk(micro_batches))):
             with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = loss_fn(model(xm), ym)
             part = loss / micro_batches
             (scaler.scale(part) if scaler else part).backward()
             total += loss.item() / micro_batches
+            if replicas > 1 and (i + 1) % (micro_batches // replicas) == 0:
+                sums.append([p.grad for p in model.parameters()])
+                opt.zero_grad(set_to_none=True)   # the next replica's start afresh
+        if sums:
+            for p, *grads in zip(model.parameters(), *sums):
+                grads = [g for g in grads if g is not None]
+                p.grad = functools.reduce(torch.add, grads) if grads else None
         loss = torch.tensor(total)
         if scaler:
             scaler.unscale_(opt)

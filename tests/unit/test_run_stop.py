@@ -62,10 +62,13 @@ def test_a_second_run_call_is_refused_and_leaves_the_running_run_alone():
 def test_a_client_of_the_cluster_reaches_only_the_controllers_narrow_surface():
     # Ray makes every method of a named actor's class callable by any driver, private ones too.
     methods = {n for n, _ in inspect.getmembers(ControllerActor, inspect.isfunction) if not n.startswith("__")}
-    assert methods == {"run", "stop", "progress", "status", "inject_fault", "worker_handles"}
+    assert methods == {"run", "stop", "progress", "status", "inject_fault", "worker_handles", "fault_point"}
     actor = ControllerActor(tiny_config("/nonexistent"), "narrow")
     with pytest.raises(PermissionError, match=r"fault injection, which is off in run 'narrow'"):
         actor.worker_handles()
+    # A production run has no fault points at all: nothing to arm, nothing held.
+    with pytest.raises(PermissionError, match=r"fault injection, which is off in run 'narrow'"):
+        actor.fault_point("arm", "in_step")
     assert actor.stop("maintenance") is True and actor.status()["stopping"]["reason"] == "maintenance"
     chaos = ControllerActor(tiny_config("/nonexistent", failure={"allow_fault_injection": True}), "chaos")
     assert chaos.worker_handles() == []

@@ -67,5 +67,5 @@ def test_the_table_and_the_nodes_agree_with_the_workers_held():
     pool = WorkerPool(TrainerConfig.from_dict(tiny_config("/nonexistent")), "plain")
     pool.workers = {3: WorkerHandle(3, None, "node-a", 7, "10.0.0.1", rank=None)}
     assert pool.table() == [{"worker_id": 3, "rank": None, "node_id": "node-a", "pid": 7, "ip": "10.0.0.1",
-                             "allocator": None}]
+                             "allocator": None, "mark": None}]
     assert pool.nodes() == {"node-a"}

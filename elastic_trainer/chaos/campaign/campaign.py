@@ -27,7 +27,7 @@ from ...worker.allocator import nodes_start_on
 from .checker import (Violation, check_checkpoint, check_counts, check_end, check_history, check_leftovers,
                       check_state, check_timeline, layout_of, steps_off_layout)
 from .runner import Outcome, run_schedule
-from .schedule import LETHAL, Schedule, covering, draw
+from .schedule import LETHAL, Schedule, covering, draw, variant
 from .shrink import shrink
 from .strike import Striker, wait_until
 
@@ -52,12 +52,6 @@ class Setting:
         return self.dp * self.pp
 
 
-def variant(seed: int | None) -> str:
-    """Which optimizer-state layout a schedule's run uses: every third seed shards it (ZeRO-2),
-    so the sharded paths (slices, their snapshots and checkpoints) meet the faults too."""
-    return "sharded" if seed is not None and seed % 3 == 2 else "whole"
-
-
 @dataclass
 class Report:
     schedule: Schedule
@@ -78,6 +72,8 @@ class Campaign:
     workdir: str | None = None
     use_s3: bool = True
     deadline_s: float = 300.0
+    cluster: object = None        # a cluster someone else started (a test's); else one of its own
+    nodes: list = field(default_factory=list)
     _refs: dict = field(default_factory=dict)
     _runs: int = 0
 
@@ -101,20 +97,16 @@ class Campaign:
                 self.bucket = self.s3.bucket("campaign")
             except ImportError:
                 self.s3 = None
-        self.owns_ray = not ray.is_initialized()
-        self.cluster = None
+        self.owns_ray = self.cluster is None
         if self.owns_ray:
+            if ray.is_initialized():
+                raise RuntimeError("a campaign starts a simulated cluster of its own: this process is connected "
+                                   "to a Ray cluster already (give Campaign(cluster=..., nodes=...) to use it)")
             with nodes_start_on("jemalloc"):
                 self.cluster = Cluster(initialize_head=True, head_node_args={
                     "num_cpus": 0, "include_dashboard": False, "_system_config": _HEALTH_CHECKS})
             ray.init(address=self.cluster.address)
-        self.nodes: list = []
         self.top_up()
-        return self
-
-    def attach(self, cluster, nodes: list) -> "Campaign":
-        """Use a cluster someone else started (a test's): its nodes are this campaign's to kill."""
-        self.cluster, self.nodes = cluster, nodes
         return self
 
     def __exit__(self, *exc) -> None:
@@ -125,6 +117,7 @@ class Campaign:
             self.cluster.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
+            self._tmp = None
 
     # -- the cluster ---------------------------------------------------------------------------
     def top_up(self) -> None:

@@ -1,0 +1,144 @@
+"""The campaign's checker catches what it is for: a checkpoint with a block or a slice missing, a
+history with a step twice, weights one ulp off where bit-identity is due, a restore from an
+abandoned timeline, failures without a fault, something left running. And its schedules replay."""
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_trainer.chaos.campaign.checker import (check_checkpoint, check_counts, check_end, check_history,
+                                                    check_leftovers, check_state, check_timeline, steps_off_layout)
+from elastic_trainer.chaos.campaign.schedule import Fault, Schedule, covering, draw
+from elastic_trainer.chaos.campaign.shrink import shrink
+from elastic_trainer.controller.run.fault_points import POINTS, FaultPoints
+
+
+def _history(steps, gb=8):
+    return [{"step": s, "cursor": (s - 1) * gb, "plan": 0} for s in steps]
+
+
+def test_a_history_with_a_step_twice_or_missing_is_caught():
+    assert check_history(_history(range(1, 7)), 6, 8) == []
+    [v] = [v for v in check_history(_history([1, 2, 3, 3, 4, 5, 6]), 6, 8) if v.invariant == "steps_once"]
+    assert "twice: [3]" in v.detail
+    [v] = check_history(_history([1, 2, 4, 5, 6]), 6, 8)
+    assert "missing: [3]" in v.detail
+    skipped = _history(range(1, 7))
+    skipped[3]["cursor"] += 8   # step 4 read the batch after its own: one skipped
+    assert [v.invariant for v in check_history(skipped, 6, 8)] == ["data_cursor"]
+
+
+def test_weights_one_ulp_off_are_caught_where_bit_identity_is_due_and_pass_within_the_bound_elsewhere():
+    want = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    ulp = {"w": torch.tensor([1.0, float(np.nextafter(np.float32(2.0), np.float32(3.0))), 3.0])}
+    assert check_state({"w": want["w"].clone()}, want, off_layout=0, lr=1e-3) == []
+    [v] = check_state(ulp, want, off_layout=0, lr=1e-3)
+    assert "1 element(s) differ where bit-identity is due" in v.detail
+    # Steps run under another layout: within 4 lr a step, not beyond.
+    assert check_state(ulp, want, off_layout=1, lr=1e-3) == []
+    assert check_state({"w": want["w"] + 0.01}, want, off_layout=2, lr=1e-3)[0].invariant == "final state"
+    plans = [{"dp": 2, "pp": 2, "stages": [{"blocks": [0, 4]}, {"blocks": [4, 8]}], "shard_optimizer": "none"},
+             {"dp": 1, "pp": 2, "stages": [{"blocks": [0, 4]}, {"blocks": [4, 8]}], "shard_optimizer": "none"}]
+    from elastic_trainer.chaos.campaign.checker import layout_of
+    hist = _history(range(1, 7))
+    for r in hist[2:4]:
+        r["plan"] = 1
+    assert steps_off_layout(hist, plans, layout_of(plans[0])) == 2
+
+
+def _part(step, blocks, lo=None, hi=None):
+    names = [f"blocks.{b}.w" for b in blocks]
+    part = {"step": step, "blocks": blocks, "extra": {},
+            "params": {n: np.arange(6, dtype=np.float32).reshape(2, 3) for n in names},
+            "optim": {n: {"exp_avg": np.ones(6 if lo is None else hi - lo, np.float32), "step": np.float32(step)}
+                      for n in names}}
+    if lo is not None:   # a sharded rank's slice: elements [lo, hi) of each parameter and its moments
+        part["ranges"] = {n: [lo, hi, [2, 3]] for n in names}
+        part["params"] = {n: np.arange(6, dtype=np.float32)[lo:hi] for n in names}
+        part["optim"] = {n: {"exp_avg": np.ones(hi - lo, np.float32).reshape(-1), "step": np.float32(step)}
+                         for n in names}
+    return part
+
+
+def _manifest(step, parts):
+    from elastic_trainer.checkpoint.cover import part_spans
+    files = []
+    for p in parts:
+        f = {"blocks": p["blocks"]}
+        if p.get("ranges"):
+            f.update(sliced=True, spans=part_spans(p))
+        files.append(f)
+    return {"step": step, "files": files}
+
+
+def test_a_checkpoint_with_a_block_or_a_slice_missing_is_caught():
+    whole = [_part(4, [0, 1]), _part(4, [2, 3])]
+    assert check_checkpoint("ck", _manifest(4, whole), whole, 4) == []
+    [v] = check_checkpoint("ck", _manifest(4, whole[:1]), whole[:1], 4)
+    assert v.invariant == "checkpoint_cover" and "block(s) [2, 3] in no part" in v.detail
+    sliced = [_part(4, [0, 1], 0, 3), _part(4, [0, 1], 3, 6)]
+    assert check_checkpoint("ck", _manifest(4, sliced), sliced, 2) == []
+    [v] = check_checkpoint("ck", _manifest(4, sliced[:1]), sliced[:1], 2)
+    assert "slice is missing" in v.detail
+    # The final checkpoint must hold the run's final weights exactly.
+    final = {n: torch.from_numpy(a.copy()) for p in whole for n, a in p["params"].items()}
+    assert check_checkpoint("ck", _manifest(4, whole), whole, 4, final) == []
+    final["blocks.3.w"][0, 0] += 1
+    assert check_checkpoint("ck", _manifest(4, whole), whole, 4, final)[0].invariant == "final_checkpoint"
+
+
+def test_a_restore_from_an_abandoned_timeline_and_failures_without_a_fault_are_caught():
+    ok = {"kind": "recovery", "restored_step": 8, "timeline": [[1, 0], [2, 8]], "local_generations": {"0": [1]}}
+    assert check_timeline([ok]) == []
+    stale = {"kind": "recovery", "restored_step": 10, "timeline": [[1, 0], [2, 8], [3, 10]],
+             "local_generations": {"1": [1]}}   # step 10 made under set-up 1, rolled back to 8 by set-up 2
+    [v] = check_timeline([stale])
+    assert v.invariant == "abandoned_timeline" and "set-up(s) [1]" in v.detail
+    failure = {"kind": "failure", "failure": "death", "step": 5}
+    assert check_counts([{"kind": "join", "done": "joined"}], [failure])[0].invariant == "failures_counted"
+    assert check_counts([{"kind": "kill_node", "done": "node removed"}], [failure]) == []
+    assert check_counts([{"kind": "kill_node", "done": "node removed"}], [])[0].invariant == "failures_counted"
+    assert check_leftovers(["worker 3's process 123"])[0].invariant == "leftovers"
+    assert check_end("FAILED", "RunError: x", lethal=1, max_failures=10)[0].invariant == "ended"
+    assert check_end("HUNG", None, lethal=0, max_failures=10)[0].invariant == "ended"
+    assert check_end("FAILED", "stopped after 4 failures (failure.max_failures 3)", lethal=4, max_failures=3) == []
+
+
+def test_schedules_replay_from_their_line_and_the_ci_seeds_cover_every_kind_and_point():
+    s = draw(7, steps=24, world=4, durable_every=6)
+    assert Schedule.from_json(s.to_json()) == s and draw(7, 24, 4, 6) == s
+    with pytest.raises(ValueError, match="not a fault schedule"):
+        Schedule.from_json('{"faults": [{"kind": "nap"}]}')
+    cover = covering(24, 4, 6)
+    assert {f.kind for s in cover for f in s.faults} == {"kill_process", "kill_node", "freeze", "join",
+                                                          "storage_outage"}
+    assert {f.point for s in cover for f in s.faults} == set(POINTS)
+
+
+def test_a_failing_schedule_shrinks_to_the_fault_that_fails():
+    faults = [Fault("join", "in_step", 3), Fault("kill_node", "restore", 1, rank=2), Fault("freeze", "setup", 1)]
+    tried = []
+
+    def fails(s):
+        tried.append(len(s.faults))
+        return any(f.kind == "kill_node" for f in s.faults)
+
+    assert shrink(Schedule(faults, 5), fails).faults == [faults[1]]
+
+
+def test_a_run_holds_at_an_armed_point_until_released():
+    import threading
+
+    points = FaultPoints(hold_s=30)
+    points.arm("in_step", 2)
+    points.reach("in_step", step=1)          # the first pass goes on
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (points.reach("in_step", step=2), done.set()))
+    t.start()
+    while points.held() is None:
+        pass
+    assert points.held()["step"] == 2 and not done.is_set()
+    points.release()
+    assert done.wait(10)
+    with pytest.raises(ValueError, match="unknown fault point"):
+        points.arm("lunch")
