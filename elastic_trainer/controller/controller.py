@@ -219,6 +219,15 @@ class Controller:
                                       self.writer, lambda: self.ps, self.memory)
             self._start(resume)
             self.step_loop.loop()
+            # A worker lost after the last step whose state no survivor holds (a sharded slice, a
+            # stage's every replica) is a failure like any other: re-plan, redo, then save.
+            while True:
+                run.points.reach("final_save", step=run.step)
+                order = None if run.stopping else self.recovery.lost_before_save()
+                if order is None:
+                    break
+                self.step_loop.replan(order)
+                self.step_loop.loop()
             state = self.saver.gather_state() if return_model_state else None
             saved = self.saver.final()
             # A stop that came after the last step leaves nothing undone: that run finished.

@@ -32,6 +32,9 @@ class _Pool:
     def __getitem__(self, wid):
         return self.workers[wid]
 
+    def __contains__(self, wid):
+        return wid in self.workers
+
     def await_joining(self, timeout, required=False):
         return []
 
@@ -204,3 +207,29 @@ def test_a_recovery_no_step_completed_is_shown_as_it_is_when_the_next_one_starts
     assert first in run.events and first["first_step_s"] is None and first["total_s"] is None
     replanner.flush()
     assert [e["failure"] for e in run.events if e["kind"] == "recovery"] == [1, 2] and not run._held
+
+
+def test_a_sharded_slice_lost_before_the_final_save_is_a_failure_to_recover_not_a_failed_save():
+    from elastic_trainer.controller.failures.recovery import Recovery
+
+    cfg = TrainerConfig.from_dict(tiny_config("/nonexistent", parallel={"dp": 2, "pp": 1}))
+    run = RunRecord(cfg, "end")
+    run.counts = block_param_counts(cfg.model)
+    run.plan = plan_for(cfg, 2, 1, [(0, len(run.counts))], run.counts)
+    run.ranks, run.step = {0: 0, 1: 1}, 16
+    run.machine = RunStateMachine(RunState.RUNNING)
+    pool = _Pool([0, 1])
+    pool.dead_or_silent = lambda wids: ([], [1])          # worker 1 froze after the last step
+    fenced = []
+    fences = SimpleNamespace(fence=lambda wids, *where: fenced.extend(wids))
+    recovery = Recovery(cfg, run, pool, FailureBudget(cfg, emergency=lambda why: None), fences,
+                        SimpleNamespace(watch=lambda *a: None), lambda: None)
+    # Unsharded: the other replica holds the whole stage, the save reads it; nothing to recover.
+    assert recovery.lost_before_save() is None and run.state is RunState.RUNNING
+    # Sharded: worker 1 held the only copy of its slice of the moments. Before, the final save
+    # failed the run (or, earlier still, wrote a checkpoint a resume refused).
+    run.plan.shard_optimizer = "gradients"
+    order = recovery.lost_before_save()
+    assert order is not None and order.reason == "silent" and not order.after_failure
+    assert fenced == [1] and run.state is RunState.RECOVERING
+    assert [(e["failure"], e["worker"], e["step"]) for e in run.events if e["kind"] == "failure"] == [("silent", 1, 16)]

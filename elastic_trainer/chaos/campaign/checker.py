@@ -29,7 +29,7 @@ import numpy as np
 
 from ...checkpoint.cover import cover_problems
 from ...worker.copies import on_timeline
-from .schedule import LETHAL
+from .schedule import KILLS, LETHAL
 
 # What AdamW can move an element by in one step, in units of lr: |m_hat| / (sqrt(v_hat) + eps)
 # stays within (1 - beta1) / sqrt(1 - beta2) of 1 for default betas (about 3.2), rounded up.
@@ -157,16 +157,19 @@ def check_timeline(events: list[dict]) -> list[Violation]:
 
 
 def check_counts(struck: list[dict], events: list[dict]) -> list[Violation]:
-    """Failures against the faults struck: none without a lethal fault that hit a worker; at least
-    one failure or fence for each that did."""
+    """Failures against the faults struck: none without a lethal fault that hit a worker; each
+    kill seen (a failure, a fence, or at the final save the worker named gone at the end)."""
     lethal = [s for s in struck if s["kind"] in LETHAL and s.get("done") not in ("skipped", "gone")]
+    kills = [s for s in lethal if s["kind"] in KILLS]
     failures = [e for e in events if e.get("kind") == "failure"]
-    fences = [e for e in events if e.get("kind") == "fence"]
+    seen = failures + [e for e in events if e.get("kind") == "fence"
+                       or (e.get("kind") == "checkpoint_problem" and "gone at the end" in str(e.get("detail")))]
     if not lethal and failures:
         return [Violation("failures_counted", f"{len(failures)} failure(s) with no lethal fault struck: "
                                               f"{[(f.get('failure'), f.get('step')) for f in failures][:5]}")]
-    if lethal and not failures and not fences:
-        return [Violation("failures_counted", f"{len(lethal)} lethal fault(s) struck, no failure or fence recorded")]
+    if kills and not seen:
+        return [Violation("failures_counted", f"{len(kills)} kill(s) struck ({', '.join(k['fault'] for k in kills)}), "
+                                              "no failure, fence or worker gone at the end recorded")]
     return []
 
 

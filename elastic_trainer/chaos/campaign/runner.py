@@ -18,10 +18,13 @@ import ray
 
 from ...naming import NAMESPACE
 from ...trainer import Trainer
-from .schedule import Schedule
+from .schedule import KILLS, Schedule
 from .strike import Striker, wait_until
 
 _POLL_S = 0.05
+# After a kill or a join, each step waits this long for the pool to be whole, up to this long in all.
+_JOIN_STEP_S = 0.3
+_JOIN_WAIT_S = 60.0
 
 
 @dataclass
@@ -53,11 +56,16 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
     out = Outcome(schedule, "FAILED")
     box: dict = {}
     ctl: list = []
+    armed: dict = {}   # (point, pass number) -> what holds there: "fault", or "await" (a new worker)
+    world = cfg.max_workers
+
+    def arm(point: str, occurrence: int, what: str) -> None:
+        armed[(point, ray.get(ctl[0].fault_point.remote("arm", point, occurrence)))] = what
 
     def on_start(controller) -> None:
         ctl.append(controller)
         if pending:
-            ray.get(controller.fault_point.remote("arm", pending[0].point, pending[0].occurrence))
+            arm(pending[0].point, pending[0].occurrence, "fault")
 
     def fit() -> None:
         try:
@@ -68,7 +76,7 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
     t0 = time.monotonic()
     thread = threading.Thread(target=fit, name=f"campaign-{cfg.run.name}", daemon=True)
     thread.start()
-    last_look = 0.0
+    last_look, awaiting = 0.0, None
     while thread.is_alive():
         thread.join(_POLL_S)
         if not ctl:
@@ -83,13 +91,27 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
         except Exception:  # noqa: BLE001 - the controller ended (or is ending): the join says how
             continue
         if held:
-            if pending and pending[0].point == held["point"]:
+            what = armed.pop((held["point"], held["occurrence"]), None)
+            if what == "fault" and pending:
                 fault = pending.popleft()
                 done = striker.strike(fault, held, workers)
                 out.struck.append({"fault": fault.line(), "kind": fault.kind, "point": held["point"],
                                    "step": held.get("step"), "time": time.time(), **done})
                 if pending:
-                    ray.get(ctl[0].fault_point.remote("arm", pending[0].point, pending[0].occurrence))
+                    arm(pending[0].point, pending[0].occurrence, "fault")
+                if fault.kind in KILLS + ("join",) and awaiting is None:
+                    awaiting = time.monotonic() + _JOIN_WAIT_S
+                    arm("between_steps", 1, "await")
+            elif what == "await" and awaiting:
+                # A worker that takes a lost one's place (on its free node, or a spare or joined one)
+                # takes seconds to start, longer than a tiny run's steps: each step waits a little
+                # until the pool is whole again (as on a run whose steps take seconds), so the grow
+                # back happens, and a fault drawn for that grow finds it.
+                if len(workers) >= world or time.monotonic() > awaiting:
+                    awaiting = None
+                else:
+                    time.sleep(_JOIN_STEP_S)
+                    arm("between_steps", 1, "await")
             ray.get(ctl[0].fault_point.remote("release"))
         if time.monotonic() - t0 > deadline_s:
             out.state = "HUNG"

@@ -17,14 +17,19 @@ from ...controller.run.fault_points import POINTS
 # What the simulated cluster can do to a run; the lab adds a cut link and a memory kill.
 KINDS = ("kill_process", "kill_node", "freeze", "join", "storage_outage")
 LAB_KINDS = ("cut", "memory_kill")
-# Faults that take a worker away (at once, or until it comes back): each is a failure or a fence.
+# Faults that take a worker away (at once, or until it comes back): a failure without one is a
+# false alarm. A kill must be seen (a failure, a fence, or a worker named gone at the end); a
+# freeze or a cut thawed before anyone waited on the worker may pass unseen.
 LETHAL = ("kill_process", "kill_node", "freeze", "cut", "memory_kill")
+KILLS = ("kill_process", "kill_node", "memory_kill")
 
 # Points every run passes, with the occurrences a draw picks from (a run of ``steps`` steps,
 # a snapshot every step, a durable write every ``durable_every``); the rest need a fault first.
 _ALWAYS = ("in_step", "between_steps", "snapshot_in_flight", "setup", "durable_write", "final_save")
+# A grow comes once a lost worker's place is taken again: a new worker on the free node (a killed
+# process's, or a spare's); the runner slows the steps until it has joined (``runner``).
 _AFTER = {"restore": ("kill_process", "kill_node", "freeze", "cut", "memory_kill"),
-          "grow_ordered": ("join",), "fenced": ("freeze", "cut")}
+          "grow_ordered": ("kill_process", "kill_node", "memory_kill"), "fenced": ("freeze", "cut")}
 
 
 VARIANTS = ("whole", "sharded")
@@ -91,7 +96,9 @@ def draw(seed: int, steps: int, world: int, durable_every: int, lab: bool = Fals
     faults: list[Fault] = []
     for i in range(rng.randint(1, max_faults)):
         kind = rng.choice(kinds)
-        after = faults[-1].kind if faults else None
+        # What the fault before leaves to strike in: a recovery's restore, a fenced worker, a grow.
+        # None after a fault at the start-up's set-up (its re-plan starts from the seed, no restore).
+        after = faults[-1].kind if faults and (faults[-1].point, faults[-1].occurrence) != ("setup", 1) else None
         points = list(_ALWAYS) + [p for p, needs in _AFTER.items() if after in needs]
         if i and after:
             # A second fault lands in the first's aftermath more often than not.

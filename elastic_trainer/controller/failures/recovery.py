@@ -107,6 +107,43 @@ class Recovery:
             if gone:
                 diag.detail += f"; workers {gone} on the same node answered no ping either"
 
+    def lost_before_save(self) -> ReplanOrder | None:
+        """After the last step, before the final save: workers of the plan that died or went
+        silent since. None where the last step's state can still be saved whole without them (a
+        stage with another live replica, its optimizer state not sharded): the save reads the
+        survivors. Else (a sharded stage lost a slice, or a stage lost every replica) one more
+        failure, cleared away as after a step, and the re-plan that restores the newest step
+        every block has, for the loop to run the steps after it again."""
+        run, pool = self.run, self.pool
+        wids = sorted(set(run.ranks.values()))
+        dead, silent = pool.dead_or_silent([w for w in wids if w in pool])
+        gone = set(dead) | set(silent) | {w for w in wids if w not in pool}
+        if not gone or run.plan is None:
+            return None
+        topo = run.plan.topology
+        sharded = run.plan.shard_optimizer != "none" and topo.dp > 1
+        stage_lost = any(all(run.ranks[topo.rank(d, s)] in gone for d in range(topo.dp)) for s in range(topo.pp))
+        if not sharded and not stage_lost:
+            return None
+        self._failures += 1
+        run.transition(RunState.RECOVERING, step=run.step)
+        detected = time.perf_counter()
+        kind = "death" if dead else "silent"
+        detail = (f"workers {sorted(gone)} lost after step {run.step}, before the final save: "
+                  + ("each held a slice of its stage's sharded optimizer state" if sharded
+                     else "a stage has no live replica"))
+        for w in sorted(gone):
+            h = pool.workers.get(w)
+            run.event("failure", failure="silent" if w in silent else "death", worker=w,
+                      rank=h.rank if h else None, node=h.node if h else None, step=run.step, detail=detail)
+        log.warning("[%s] %s", run.name, detail)
+        self.budget.count()
+        self.budget.check(kind, detail)
+        self.memory.watch([pool[w] for w in dead if w in pool], run.step, self._failures)
+        pool.drop(dead)
+        self.fences.fence(silent, run.step, self._failures)
+        return ReplanOrder(kind, detected, plan_before=run.plan.describe(), failure=self._failures)
+
     def start_failed(self, err: WorkerError) -> ReplanOrder:
         """A worker failed to start, or the first set-up failed (a node lost before the first
         step): one more failure; the re-plan it calls for on what is left."""

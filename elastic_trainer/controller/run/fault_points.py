@@ -26,27 +26,30 @@ class FaultPoints:
     def __init__(self, hold_s: float = 120.0):
         self.hold_s = hold_s
         self._cv = threading.Condition()
-        self._armed: dict[str, int] = {}     # point -> the occurrence to hold at (1: its first)
+        self._armed: dict[str, set[int]] = {}   # point -> the occurrences to hold at
         self._passed: dict[str, int] = {}    # point -> times passed
         self._held: dict | None = None       # the point held now: name, occurrence, what the run said of it
         self._released = 0                   # releases so far, so a hold knows its own
 
-    def arm(self, point: str, occurrence: int = 1) -> None:
-        """Hold at the ``occurrence``-th time the run passes ``point`` from now (1: the next)."""
+    def arm(self, point: str, occurrence: int = 1) -> int:
+        """Hold at the ``occurrence``-th time the run passes ``point`` from now (1: the next); that
+        pass's number since the start, which ``held`` names as its ``occurrence``."""
         if point not in POINTS:
             raise ValueError(f"unknown fault point {point!r}; points: {', '.join(POINTS)}")
         if occurrence < 1:
             raise ValueError(f"occurrence {occurrence} of {point!r}: counts from 1 (the next time it is passed)")
         with self._cv:
-            self._armed[point] = self._passed.get(point, 0) + occurrence
+            n = self._passed.get(point, 0) + occurrence
+            self._armed.setdefault(point, set()).add(n)
+            return n
 
     def reach(self, point: str, **what) -> None:
         """The run passes ``point``; ``what`` says where it stands (a step, the workers set up)."""
         with self._cv:
             n = self._passed[point] = self._passed.get(point, 0) + 1
-            if self._armed.get(point) != n:
+            if n not in self._armed.get(point, ()):
                 return
-            del self._armed[point]
+            self._armed[point].discard(n)
             self._held = {"point": point, "occurrence": n, "at": time.time(), **what}
             mine = self._released
             self._cv.notify_all()
@@ -67,7 +70,7 @@ class FaultPoints:
     def state(self) -> dict:
         """Points passed so far (name -> count), those armed, and the one held."""
         with self._cv:
-            return {"passed": dict(self._passed), "armed": dict(self._armed),
+            return {"passed": dict(self._passed), "armed": {p: sorted(n) for p, n in self._armed.items() if n},
                     "held": dict(self._held) if self._held else None}
 
 

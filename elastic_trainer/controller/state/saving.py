@@ -141,7 +141,6 @@ class RunSaver:
 
         Raises :class:`SaveError` naming what was not saved, and where each unsaved part is kept."""
         run = self.run
-        run.points.reach("final_save", step=run.step)
         missing, out = [], {"durable_path": None, "model_path": None, "hf_path": None}
         # A ping first: a worker lost with its node holds no part of the durable checkpoint, and
         # is asked for its stage's weights after the other replicas, not before.
