@@ -116,3 +116,30 @@ def test_a_grow_under_a_sharded_optimizer_restores_the_step_just_ended_not_an_ol
     assert store.sealed_groups(6, alive - {3}) == {group0: STAGE0}
     store.snaps[6].shards[2].sealed, store.snaps[6].shards[2].error = False, "lost"
     assert group0 not in store.sealed_groups(6, alive)
+
+
+def test_a_loss_before_any_snapshot_committed_starts_again_from_the_seed_not_a_failed_run(monkeypatch):
+    # Found by the fault campaign (seeds 179, 197, ZeRO-2): a worker killed in step 2, when the
+    # snapshot of step 1 had not committed yet and no durable checkpoint was written. The run
+    # failed ("no step up to 1 has a source for every block"), though the seed it began from is
+    # always there: it starts again from it, its step run again.
+
+
+    from elastic_trainer.controller.run.run_record import RunRecord
+    from elastic_trainer.controller.state import restore_points as rp
+
+    cfg = TrainerConfig.from_dict(tiny_config("/nonexistent", parallel={"dp": 2, "pp": 2}))
+    run = RunRecord(cfg, "early")
+    run.counts, run.step = [1] * 8, 1
+    pool = _pool()
+    pool.ask = lambda method, wids, timeout, *args: {w: {} for w in wids}
+    monkeypatch.setattr(rp, "dead_nodes", lambda: set())
+    points = rp.RestorePoints(cfg, {}, {}, run, pool, SnapshotStore(replicas=2, keep=3), None, lambda: None)
+    assert points.restore_point() is None
+    [ev] = [e for e in run.events if e["kind"] == "checkpoint_problem"]
+    assert "starts again from its seed" in ev["detail"]
+    # A resumed run did not begin from the seed: with no source left it stops, saying why.
+    points.resume_point = (5, {}, {"durable": 8})
+    with pytest.raises(rp.RunError, match="no step up to 1 has a source for every block"):
+        points.restore_point()
+

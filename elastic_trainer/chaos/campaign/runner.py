@@ -143,7 +143,8 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
 
 def leftovers(run_name: str, processes: dict, wait_s: float = 30.0) -> list[str]:
     """What of the run still exists once it ended (waited for up to ``wait_s``, since a killed
-    actor's process takes a moment to go): its named actors, its workers' processes."""
+    actor's process takes a moment to go): its named actors, its workers' processes, placement
+    groups."""
     from ...worker.liveness import running
 
     def left() -> list[str]:
@@ -151,6 +152,9 @@ def leftovers(run_name: str, processes: dict, wait_s: float = 30.0) -> list[str]
                  if a.get("namespace") == NAMESPACE and a["name"].startswith(f"{run_name}-")]
         found += [f"worker {wid}'s process {pid}" for wid, (pid, mark) in sorted(processes.items())
                   if mark is not None and running(pid, mark) is not None]
+        # The runtime makes no placement group; any left in the cluster is one it should not have.
+        found += [f"placement group {pg_id[:12]}" for pg_id, pg in ray.util.placement_group_table().items()
+                  if pg.get("state") not in ("REMOVED", None)]
         return found
 
     wait_until(lambda: not left(), wait_s, every_s=0.2)

@@ -106,7 +106,7 @@ class PlanSetup:
         cfg_json = self._cfg_for(plan)
         coll_timeout = self.driver.collective_timeout()
         rendezvous = self.cfg.failure.rendezvous_timeout_s
-        generation, timeline = run.begin_setup(restore[0] if restore else run.step)
+        generation, timeline = run.begin_setup(restore[0] if restore else 0)
         ps = self._ps()
         ps_handles = (ps.handles, ps.assignment) if ps else None
         refs = {r: pool[w].actor.setup.remote(
@@ -155,7 +155,7 @@ class PlanSetup:
         self.schedule.restart(restored, lambda: self._snapshot_scale(plan))
         # Steps after the restored one were rolled back: they will be run again, with their evaluations.
         self.evaluator.rolled_back(restored)
-        desc = run.apply_plan(plan, ranks, restored, restoring=restore is not None)
+        desc = run.apply_plan(plan, ranks, restored, restoring=restore is not None or restored < run.step)
         self.driver.steps_since_setup = 0
         self.last_setup_s = time.perf_counter() - started
         return desc

@@ -99,6 +99,16 @@ class RestorePoints:
         if found is None:
             if run.step == 0:
                 return None
+            if allowed is None and self.resume_point is None:
+                # Nothing saved of any step survives (the first snapshots had not committed when
+                # the loss came), and the run began from the seed: it begins from it again, the
+                # steps so far run again. Nothing is lost that a restore could have kept.
+                run.event("checkpoint_problem", step=run.step,
+                          detail=f"no step up to {run.step} has a source for every block "
+                                 f"({newest_copies(n_blocks, self._copies(live, durable))}): the run starts "
+                                 "again from its seed (step 0)")
+                log.warning("[%s] no saved step survives: starting again from the seed", run.name)
+                return None
             raise RunError(f"no step up to {run.step} has a source for every block"
                            + (f" at a step the parameter server kept ({sorted(allowed)})" if allowed is not None else "")
                            + f": {newest_copies(n_blocks, self._copies(live, durable))}; "
