@@ -33,6 +33,8 @@ from .snapshots import SnapshotStore
 from ..run.workers import WorkerPool, failed
 
 log = logging.getLogger(__name__)
+# The longest a re-plan between steps waits for the copies of the step just ended.
+_SETTLE_S = 15.0
 
 # Queries to workers that just answered a ping (which steps they hold): a slow
 # answer means a busy worker, not a lost one.
@@ -71,7 +73,9 @@ class RestorePoints:
         run, pool = self.run, self.pool
         if run.step == 0 and self.resume_point is not None:
             return self.resume_point   # --resume, before its first set-up took
-        settle_s = self.cfg.comm.timeout_s if between_steps else 0.0
+        # Bounded: a copy takes a moment, and a spare that froze (its silence unseen between steps)
+        # must not hold the re-plan for the whole collective timeout.
+        settle_s = min(self.cfg.comm.timeout_s, _SETTLE_S) if between_steps else 0.0
         # Every copy after run.step is of a timeline the next set-up abandons: the workers hear of it
         # here, so a copy still in flight from the failed step is refused, not kept over the ones asked for.
         answers = pool.ask("local_steps", list(pool.workers), _QUERY_TIMEOUT_S + settle_s, run.timeline_to(run.step),
