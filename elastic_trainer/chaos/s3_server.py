@@ -24,6 +24,7 @@ import pyarrow.fs as pafs  # noqa: E402
 from moto.server import ThreadedMotoServer  # noqa: E402
 
 REGION = "us-east-1"
+_USER: list[str] = []   # the access key and secret of the user every server of this process shares
 
 
 def _free_port() -> int:
@@ -42,13 +43,18 @@ class S3Server:
         self._server: ThreadedMotoServer | None = None
         self.start()
         url = f"http://{self.endpoint}"
-        iam = boto3.client("iam", endpoint_url=url, region_name=REGION, aws_access_key_id="setup",
-                           aws_secret_access_key="setup")
-        iam.create_user(UserName="tests")
-        key = iam.create_access_key(UserName="tests")["AccessKey"]
-        iam.put_user_policy(UserName="tests", PolicyName="everything", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
-        self.key, self.secret = key["AccessKeyId"], key["SecretAccessKey"]
+        if not _USER:
+            # moto answers its first actions in a process without credentials, and keeps every
+            # server's users in the process: a second server (a campaign beside the tests' own)
+            # finds the user made by the first, and its key works there too.
+            iam = boto3.client("iam", endpoint_url=url, region_name=REGION, aws_access_key_id="setup",
+                               aws_secret_access_key="setup")
+            iam.create_user(UserName="tests")
+            key = iam.create_access_key(UserName="tests")["AccessKey"]
+            iam.put_user_policy(UserName="tests", PolicyName="everything", PolicyDocument=json.dumps(
+                {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+            _USER.extend([key["AccessKeyId"], key["SecretAccessKey"]])
+        self.key, self.secret = _USER
         self.client = boto3.client("s3", endpoint_url=url, region_name=REGION, aws_access_key_id=self.key,
                                    aws_secret_access_key=self.secret)
 

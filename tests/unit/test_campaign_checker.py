@@ -148,3 +148,26 @@ def test_a_run_holds_at_an_armed_point_until_released():
     assert done.wait(10)
     with pytest.raises(ValueError, match="unknown fault point"):
         points.arm("lunch")
+
+
+def test_points_reached_on_two_threads_are_held_one_after_the_other():
+    # The loop held at a step boundary while the durable writer's thread reached its armed point:
+    # the second hold overwrote the first, and the campaign never saw the durable write.
+    import threading
+
+    points = FaultPoints(hold_s=30)
+    points.arm("between_steps", 1)
+    points.arm("durable_write", 1)
+    threads = [threading.Thread(target=points.reach, args=(p,), kwargs={"step": 4})
+               for p in ("between_steps", "durable_write")]
+    for t in threads:
+        t.start()
+    seen = []
+    while len(seen) < 2:
+        held = points.held()
+        if held and (not seen or seen[-1] != held["point"]):
+            seen.append(held["point"])
+            points.release()
+    for t in threads:
+        t.join(10)
+    assert sorted(seen) == ["between_steps", "durable_write"] and not any(t.is_alive() for t in threads)

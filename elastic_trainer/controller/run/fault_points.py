@@ -50,11 +50,15 @@ class FaultPoints:
             if n not in self._armed.get(point, ()):
                 return
             self._armed[point].discard(n)
+            # One hold at a time: a point reached on another thread (the durable writer's, beside
+            # the loop's) while one is held waits its turn, so the campaign sees each.
+            self._cv.wait_for(lambda: self._held is None, timeout=self.hold_s)
             self._held = {"point": point, "occurrence": n, "at": time.time(), **what}
             mine = self._released
             self._cv.notify_all()
             self._cv.wait_for(lambda: self._released > mine, timeout=self.hold_s)
             self._held = None
+            self._cv.notify_all()
 
     def held(self) -> dict | None:
         """The point the run holds at now (None: none), with what it said of it."""
