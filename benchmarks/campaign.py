@@ -16,7 +16,6 @@ Target: zero violations over 100 schedules (and 30 on the lab).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from elastic_trainer.chaos.campaign.campaign import Setting, coverage, draws, run_campaign
+    from elastic_trainer.chaos.campaign.campaign import (Setting, coverage, coverage_line, draws, run_campaign,
+                                                         write_json)
     from elastic_trainer.chaos.campaign.schedule import Schedule
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -49,20 +49,11 @@ def main() -> int:
     schedules = [Schedule.from_json(args.replay)] if args.replay else draws(args.schedules, setting, args.seed)
     t0 = time.monotonic()
     reports = run_campaign(schedules, setting, shrink_failures=not args.no_shrink)
-    cov = coverage(reports)
     secs = [r.outcome.seconds for r in reports]
-    r = cov["recovery_s"]
     print(f"wall {time.monotonic() - t0:.0f}s; a schedule took median {statistics.median(secs):.1f}s "
           f"({min(secs):.1f}-{max(secs):.1f})")
-    print(f"struck kinds: {', '.join(cov['kinds'])}; points: {', '.join(cov['points'])}")
-    if r["n"]:
-        print(f"recovery (fault to first step after), {r['n']} recoveries: median {r['median']:.2f}s, "
-              f"p90 {r['p90']:.2f}s, worst {r['worst']:.2f}s")
-    with open(args.out, "w") as f:
-        json.dump({"coverage": cov, "runs": [
-            {"schedule": json.loads(x.schedule.to_json()), "state": x.outcome.state, "seconds": x.outcome.seconds,
-             "struck": x.outcome.struck, "unstruck": x.outcome.unstruck, "recoveries_s": x.recoveries(),
-             "violations": [str(v) for v in x.violations]} for x in reports]}, f, indent=1)
+    print(coverage_line(coverage(reports)))
+    write_json(args.out, reports)
     return 1 if any(x.violations for x in reports) else 0
 
 

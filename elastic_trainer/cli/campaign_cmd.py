@@ -3,8 +3,6 @@ cluster of this machine, with the checker (``chaos.campaign``)."""
 
 from __future__ import annotations
 
-import json
-
 
 def add_parser(sub) -> None:
     c = sub.add_parser("campaign", help="Run seeded fault schedules against real runs on a simulated cluster and "
@@ -28,21 +26,13 @@ def add_parser(sub) -> None:
 
 
 def cmd_campaign(args) -> int:
-    from ..chaos.campaign.campaign import Setting, coverage, draws, run_campaign
+    from ..chaos.campaign.campaign import Setting, coverage, coverage_line, draws, run_campaign, write_json
     from ..chaos.campaign.schedule import Schedule
 
     setting = Setting(steps=args.steps, dp=args.dp, pp=args.pp)
     schedules = [Schedule.from_json(args.replay)] if args.replay else draws(args.schedules, setting, args.seed)
     reports = run_campaign(schedules, setting, shrink_failures=not args.no_shrink)
-    cov = coverage(reports)
-    print(f"faults struck: {', '.join(cov['kinds'])}; at: {', '.join(cov['points'])}; recoveries "
-          + (f"median {cov['recovery_s']['median']:.2f}s, p90 {cov['recovery_s']['p90']:.2f}s, worst "
-             f"{cov['recovery_s']['worst']:.2f}s over {cov['recovery_s']['n']}" if cov["recovery_s"]["n"] else "none"))
+    print(coverage_line(coverage(reports)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"coverage": cov, "runs": [
-                {"schedule": json.loads(r.schedule.to_json()), "state": r.outcome.state, "seconds": r.outcome.seconds,
-                 "struck": r.outcome.struck, "unstruck": r.outcome.unstruck,
-                 "recoveries_s": r.recoveries(), "violations": [str(v) for v in r.violations],
-                 "shrunk": json.loads(r.shrunk.to_json()) if r.shrunk else None} for r in reports]}, f, indent=1)
+        write_json(args.json, reports)
     return 1 if any(r.violations for r in reports) else 0

@@ -79,8 +79,7 @@ def _run(state=RunState.RUNNING, workers=(0, 1)):
 def _replanner(cfg, run, setup, pool):
     bench = SimpleNamespace(usable=lambda: list(pool.workers), benched=set(), after_replan=lambda step, refs: None)
     points = SimpleNamespace(restore_point=lambda between_steps=False: (8, {}, {"0": "memory"}), sources=None,
-                             durable_refs=None,
-                             holder_reads=0, relayed_reads=0)
+                             durable_refs=None, holder_reads=0, relayed_reads=0)
     budget = FailureBudget(cfg, emergency=lambda why: None)
     fences = SimpleNamespace(fence=lambda wids, *where: None)
     memory = SimpleNamespace(poll=lambda: [])   # no memory kill found

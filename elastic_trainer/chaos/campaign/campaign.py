@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import json
 import tempfile
-import time
 from dataclasses import dataclass, field
 
 import ray
@@ -58,6 +58,14 @@ class Report:
     outcome: Outcome
     violations: list[Violation]
     shrunk: Schedule | None = None
+
+    def as_dict(self) -> dict:
+        """The schedule, how its run went and what the checker said, as plain values."""
+        out = self.outcome
+        return {"schedule": json.loads(self.schedule.to_json()), "state": out.state, "seconds": out.seconds,
+                "struck": out.struck, "unstruck": out.unstruck, "recoveries_s": self.recoveries(),
+                "violations": [str(v) for v in self.violations],
+                "shrunk": json.loads(self.shrunk.to_json()) if self.shrunk else None}
 
     def recoveries(self) -> list[float]:
         return [e["total_s"] for e in self.outcome.events if e.get("kind") == "recovery" and e.get("total_s")
@@ -259,13 +267,6 @@ def draws(n: int, setting: Setting, start: int = 0, lab: bool = False) -> list[S
     return out
 
 
-@contextlib.contextmanager
-def timed():
-    t0 = time.monotonic()
-    box = {}
-    yield box
-    box["seconds"] = time.monotonic() - t0
-
 
 def run_campaign(schedules: list[Schedule], setting: Setting, shrink_failures: bool = True, out=print,
                  campaign: Campaign | None = None) -> list[Report]:
@@ -300,3 +301,17 @@ def coverage(reports: list[Report]) -> dict:
 
     return {"kinds": sorted({x["kind"] for x in struck}), "points": sorted({x["point"] for x in struck}),
             "recovery_s": {"n": len(times), "median": q(0.5), "p90": q(0.9), "worst": times[-1] if times else None}}
+
+
+def coverage_line(cov: dict) -> str:
+    """The kinds and points struck, and the recovery times, as one line."""
+    r = cov["recovery_s"]
+    return (f"faults struck: {', '.join(cov['kinds'])}; at: {', '.join(cov['points'])}; recoveries (fault to the "
+            "first step after) " + (f"median {r['median']:.2f}s, p90 {r['p90']:.2f}s, worst {r['worst']:.2f}s over "
+                                    f"{r['n']}" if r["n"] else "none"))
+
+
+def write_json(path: str, reports: list[Report]) -> None:
+    """Every schedule's outcome and the coverage, for a later look."""
+    with open(path, "w") as f:
+        json.dump({"coverage": coverage(reports), "runs": [r.as_dict() for r in reports]}, f, indent=1)
