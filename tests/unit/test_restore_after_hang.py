@@ -11,7 +11,8 @@ import pytest
 
 from elastic_trainer import TrainerConfig
 from elastic_trainer.controller.state.restore import choose_restore, newest_copies
-from elastic_trainer.controller.state.snapshots import ShardEntry, Snapshot, SnapshotStore
+from elastic_trainer.controller.state.snapshot_parts import ShardEntry, Snapshot
+from elastic_trainer.controller.state.snapshots import SnapshotStore
 from elastic_trainer.controller.run.workers import WorkerHandle, WorkerPool
 
 from ..conftest import tiny_config

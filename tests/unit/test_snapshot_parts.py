@@ -1,7 +1,8 @@
 """How a stage's snapshot is shared among its DP replicas, and which parts restore a step."""
 
 from elastic_trainer.checkpoint.state import select_blocks
-from elastic_trainer.controller.state.snapshots import ShardEntry, Snapshot, SnapshotStore, put_phases
+from elastic_trainer.controller.state.snapshot_parts import ShardEntry, Snapshot, put_phases
+from elastic_trainer.controller.state.snapshots import SnapshotStore
 from elastic_trainer.parallel.topology import Topology
 
 
