@@ -8,7 +8,11 @@ points struck, the time each schedule took, and the recovery times across every 
     python benchmarks/campaign.py --schedules 100             # seeds 0.. (the covering ones first)
     python benchmarks/campaign.py --schedules 20 --seed 500   # other seeds
     python benchmarks/campaign.py --replay '<schedule json>'  # one schedule, as a failure prints it
-    python benchmarks/campaign.py --lab --schedules 30        # on lab hosts (network namespaces): see below
+    python benchmarks/campaign.py --lab --schedules 30        # on lab hosts (root, iproute2, cgroups)
+
+On the lab (``lab/``), each rank, spare and joining node is a host of its own (a network namespace
+with a fraction of a core and a memory limit) and the faults add a cut link and a kernel memory kill;
+the campaign's driver runs on the head host (``lab.campaign``).
 
 Target: zero violations over 100 schedules (and 30 on the lab).
 """
@@ -37,17 +41,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--replay", metavar="JSON")
-    ap.add_argument("--lab", action="store_true", help="on lab hosts (root, iproute2): not built yet")
+    ap.add_argument("--lab", action="store_true", help="on lab hosts (root, iproute2, cgroups)")
     ap.add_argument("--no-shrink", action="store_true")
     ap.add_argument("--out", default="campaign.json", help="every outcome and the coverage, as JSON")
     args = ap.parse_args()
-    if args.lab:
-        print("the lab campaign (hosts in network namespaces: cut and heal, memory kills) is not built yet; "
-              "run the simulated one", file=sys.stderr)
-        return 2
     setting = Setting(steps=args.steps)
-    schedules = [Schedule.from_json(args.replay)] if args.replay else draws(args.schedules, setting, args.seed)
+    schedules = ([Schedule.from_json(args.replay)] if args.replay
+                 else draws(args.schedules, setting, args.seed, lab=args.lab))
     t0 = time.monotonic()
+    if args.lab:
+        return lab_campaign(setting, schedules, args, t0)
     reports = run_campaign(schedules, setting, shrink_failures=not args.no_shrink)
     secs = [r.outcome.seconds for r in reports]
     print(f"wall {time.monotonic() - t0:.0f}s; a schedule took median {statistics.median(secs):.1f}s "
@@ -55,6 +58,34 @@ def main() -> int:
     print(coverage_line(coverage(reports)))
     write_json(args.out, reports)
     return 1 if any(x.violations for x in reports) else 0
+
+
+def lab_campaign(setting, schedules, args, t0: float) -> int:
+    import dataclasses
+    import json
+    import tempfile
+
+    from lab import missing
+    from lab.campaign import run_lab_campaign
+
+    why = missing()
+    if why:
+        print(f"no lab on this machine: {why}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="et-lab-campaign-") as d:
+        doc = run_lab_campaign({"setting": dataclasses.asdict(setting), "schedules": [s.to_json() for s in schedules],
+                                "shrink": not args.no_shrink}, d)
+    secs = [r["seconds"] for r in doc["runs"]]
+    print(f"wall {time.monotonic() - t0:.0f}s; a schedule took median {statistics.median(secs):.1f}s "
+          f"({min(secs):.1f}-{max(secs):.1f})")
+    from elastic_trainer.chaos.campaign.campaign import coverage_line
+
+    print(coverage_line(doc["coverage"]))
+    if doc["lab_leftovers"]:
+        print(f"the lab left: {doc['lab_leftovers']}")
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 1 if doc["violations"] or doc["lab_leftovers"] else 0
 
 
 if __name__ == "__main__":

@@ -156,15 +156,15 @@ class Lab:
             self.await_nodes(len(self.hosts), timeout_s)
 
     def restart_ray(self, hosts: list[Host], cpus: float = 1, object_store_mb: int = 150,
-                    timeout_s: float = 60) -> None:
+                    timeout_s: float = 60, expect: int | None = None) -> None:
         """Start ``hosts``' Ray nodes again (after a kill, or once Ray declared them dead), all of
-        them before waiting until the cluster has every host's node alive again."""
+        them before waiting until the cluster has ``expect`` nodes alive (default: every host's)."""
         if self.head in hosts:
             raise ValueError("the head's Ray node holds the cluster: a lab whose head was lost is built anew")
         with self._booting(hosts):
             for h in hosts:
                 self.spawn(h, self._node_argv(h, cpus, object_store_mb), log="ray")
-            self.await_nodes(len(self.hosts), timeout_s)
+            self.await_nodes(len(self.hosts) if expect is None else expect, timeout_s)
 
     @contextlib.contextmanager
     def _booting(self, hosts: list[Host]):

@@ -27,19 +27,21 @@ REGION = "us-east-1"
 _USER: list[str] = []   # the access key and secret of the user every server of this process shares
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class S3Server:
     """``endpoint`` (host:port), a user's ``key`` and ``secret``; ``uri`` builds the URIs a user
-    writes for such a server (``?endpoint_override=...&scheme=http``)."""
+    writes for such a server (``?endpoint_override=...&scheme=http``). ``host``: the address it
+    listens on (loopback; a lab host's own address for a campaign on lab hosts)."""
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
         logging.getLogger("werkzeug").setLevel(logging.ERROR)   # one line per request otherwise
-        self.port = _free_port()
+        self.host = host
+        self.port = _free_port(host)
         self._server: ThreadedMotoServer | None = None
         self.start()
         url = f"http://{self.endpoint}"
@@ -60,7 +62,7 @@ class S3Server:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -69,7 +71,7 @@ class S3Server:
     def start(self) -> None:
         """Serve (again) on the same port, with what was stored before."""
         if self._server is None:
-            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+            self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
             self._server.start()
 
     def stop(self) -> None:

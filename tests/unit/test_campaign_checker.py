@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from elastic_trainer.chaos.campaign.checker import (check_checkpoint, check_counts, check_end, check_history,
-                                                    check_leftovers, check_state, check_timeline, steps_off_layout)
+                                                    check_leftovers, check_resumes, check_state, check_timeline,
+                                                    steps_off_layout)
+from elastic_trainer.checkpoint.state import merge_shards
 from elastic_trainer.chaos.campaign.schedule import Fault, Schedule, covering, draw
 from elastic_trainer.chaos.campaign.shrink import shrink
 from elastic_trainer.controller.run.fault_points import POINTS, FaultPoints
@@ -85,6 +87,25 @@ def test_a_checkpoint_with_a_block_or_a_slice_missing_is_caught():
     assert check_checkpoint("ck", _manifest(4, whole), whole, 4, final) == []
     final["blocks.3.w"][0, 0] += 1
     assert check_checkpoint("ck", _manifest(4, whole), whole, 4, final)[0].invariant == "final_checkpoint"
+
+
+def test_a_checkpoint_is_read_by_the_ranks_of_other_layouts_and_a_read_that_fails_or_differs_is_caught():
+    sliced = [_part(4, [0, 1, 2], 0, 4), _part(4, [0, 1, 2], 4, 6)]
+    names = sorted(sliced[0]["params"])
+    for p, i in zip(sliced, (1.0, 2.0)):
+        for n in names:
+            p["optim"][n]["exp_avg"] = p["optim"][n]["exp_avg"] * i   # the two writers' slices differ
+    _, params, optim = merge_shards(sliced, names)
+    # Read whole by one rank, and by 3 stages x 3 ranks whose thirds cut across the writers' slices.
+    assert check_resumes("ck", sliced, 3, params, optim) == []
+    # A rank of another layout reads a range no part holds: its read fails.
+    [v] = check_resumes("ck", sliced[:1], 3, params, optim)
+    assert v.invariant == "checkpoint_resumes" and "read at pp=1 x dp=1 (sharded) as rank 0" in v.detail
+    # A rank's read that gives other moments than the whole read.
+    off = {n: {k: np.array(v, copy=True) for k, v in st.items()} for n, st in optim.items()}
+    off["blocks.2.w"]["exp_avg"][1, 0] += 1
+    [v] = check_resumes("ck", sliced, 3, params, off)
+    assert "blocks.2.w's exp_avg over [0, 6)" in v.detail
 
 
 def test_a_restore_from_an_abandoned_timeline_and_failures_without_a_fault_are_caught():

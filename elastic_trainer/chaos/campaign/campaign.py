@@ -82,29 +82,17 @@ class Campaign:
     deadline_s: float = 300.0
     cluster: object = None        # a cluster someone else started (a test's); else one of its own
     nodes: list = field(default_factory=list)
+    # Detection as fast as the tests' (a frozen worker is silent after 1 s).
+    timeouts: dict = field(default_factory=lambda: {"startup_timeout_s": 30, "min_step_timeout_s": 3,
+                                                    "rendezvous_timeout_s": 10, "wait_for_nodes_s": 2})
     _refs: dict = field(default_factory=dict)
     _runs: int = 0
 
     def __enter__(self) -> "Campaign":
         from ray.cluster_utils import Cluster
 
-        from ...data.corpus import prepare_stdlib_corpus
-
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # loopback only
-        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-        self._tmp = tempfile.TemporaryDirectory(prefix="et-campaign-") if self.workdir is None else None
-        self.root = self.workdir or self._tmp.name
-        self.corpus = os.path.join(self.root, "corpus")
-        if not os.path.exists(self.corpus):
-            prepare_stdlib_corpus(self.corpus, self.setting.seq_len, max_bytes=256 << 10)
-        self.s3 = None
-        if self.use_s3:
-            try:
-                from ..s3_server import S3Server
-                self.s3 = S3Server()
-                self.bucket = self.s3.bucket("campaign")
-            except ImportError:
-                self.s3 = None
+        self.prepare()
         self.owns_ray = self.cluster is None
         if self.owns_ray:
             if ray.is_initialized():
@@ -117,12 +105,34 @@ class Campaign:
         self.top_up()
         return self
 
+    def prepare(self, s3_host: str = "127.0.0.1") -> None:
+        """The campaign's folder, corpus and S3 server (on ``s3_host``, where moto is installed)."""
+        from ...data.corpus import prepare_stdlib_corpus
+
+        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+        self._tmp = tempfile.TemporaryDirectory(prefix="et-campaign-") if self.workdir is None else None
+        self.root = self.workdir or self._tmp.name
+        self.corpus = os.path.join(self.root, "corpus")
+        if not os.path.exists(self.corpus):
+            prepare_stdlib_corpus(self.corpus, self.setting.seq_len, max_bytes=256 << 10)
+        self.s3 = None
+        if self.use_s3:
+            try:
+                from ..s3_server import S3Server
+                self.s3 = S3Server(host=s3_host)
+                self.bucket = self.s3.bucket("campaign")
+            except ImportError:
+                self.s3 = None
+
     def __exit__(self, *exc) -> None:
         if self.s3 is not None:
             self.s3.stop()
         if self.owns_ray and self.cluster is not None:
             ray.shutdown()
             self.cluster.shutdown()
+        self.cleanup()
+
+    def cleanup(self) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -144,6 +154,10 @@ class Campaign:
         wait_until(lambda: {n["NodeID"] for n in ray.nodes() if n["Alive"]} == ids
                    and ray.available_resources().get("CPU", 0) == want, 60.0, every_s=0.1)
 
+    def striker(self) -> Striker:
+        """What strikes a schedule's faults at the cluster."""
+        return Striker(self.cluster, self.nodes, self.s3)
+
     # -- runs -------------------------------------------------------------------------------------
     def config(self, name: str, kind: str) -> TrainerConfig:
         s = self.setting
@@ -160,12 +174,10 @@ class Campaign:
             "comm": {"timeout_s": 20},
             "checkpoint": {"memory_every": 1, "storage": storage, "durable_every": s.durable_every,
                            "keep_durable": 2, "verify_restores": True},
-            # Detection as fast as the tests' (a frozen worker is silent after 1 s); every fault of a
-            # schedule within the failure budget; straggler balancing off (it would change the
+            # Every fault of a schedule within the failure budget; straggler balancing off (it would change the
             # micro-batch shares, and with them the sums, of the failure-free run).
-            "failure": {"allow_fault_injection": True, "max_failures": 10, "startup_timeout_s": 30,
-                        "min_step_timeout_s": 3, "rendezvous_timeout_s": 10, "wait_for_nodes_s": 2,
-                        "fence_timeout_s": 60},
+            "failure": {"allow_fault_injection": True, "max_failures": 10, "fence_timeout_s": 60,
+                        **self.timeouts},
             "balance": {"mode": "detect"},
         })
 
@@ -174,7 +186,7 @@ class Campaign:
         if kind not in self._refs:
             cfg = self.config(f"camp-ref-{kind}", kind)
             self.top_up()
-            out = run_schedule(cfg, Schedule([], None), Striker(self.cluster, self.nodes, self.s3), self.deadline_s)
+            out = run_schedule(cfg, Schedule([], None), self.striker(), self.deadline_s)
             if out.state != "FINISHED":
                 raise RuntimeError(f"the failure-free {kind} run did not finish: {out.state} {out.error}")
             self._refs[kind] = (out, cfg)
@@ -188,7 +200,7 @@ class Campaign:
         name = f"camp-{schedule.seed if schedule.seed is not None else 'x'}-{self._runs}"
         cfg = self.config(name, kind)
         self.top_up()
-        out = run_schedule(cfg, schedule, Striker(self.cluster, self.nodes, self.s3), self.deadline_s)
+        out = run_schedule(cfg, schedule, self.striker(), self.deadline_s)
         return Report(schedule, out, self.check(out, ref, cfg))
 
     def check(self, out: Outcome, ref: Outcome, cfg: TrainerConfig) -> list[Violation]:

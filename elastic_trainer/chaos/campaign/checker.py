@@ -10,8 +10,9 @@ loses nothing.
   at most a few ``lr`` a step, whatever its gradient: an element whose gradient is at rounding
   level can take that step either way once the reduction order changes);
 - every durable checkpoint of the run left in storage verifies, holds every block and every
-  slice of a sharded optimizer (``checkpoint.cover``), and loads whole (any layout can take it);
-  the final one holds exactly the run's final weights;
+  slice of a sharded optimizer (``checkpoint.cover``), loads whole, and is read by the ranks of
+  other layouts through the workers' own read (``check_resumes``); the final one holds exactly
+  the run's final weights;
 - no restore read a local copy of a timeline the run had abandoned (``worker.copies.on_timeline``);
 - the failures counted match the faults struck: none without a lethal fault, at least one
   failure or fence for each lethal fault struck at a worker;
@@ -30,6 +31,11 @@ import numpy as np
 from ...checkpoint.cover import cover_problems
 from ...worker.copies import on_timeline
 from .schedule import KILLS, LETHAL
+
+# The layouts every checkpoint is read at, beside the one it was written at: (pp, dp) with the
+# optimizer state sharded dp ways. One rank holding everything; three stages of three ranks,
+# whose slices cut across the writers' (a resume on another cluster size).
+RESUME_LAYOUTS = ((1, 1), (3, 3))
 
 # What AdamW can move an element by in one step, in units of lr: |m_hat| / (sqrt(v_hat) + eps)
 # stays within (1 - beta1) / sqrt(1 - beta2) of 1 for default betas (about 3.2), rounded up.
@@ -126,16 +132,51 @@ def check_checkpoint(name: str, manifest: dict, parts: list[dict], n_blocks: int
         return [Violation("checkpoint_cover", f"{name}: " + "; ".join(problems))]
     names = sorted({n for p in parts for n in p["params"]})
     try:
-        step, params, _ = merge_shards(parts, names)
+        step, params, optim = merge_shards(parts, names)
     except ValueError as e:
         return [Violation("checkpoint_loads", f"{name}: {e}")]
     if step != manifest.get("step"):
         return [Violation("checkpoint_loads", f"{name}: parts of step {step}, manifest of {manifest.get('step')}")]
+    bad = check_resumes(name, parts, n_blocks, params, optim)
+    if bad:
+        return bad
     if final_state is not None:
         diff = [n for n in names if n in final_state and not np.array_equal(_np(params[n]), _np(final_state[n]))]
         if diff or set(names) != set(final_state):
             return [Violation("final_checkpoint", f"{name}: does not hold the run's final weights ("
                                                   + (f"{diff[:3]} differ" if diff else "other names") + ")")]
+    return []
+
+
+def check_resumes(name: str, parts: list[dict], n_blocks: int, params: dict, optim: dict,
+                  layouts=RESUME_LAYOUTS) -> list[Violation]:
+    """``name`` read as a resume at each of ``layouts`` reads it: each rank takes its stage's
+    blocks (``pp`` contiguous cuts) and its ``dp``-th of each parameter's moments, through the
+    read a worker makes (``merge_shards`` with the ranges it owns); every rank's read succeeds
+    and gives back its range of the whole (``params``, ``optim``: the checkpoint read whole)."""
+    from ...checkpoint.state import block_of, merge_shards
+
+    for pp, dp in layouts:
+        for stage, blocks in enumerate(np.array_split(np.arange(n_blocks), pp)):
+            held = set(blocks.tolist())
+            mine = sorted(n for n in params if block_of(n) in held)
+            for r in range(dp):
+                owned = {n: (_np(params[n]).size * r // dp, _np(params[n]).size * (r + 1) // dp) for n in mine}
+                where = f"{name}: read at pp={pp} x dp={dp} (sharded) as rank {stage * dp + r}"
+                try:
+                    _, got_params, got_optim = merge_shards(parts, mine, owned)
+                except ValueError as e:
+                    return [Violation("checkpoint_resumes", f"{where}: {e}")]
+                for n in mine:
+                    lo, hi = owned[n]
+                    if not np.array_equal(_np(got_params[n]), _np(params[n])):
+                        return [Violation("checkpoint_resumes", f"{where}: {n} differs from the whole read")]
+                    for k, v in optim.get(n, {}).items():
+                        want = _np(v)
+                        if want.ndim and not np.array_equal(_np(got_optim.get(n, {}).get(k, np.empty(0))).reshape(-1),
+                                                            want.reshape(-1)[lo:hi]):
+                            return [Violation("checkpoint_resumes",
+                                              f"{where}: {n}'s {k} over [{lo}, {hi}) differs from the whole read")]
     return []
 
 

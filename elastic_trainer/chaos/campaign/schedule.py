@@ -27,9 +27,10 @@ KILLS = ("kill_process", "kill_node", "memory_kill")
 # a snapshot every step, a durable write every ``durable_every``); the rest need a fault first.
 _ALWAYS = ("in_step", "between_steps", "snapshot_in_flight", "setup", "durable_write", "final_save")
 # A grow comes once a lost worker's place is taken again: a new worker on the free node (a killed
-# process's, or a spare's); the runner slows the steps until it has joined (``runner``).
+# process's, or a spare's); the runner slows the steps until it has joined (``runner``). Not after
+# a memory kill: the run starts nothing on that host again (``controller.failures.memory_kills``).
 _AFTER = {"restore": ("kill_process", "kill_node", "freeze", "cut", "memory_kill"),
-          "grow_ordered": ("kill_process", "kill_node", "memory_kill"), "fenced": ("freeze", "cut")}
+          "grow_ordered": ("kill_process", "kill_node"), "fenced": ("freeze", "cut")}
 
 
 VARIANTS = ("whole", "sharded")

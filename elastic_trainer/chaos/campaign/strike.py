@@ -42,7 +42,7 @@ class Striker:
             self.s3.stop()
             self._later(fault.seconds, self.s3.start)
             return {"done": "storage down", "seconds": fault.seconds}
-        victim = _victim(fault.rank, held, workers)
+        victim = victim_of(fault.rank, held, workers)
         if victim is None:
             return {"done": "skipped", "why": f"no worker holds rank {fault.rank} now"}
         out = {"worker": victim["worker_id"], "rank": victim.get("rank"), "node": victim["node_id"],
@@ -91,11 +91,13 @@ class Striker:
         return any(t.is_alive() for t in self._timers)
 
 
-def _victim(rank: int, held: dict, workers: list[dict]) -> dict | None:
+def victim_of(rank: int, held: dict, workers: list[dict]) -> dict | None:
     """The worker of ``rank`` now: the one the held set-up gives it, else the one holding it;
-    a rank past the plan's size falls on a worker of the plan by turn."""
+    a rank past the plan's size falls on a worker of the plan by turn. (A fence's hold names the
+    workers it fenced, a list: the victim is then one of the run's, beside them.)"""
     by_id = {w["worker_id"]: w for w in workers}
-    setting = {int(r): w for r, w in (held.get("workers") or {}).items()}
+    held_workers = held.get("workers")
+    setting = {int(r): w for r, w in held_workers.items()} if isinstance(held_workers, dict) else {}
     if setting:
         wid = setting.get(rank, setting[sorted(setting)[rank % len(setting)]])
         return by_id.get(wid)
