@@ -92,7 +92,9 @@ class HostFaults:
         alive = node_alive_addresses(self.lab)
         if self.join_host.address in alive or self.join_host.group.pids():
             self.lab.kill(self.join_host)
-        lost = [h for h in self.kept if h.address not in alive]
+        # A host killed a moment ago is still alive to Ray until its health checks lapse: its own
+        # processes say it is gone.
+        lost = [h for h in self.kept if h.address not in alive or not _runs_raylet(h)]
         for h in lost:
             self.lab.kill(h)   # what is left of a node Ray declared dead
         if lost:
@@ -156,6 +158,17 @@ class HostFaults:
         for fn, host in self._undo:
             fn(host)
         self._timers, self._undo = [], []
+
+
+def _runs_raylet(host: Host) -> bool:
+    for pid in host.group.pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"raylet" in f.read():
+                    return True
+        except OSError:
+            pass   # gone meanwhile
+    return False
 
 
 def run_lab_campaign(args: dict, out_dir: str | os.PathLike, say=print, worker_hosts: int = 0,

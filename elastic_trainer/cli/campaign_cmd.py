@@ -12,7 +12,9 @@ def add_parser(sub) -> None:
                                    "restore, a durable write, the final save, a grow, a fenced worker) and the "
                                    "checker holds what the run left to the failure-free run's. A failing schedule "
                                    "is shrunk and printed as a command that replays it. Ends with 'schedules N, "
-                                   "violations V'; exits 1 on any violation.")
+                                   "violations V'; exits 1 on any violation. On lab hosts (network namespaces: "
+                                   "cut links, kernel memory kills), from a checkout: python benchmarks/campaign.py "
+                                   "--lab.")
     c.add_argument("--schedules", type=int, default=10, help="how many schedules (default 10: the seeds that "
                                                              "cover every fault kind and point first)")
     c.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
