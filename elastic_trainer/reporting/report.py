@@ -11,6 +11,8 @@ from pathlib import Path
 
 FAILURE_COLOR = "tab:red"
 RECOVERY_COLOR = "tab:green"
+# Re-plans no failure caused: drawn as resizes.
+PLANNED = ("grow", "drain")
 
 
 def _failures(events: list[dict]) -> list[dict]:
@@ -42,8 +44,8 @@ def _mark_events(ax, events: list[dict]) -> None:
             ax.axvline(e["step"], color=FAILURE_COLOR, linestyle="--", linewidth=1.2, alpha=0.8)
     for e in _recoveries(events):
         if e.get("restored_step") is not None:
-            # A resize (reason "grow") is a planned change, not a failure's aftermath.
-            style = ":" if e.get("reason") == "grow" else "-"
+            # A resize (a grow, a drain's move) is a planned change, not a failure's aftermath.
+            style = ":" if e.get("reason") in PLANNED else "-"
             ax.axvline(e["restored_step"], color=RECOVERY_COLOR, linestyle=style, linewidth=1.2, alpha=0.8)
 
 
@@ -176,9 +178,9 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
     handles = []
     if _failures(events):
         handles.append(Line2D([], [], color=FAILURE_COLOR, linestyle="--", label="failure"))
-    if any(e.get("reason") != "grow" for e in _recoveries(events)):
+    if any(e.get("reason") not in PLANNED for e in _recoveries(events)):
         handles.append(Line2D([], [], color=RECOVERY_COLOR, linestyle="-", label="recovery (resumed from)"))
-    if any(e.get("reason") == "grow" for e in _recoveries(events)):
+    if any(e.get("reason") in PLANNED for e in _recoveries(events)):
         handles.append(Line2D([], [], color=RECOVERY_COLOR, linestyle=":", label="resize"))
     if handles:
         axes[0].legend(handles=handles, loc="upper right", fontsize=8)

@@ -25,6 +25,7 @@ class _Pool:
     def __init__(self, wids):
         self.workers = {w: SimpleNamespace(rank=w, node=f"n{w}") for w in wids}
         self.dropped = []
+        self.draining = {}
 
     def __len__(self):
         return len(self.workers)
@@ -232,3 +233,23 @@ def test_a_sharded_slice_lost_before_the_final_save_is_a_failure_to_recover_not_
     assert order is not None and order.reason == "silent" and not order.after_failure
     assert fenced == [1] and run.state is RunState.RECOVERING
     assert [(e["failure"], e["worker"], e["step"]) for e in run.events if e["kind"] == "failure"] == [("silent", 1, 16)]
+
+
+def test_a_drain_moves_the_leaving_rank_to_a_spare_and_keeps_the_layout_and_every_other_rank():
+    cfg, run = _run(RunState.RESIZING)
+    pool = _Pool([0, 1, 2])   # worker 2: a replacement holding no rank
+    pool.workers[2].rank = None
+    setup = _Setup()
+    replanner, _ = _replanner(cfg, run, setup, pool)
+    replanner.bench.usable = lambda: [0, 2]   # worker 1's node is draining
+    replanner.carry_out(ReplanOrder("drain", 0.0, plan_before=run.plan.describe()))
+    [call] = setup.calls
+    assert call["ranks"] == {0: 0, 1: 2}, call   # rank 1 moved to the spare, rank 0 stayed
+    assert call["restore"][0] == 8   # from the snapshot of the step just ended: nothing redone
+    # Without a spare to take the leaving rank, the policy chooses on the workers there are.
+    cfg, run = _run(RunState.RESIZING)
+    setup = _Setup()
+    replanner, _ = _replanner(cfg, run, setup, _Pool([0, 1]))
+    replanner.bench.usable = lambda: [0]
+    replanner.carry_out(ReplanOrder("drain", 0.0, plan_before=run.plan.describe()))
+    assert setup.calls[0]["ranks"] is None

@@ -68,10 +68,11 @@ class Bench:
         self._probed_at = 0
 
     def usable(self) -> list[int]:
-        """The live workers a plan may use: all but the benched."""
+        """The live workers a plan may use: all but the benched, and those on a draining node."""
         with self._lock:
             benched = set(self.benched)
-        return sorted(w for w in self.pool.workers if w not in benched)
+        draining = self.pool.draining
+        return sorted(w for w, h in list(self.pool.workers.items()) if w not in benched and h.node not in draining)
 
     def bench(self, rank: int, pace: float, step: int) -> int | None:
         """Leave out the worker of ``rank``; its id, for the caller to re-plan without it (a

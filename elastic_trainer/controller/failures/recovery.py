@@ -135,7 +135,8 @@ class Recovery:
         for w in sorted(gone):
             h = pool.workers.get(w)
             run.event("failure", failure="silent" if w in silent else "death", worker=w,
-                      rank=h.rank if h else None, node=h.node if h else None, step=run.step, detail=detail)
+                      rank=h.rank if h else None, node=h.node if h else None, step=run.step, detail=detail,
+                      **_drained(pool, h))
         log.warning("[%s] %s", run.name, detail)
         self.budget.count()
         self.budget.check(kind, detail)
@@ -188,7 +189,7 @@ class Recovery:
             for w in wids:
                 h = workers.get(w)
                 run.event("failure", failure=kind, worker=w, rank=h.rank if h else None,
-                          node=h.node if h else None, step=step, detail=diag.detail)
+                          node=h.node if h else None, step=step, detail=diag.detail, **_drained(self.pool, h))
         if diag.kind == "collective":
             run.event("failure", failure="collective", worker=None, rank=None, node=None, step=step,
                       detail=diag.detail)
@@ -222,3 +223,10 @@ class Recovery:
                                       + (f" ({answered} still answered a ping)" if answered else ""))
                 pool.drop(answered, answered=True)
                 pool.drop([w for w in stuck if w not in answered])
+
+
+def _drained(pool: WorkerPool, h) -> dict:
+    """A loss on a draining node: its notice's deadline came before the run moved off it."""
+    if h is None or h.node not in pool.draining:
+        return {}
+    return {"drain": "the node was draining: its deadline came before the run moved off it (taken as a loss)"}

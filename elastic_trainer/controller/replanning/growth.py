@@ -20,6 +20,7 @@ from ..run.run_record import RunRecord
 from ..run.run_state import RunState
 from ..state.snapshot_schedule import SnapshotSchedule
 from ..run.workers import WorkerPool
+from .drains import Drains
 
 
 class Growth:
@@ -30,6 +31,7 @@ class Growth:
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
         self._reason: str | None = None   # a re-plan asked for (a straggler benched), likewise
         self._cut: tuple | None = None    # the stage cut a re-plan asked for keeps (a re-cut)
+        self.drains = Drains(run, pool, self.request_replan)   # preemption notices: planned departures
 
     def request_replan(self, reason: str, cut: tuple | None = None) -> None:
         """Re-plan on the usable workers at the next snapshot step, as a grow does (``reason``
@@ -54,6 +56,7 @@ class Growth:
         """Whether ``maybe_grow`` would order nothing now: no re-plan asked for, and none wanted
         after looking for joined workers where a look is due (a lease may then be issued
         before the last one is committed)."""
+        self.drains.poll()
         return self._reason is None and not self._grow_wanted and not self._look()
 
     def _look(self) -> bool:
@@ -79,8 +82,11 @@ class Growth:
         plan, or as ``request_replan`` asked; right after a snapshot step (nothing is redone),
         asking the schedule for one if none was just taken."""
         run = self.run
+        self.drains.poll()
         if self._reason is None and not self._grow_wanted and not self._look():
             return None
+        if self._reason == "drain" and not self.drains.ready():
+            return None   # a replacement is starting, and the deadline leaves time to take it in
         if self.schedule.last_taken != run.step:
             self.schedule.request()  # the next step takes a snapshot; re-plan from it
             return None

@@ -52,6 +52,11 @@ class Replanner:
         step = out.step if out else run.step + 1   # the step that failed, or the next one
         attempts, retry_s = 0, 0.0
         shrunk, whole = order.shrunk, (order.whole if order.after_failure else None)
+        if order.reason == "drain":
+            # Groups are built anew: carrying those without the moved ranks (asked of the workers,
+            # as a grow does) left the new worker and the survivors naming the new groups apart,
+            # and the set-up waited out the rendezvous timeout before its retry built them all.
+            whole = set()
         if order.abort_setups:
             self.setup.abort()
         cause = order.cause
@@ -62,7 +67,7 @@ class Replanner:
             cause = self._memory_kills(order, cause)
             pool.await_joining(0, required=False)
             self._wait_for_min_workers()
-            plan, ranks, why = self._next_plan(keep=order.after_failure, cut=order.cut)
+            plan, ranks, why = self._next_plan(keep=order.after_failure, cut=order.cut, move=order.reason == "drain")
             reuse = None
             kept = shrunk_ranks(shrunk, plan, pool) if ranks is None else None
             if kept is not None and any(w in self.bench.benched for w in kept.values()):
@@ -173,14 +178,15 @@ class Replanner:
             ev.pop("_resumed", None)
             self.run.publish(ev, first_step_s=None, total_s=None)
 
-    def _next_plan(self, keep: bool, cut: tuple | None) -> tuple:
+    def _next_plan(self, keep: bool, cut: tuple | None, move: bool = False) -> tuple:
         """(plan, rank -> worker id or None to place anew, why) for the workers usable now.
 
         With ``keep`` (after a failure) and every worker of the current plan alive, the
         plan stays as it is, each rank on its worker: nothing about the cluster changed,
         and a retry in place loads every block from the rank's own copy. A re-cut ``cut``
-        likewise keeps every rank on its worker, with the new stage bounds. Otherwise the
-        policy chooses, by the planner's calibrated model.
+        likewise keeps every rank on its worker, with the new stage bounds. With ``move`` (a
+        drain) and enough spare workers, the plan stays too, the leaving ranks on spares
+        (``_moved_off``). Otherwise the policy chooses, by the planner's calibrated model.
         """
         run, bench, bound = self.run, self.bench, memory_bound(self.cfg)
         usable_ids = set(bench.usable())
@@ -195,6 +201,11 @@ class Replanner:
             topo = run.plan.topology
             plan = plan_for(self.cfg, topo.dp, topo.pp, run.plan.stage_bounds, run.counts)
             return plan, dict(run.ranks), "kept: every worker of the plan is alive"
+        moved = self._moved_off(usable_ids) if move and run.plan is not None else None
+        if moved is not None:
+            topo = run.plan.topology
+            plan = plan_for(self.cfg, topo.dp, topo.pp, run.plan.stage_bounds, run.counts)
+            return plan, moved, "kept: the leaving ranks moved to spare workers, every other rank on its worker"
         usable = len(usable_ids)
         choice = choose_plan(self.cfg, usable, bound, avoid=frozenset(self.unfit))
         if (choice is None or usable < self.cfg.scaling.min_workers) and bench.benched:
@@ -206,6 +217,22 @@ class Replanner:
         if choice is None:
             raise RunError(no_plan_reason(self.cfg, usable, bound) or f"no dp x pp fits {usable} workers")
         return plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, run.counts), None, choice.reason
+
+    def _moved_off(self, usable_ids: set[int]) -> dict[int, int] | None:
+        """The current plan's ranks with those whose workers may not be used (on a draining node)
+        given to usable workers that hold no rank, the others kept on their workers; None where
+        there are too few such workers, or the layout ran out of memory before."""
+        run = self.run
+        topo = run.plan.topology
+        if layout_key(topo.dp, topo.pp, run.plan.stage_bounds) in self.unfit:
+            return None
+        ranks = {r: w for r, w in run.ranks.items() if w in usable_ids}
+        free = sorted(usable_ids - set(ranks.values()))
+        leaving = sorted(r for r in range(topo.world_size) if r not in ranks)
+        if len(free) < len(leaving):
+            return None
+        ranks.update(zip(leaving, free))
+        return ranks
 
     def _wait_for_min_workers(self) -> None:
         pool, need = self.pool, self.cfg.scaling.min_workers

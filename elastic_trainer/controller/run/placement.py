@@ -18,6 +18,7 @@ Policy (``scaling``):
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -26,6 +27,8 @@ import ray
 from ...config import ScalingSection
 from ...errors import PlacementError
 from ...parallel.topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 def _available_per_node() -> dict[str, dict[str, float]]:
@@ -58,9 +61,10 @@ def free_slots(scaling: ScalingSection, occupied: dict[str, int], pack: bool = F
     if pack and scaling.workers_per_node is None:
         cap = None
     out = {}
+    leaving = draining_nodes()
     for node in ray.nodes():
         nid = node["NodeID"]
-        if not node.get("Alive") or nid not in avail:
+        if not node.get("Alive") or nid not in avail or nid in leaving:
             continue
         fit = min((math.floor(avail[nid].get(r, 0.0) / v + 1e-9) for r, v in need.items()), default=0)
         # Available resources lag a worker just started: bound by the node's total, less ours there.
@@ -69,6 +73,20 @@ def free_slots(scaling: ScalingSection, occupied: dict[str, int], pack: bool = F
         if n > 0:
             out[nid] = n
     return out
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """The nodes Ray is draining (a preemption notice, an autoscaler's scale-down), each with its
+    deadline (epoch seconds; None where none was given): one read of the GCS. A cluster that
+    cannot say is taken as draining none."""
+    try:
+        from ray._private.state import state
+
+        found = state.get_draining_nodes()
+    except Exception as e:  # noqa: BLE001 - an older GCS, or one not reachable this moment
+        log.debug("could not read the draining nodes: %s", e)
+        return {}
+    return {nid: (ms / 1000.0 if ms else None) for nid, ms in found.items()}
 
 
 def may_pack(scaling: ScalingSection) -> bool:

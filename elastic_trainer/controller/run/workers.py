@@ -143,6 +143,7 @@ class WorkerPool:
         self.joining: dict[int, tuple] = {}   # worker id -> (actor, info ref, node)
         self.bare_nodes: set[str] = set()    # alive (a dropped worker answered there), no worker of ours
         self.avoided: set[str] = set()       # nodes where no worker is started again (a memory kill there)
+        self.draining: dict[str, float | None] = {}   # node -> its drain's deadline (epoch s; None: none given)
         self.lock = threading.Lock()
         self._next_wid = 0
         # A preload of the run's own (scaling.env_vars) replaces this one, and is not checked.
@@ -214,16 +215,34 @@ class WorkerPool:
 
     def spawn_on_free_nodes(self) -> None:
         """Start workers where the cluster has room, up to the run's ``max_workers``."""
-        want = self.cfg.max_workers - len(self.workers) - len(self.joining)
+        # Workers on a draining node are leaving: their places are free to fill elsewhere.
+        staying = sum(1 for w in self.workers.values() if w.node not in self.draining)
+        want = self.cfg.max_workers - staying - len(self.joining)
         if want <= 0:
             return
         occupied = collections.Counter(w.node for w in self.workers.values())
         occupied.update(node for _, _, node in self.joining.values())
-        occupied.update({node: 1 << 20 for node in self.avoided})   # full, however large
+        occupied.update({node: 1 << 20 for node in self.avoided | set(self.draining)})   # full, however large
         nodes = pick_nodes(self.cfg.scaling, want, occupied)   # as the start placed them
         if nodes:
             log.info("[%s] starting %d worker(s) on free nodes", self.run_name, len(nodes))
             self.spawn(nodes)
+
+    def drain(self, node: str, deadline: float | None) -> list[int]:
+        """``node`` is draining (it goes at ``deadline``): start no worker there, and let go of
+        the spares there and those still starting; the ids let go. Its ranked workers keep
+        their ranks until the re-plan that moves them (``usable`` leaves them out)."""
+        self.draining[node] = deadline
+        gone = [wid for wid, (_, _, n) in self.joining.items() if n == node]
+        for wid in gone:
+            kill_actor(self.joining.pop(wid)[0])
+        spares = [w.wid for w in self.handles() if w.node == node and w.rank is None]
+        self.drop(spares)
+        return gone + spares
+
+    def undrain(self, node: str) -> None:
+        """``node``'s drain was cancelled (or the node is gone): it may be placed on again."""
+        self.draining.pop(node, None)
 
     def avoid(self, node: str) -> list[int]:
         """Start no worker on ``node`` again, and let go of the spares there and those still
