@@ -32,8 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from elastic_trainer.chaos.campaign.campaign import (Setting, coverage, coverage_line, draws, run_campaign,
-                                                         write_json)
+    from elastic_trainer.chaos.campaign.campaign import Setting, draws, report_doc, run_campaign
     from elastic_trainer.chaos.campaign.schedule import Schedule
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -50,19 +49,35 @@ def main() -> int:
                  else draws(args.schedules, setting, args.seed, lab=args.lab))
     t0 = time.monotonic()
     if args.lab:
-        return lab_campaign(setting, schedules, args, t0)
-    reports = run_campaign(schedules, setting, shrink_failures=not args.no_shrink)
-    secs = [r.outcome.seconds for r in reports]
+        doc = lab_campaign(setting, schedules, args)
+        if doc is None:
+            return 2
+    else:
+        doc = report_doc(run_campaign(schedules, setting, shrink_failures=not args.no_shrink))
+    return finish(doc, t0, args.out)
+
+
+def finish(doc: dict, t0: float, out: str) -> int:
+    """Print the wall time, the schedules' times and the coverage; write ``doc`` to ``out``; the
+    exit status (1 on a violation, or on anything a lab left)."""
+    import json
+
+    from elastic_trainer.chaos.campaign.campaign import coverage_line
+
+    secs = [r["seconds"] for r in doc["runs"]]
     print(f"wall {time.monotonic() - t0:.0f}s; a schedule took median {statistics.median(secs):.1f}s "
           f"({min(secs):.1f}-{max(secs):.1f})")
-    print(coverage_line(coverage(reports)))
-    write_json(args.out, reports)
-    return 1 if any(x.violations for x in reports) else 0
+    print(coverage_line(doc["coverage"]))
+    if doc.get("lab_leftovers"):
+        print(f"the lab left: {doc['lab_leftovers']}")
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 1 if doc["violations"] or doc.get("lab_leftovers") else 0
 
 
-def lab_campaign(setting, schedules, args, t0: float) -> int:
+def lab_campaign(setting, schedules, args) -> dict | None:
+    """The lab's report of ``schedules`` (None, said why, where this machine holds no lab)."""
     import dataclasses
-    import json
     import tempfile
 
     from lab import missing
@@ -71,21 +86,10 @@ def lab_campaign(setting, schedules, args, t0: float) -> int:
     why = missing()
     if why:
         print(f"no lab on this machine: {why}", file=sys.stderr)
-        return 2
+        return None
     with tempfile.TemporaryDirectory(prefix="et-lab-campaign-") as d:
-        doc = run_lab_campaign({"setting": dataclasses.asdict(setting), "schedules": [s.to_json() for s in schedules],
-                                "shrink": not args.no_shrink}, d)
-    secs = [r["seconds"] for r in doc["runs"]]
-    print(f"wall {time.monotonic() - t0:.0f}s; a schedule took median {statistics.median(secs):.1f}s "
-          f"({min(secs):.1f}-{max(secs):.1f})")
-    from elastic_trainer.chaos.campaign.campaign import coverage_line
-
-    print(coverage_line(doc["coverage"]))
-    if doc["lab_leftovers"]:
-        print(f"the lab left: {doc['lab_leftovers']}")
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    return 1 if doc["violations"] or doc["lab_leftovers"] else 0
+        return run_lab_campaign({"setting": dataclasses.asdict(setting), "schedules": [s.to_json() for s in schedules],
+                                 "shrink": not args.no_shrink}, d)
 
 
 if __name__ == "__main__":

@@ -279,7 +279,6 @@ def draws(n: int, setting: Setting, start: int = 0, lab: bool = False) -> list[S
     return out
 
 
-
 def run_campaign(schedules: list[Schedule], setting: Setting, shrink_failures: bool = True, out=print,
                  campaign: Campaign | None = None) -> list[Report]:
     """Run ``schedules`` (on ``campaign``'s cluster, else a new one), printing a line for each and
@@ -323,7 +322,14 @@ def coverage_line(cov: dict) -> str:
                                     f"{r['n']}" if r["n"] else "none"))
 
 
+def report_doc(reports: list[Report], **extra) -> dict:
+    """Every schedule's outcome, the coverage, the summary line and the violations counted, as
+    plain values (with ``extra`` beside them)."""
+    return {"coverage": coverage(reports), "runs": [r.as_dict() for r in reports], "summary": summary(reports),
+            "violations": sum(len(r.violations) for r in reports), **extra}
+
+
 def write_json(path: str, reports: list[Report]) -> None:
-    """Every schedule's outcome and the coverage, for a later look."""
+    """``report_doc`` of ``reports``, for a later look."""
     with open(path, "w") as f:
-        json.dump({"coverage": coverage(reports), "runs": [r.as_dict() for r in reports]}, f, indent=1)
+        json.dump(report_doc(reports), f, indent=1)

@@ -43,26 +43,25 @@ class Drains:
         self._last = float("-inf")
         self.noticed: dict[str, float] = {}   # node -> when its drain was noticed (monotonic)
 
-    def poll(self) -> bool:
-        """Read the drains if a read is due; whether a new one asks for a re-plan."""
+    def poll(self) -> None:
+        """Read the drains if a read is due, and act on what changed."""
         now = time.monotonic()
         if now - self._last < self.check_s:
-            return False
+            return
         self._last = now
         notices = self._read()
         if not notices and not self.pool.draining:
-            return False
-        wanted = False
+            return
         for node, deadline in notices.items():
             if node not in self.pool.draining:
-                wanted |= self._notice(node, deadline)
+                self._notice(node, deadline)
         # Workers moved off a draining node hold no rank: let them go now, so the node's end at
         # its deadline takes nothing of the run's.
         moved = [h.wid for h in self.pool.handles() if h.node in self.pool.draining and h.rank is None]
         if moved:
             self.pool.drop(moved)
             self.run.event("drain", step=self.run.step, action="moved off", let_go=moved,
-                           nodes=sorted({n for n in self.pool.draining}))
+                           nodes=sorted(self.pool.draining))
         ended = [n for n in self.pool.draining if n not in notices]
         if ended:
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
@@ -71,7 +70,6 @@ class Drains:
             self.noticed.pop(node, None)
             self.run.event("drain", node=node, step=self.run.step, action="ended",
                            detail="the drain was cancelled" if node in alive else "the node is gone")
-        return wanted
 
     def ready(self) -> bool:
         """Whether a drain's re-plan may go now: no replacement is still starting, or waiting for
@@ -86,7 +84,7 @@ class Drains:
             return True
         return any(mono - t > WAIT_S for t in self.noticed.values())
 
-    def _notice(self, node: str, deadline: float | None) -> bool:
+    def _notice(self, node: str, deadline: float | None) -> None:
         ranks = sorted(h.rank for h in self.pool.handles() if h.node == node and h.rank is not None)
         let_go = self.pool.drain(node, deadline)
         self.noticed[node] = time.monotonic()
@@ -101,4 +99,3 @@ class Drains:
                     "no deadline" if left is None else f"{left:.1f} s left", action)
         self.run.event("drain", node=node, step=self.run.step, deadline=deadline, left_s=left, ranks=ranks,
                        let_go=let_go, action=action)
-        return bool(ranks)

@@ -198,14 +198,11 @@ class Replanner:
             plan = plan_for(self.cfg, topo.dp, topo.pp, cut, run.counts)
             return plan, dict(run.ranks), f"re-cut: stages {[list(b) for b in cut]}, each rank on its worker"
         if keep and intact:
-            topo = run.plan.topology
-            plan = plan_for(self.cfg, topo.dp, topo.pp, run.plan.stage_bounds, run.counts)
-            return plan, dict(run.ranks), "kept: every worker of the plan is alive"
+            return self._same_layout(), dict(run.ranks), "kept: every worker of the plan is alive"
         moved = self._moved_off(usable_ids) if move and run.plan is not None else None
         if moved is not None:
-            topo = run.plan.topology
-            plan = plan_for(self.cfg, topo.dp, topo.pp, run.plan.stage_bounds, run.counts)
-            return plan, moved, "kept: the leaving ranks moved to spare workers, every other rank on its worker"
+            return (self._same_layout(), moved,
+                    "kept: the leaving ranks moved to spare workers, every other rank on its worker")
         usable = len(usable_ids)
         choice = choose_plan(self.cfg, usable, bound, avoid=frozenset(self.unfit))
         if (choice is None or usable < self.cfg.scaling.min_workers) and bench.benched:
@@ -217,6 +214,12 @@ class Replanner:
         if choice is None:
             raise RunError(no_plan_reason(self.cfg, usable, bound) or f"no dp x pp fits {usable} workers")
         return plan_for(self.cfg, choice.dp, choice.pp, choice.stage_bounds, run.counts), None, choice.reason
+
+    def _same_layout(self):
+        """A plan of the current layout and stage cut, anew."""
+        run = self.run
+        topo = run.plan.topology
+        return plan_for(self.cfg, topo.dp, topo.pp, run.plan.stage_bounds, run.counts)
 
     def _moved_off(self, usable_ids: set[int]) -> dict[int, int] | None:
         """The current plan's ranks with those whose workers may not be used (on a draining node)

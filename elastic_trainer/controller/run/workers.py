@@ -233,12 +233,7 @@ class WorkerPool:
         the spares there and those still starting; the ids let go. Its ranked workers keep
         their ranks until the re-plan that moves them (``usable`` leaves them out)."""
         self.draining[node] = deadline
-        gone = [wid for wid, (_, _, n) in self.joining.items() if n == node]
-        for wid in gone:
-            kill_actor(self.joining.pop(wid)[0])
-        spares = [w.wid for w in self.handles() if w.node == node and w.rank is None]
-        self.drop(spares)
-        return gone + spares
+        return self._let_go_spares(node)
 
     def undrain(self, node: str) -> None:
         """``node``'s drain was cancelled (or the node is gone): it may be placed on again."""
@@ -249,6 +244,10 @@ class WorkerPool:
         starting (a re-plan or growth would put the load that did not fit back on it); the ids
         of the workers let go. Workers holding a rank there keep it until a re-plan."""
         self.avoided.add(node)
+        return self._let_go_spares(node)
+
+    def _let_go_spares(self, node: str) -> list[int]:
+        """Kill the workers still starting on ``node`` and drop the spares there; their ids."""
         gone = [wid for wid, (_, _, n) in self.joining.items() if n == node]
         for wid in gone:
             kill_actor(self.joining.pop(wid)[0])
