@@ -49,6 +49,7 @@ while kills() <= before and len(held) * (32 << 20) < cap:
 time.sleep(3600)
 """
 _KILL_WAIT_S = 30.0
+_EXIT_WAIT_S = 10.0
 
 
 class HostFaults:
@@ -139,7 +140,13 @@ class HostFaults:
             hog.wait(10)
             self.lab.limit_memory(host, self.lab.memory_gb)
         kills = group.memory_events()["oom_kill"] - before
-        gone = sorted(p for p in pids if not os.path.exists(f"/proc/{p}"))
+        # A killed process exits only once its memory is torn down and its parent reaps it: the
+        # counter moves first, so wait for the process itself.
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        gone = _gone(pids)
+        while kills and not gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gone = _gone(pids)
         if not kills:
             return {"done": "skipped", "why": f"no OOM kill on {host.address} in {_KILL_WAIT_S:g} s"}
         return {"done": "memory killed", "oom_kills": kills, "pids_gone": gone}
@@ -158,6 +165,20 @@ class HostFaults:
         for fn, host in self._undo:
             fn(host)
         self._timers, self._undo = [], []
+
+
+def _gone(pids: set[int]) -> list[int]:
+    """Those of ``pids`` that have exited (a zombie not yet reaped counts as exited)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "X"
+        if state in ("Z", "X"):
+            out.append(pid)
+    return sorted(out)
 
 
 def _runs_raylet(host: Host) -> bool:

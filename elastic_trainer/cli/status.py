@@ -104,6 +104,11 @@ def format_status(st: dict) -> str:
     spares = [w for w in st.get("workers", []) if w["rank"] is None]
     if spares:
         lines.append(f"    spares: {', '.join(str(w['worker_id']) for w in spares)}")
+    starting = st.get("starting") or []
+    if starting:
+        lines.append("    starting: " + ", ".join(f"worker {w['worker_id']} on node {str(w['node_id'])[:12]}"
+                                                + (" (up, joins at the next look)" if w["ready"] else "")
+                                                for w in starting))
     fails = st.get("failures") or []
     lines.append(f"  failures: {len(fails)} recent, {st.get('recoveries', 0)} recoveries")
     for f in fails:

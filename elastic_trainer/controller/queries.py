@@ -58,6 +58,7 @@ class ControllerQueries:
                     "setting_up": run.setting_up,
                     "snapshots": self.schedule.describe(),
                     "workers": self.pool.table(),
+                    "starting": self.pool.starting(),
                     "failures": [dict(e) for e in [e for e in run.events if e["kind"] == "failure"][-5:]],
                     "recoveries": sum(1 for e in run.events if e["kind"] == "recovery"),
                     "eval": _copy(next((e for e in reversed(run.events) if e["kind"] == "eval"), None)),

@@ -22,8 +22,7 @@ from .schedule import KILLS, Schedule
 from .strike import Striker, wait_until
 
 _POLL_S = 0.05
-# After a kill or a join, each step waits this long for the pool to be whole, up to this long in all.
-_JOIN_STEP_S = 0.3
+# After a kill or a join, the run waits between steps for the pool to be whole, up to this long in all.
 _JOIN_WAIT_S = 60.0
 
 
@@ -77,6 +76,7 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
     thread = threading.Thread(target=fit, name=f"campaign-{cfg.run.name}", daemon=True)
     thread.start()
     last_look, awaiting = 0.0, None
+    killed, killed_nodes = set(), set()
     while thread.is_alive():
         thread.join(_POLL_S)
         if not ctl:
@@ -99,18 +99,24 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
                                    "step": held.get("step"), "time": time.time(), **done})
                 if pending:
                     arm(pending[0].point, pending[0].occurrence, "fault")
+                if fault.kind in KILLS and done.get("worker") is not None and done["done"] != "skipped":
+                    # Still listed until the run sees it gone (a lease in flight may not have yet).
+                    killed.add(done["worker"])
+                    if fault.kind == "kill_node":
+                        killed_nodes.add(done["node"])
                 if fault.kind in KILLS + ("join",) and awaiting is None:
                     awaiting = time.monotonic() + _JOIN_WAIT_S
                     arm("between_steps", 1, "await")
             elif what == "await" and awaiting:
                 # A worker that takes a lost one's place (on its free node, or a spare or joined one)
-                # takes seconds to start, longer than a tiny run's steps: each step waits a little
-                # until the pool is whole again (as on a run whose steps take seconds), so the grow
-                # back happens, and a fault drawn for that grow finds it.
-                if len(workers) >= world or time.monotonic() > awaiting:
+                # takes seconds to start, longer than a tiny run's steps (a lease may run all that is
+                # left): the run waits between steps until it is up (as on a run whose steps take
+                # seconds), so the grow back happens, and a fault drawn for that grow finds it.
+                alive = [w for w in workers if w["worker_id"] not in killed and w["node_id"] not in killed_nodes]
+                if len(alive) >= world or time.monotonic() > awaiting:
                     awaiting = None
                 else:
-                    time.sleep(_JOIN_STEP_S)
+                    _await_new_worker(ctl[0], awaiting, cfg.scaling.grow_check_s)
                     arm("between_steps", 1, "await")
             ray.get(ctl[0].fault_point.remote("release"))
         if time.monotonic() - t0 > deadline_s:
@@ -139,6 +145,23 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
         out.events = list(getattr(error, "events", []) or [])
     out.leftovers = leftovers(cfg.run.name, out.processes)
     return out
+
+
+def _await_new_worker(controller, until: float, look_s: float) -> None:
+    """Hold the run (it holds between steps) until a worker it started is up, then long enough
+    that its next look for workers (every ``look_s``) takes it in; when none is starting, just
+    that long, so that look starts one where a node is free. Never past ``until``."""
+    held = time.monotonic()
+    while time.monotonic() < until:
+        time.sleep(_POLL_S)
+        try:
+            starting = ray.get(controller.status.remote(), timeout=10).get("starting") or []
+        except Exception:  # noqa: BLE001 - the controller ended meanwhile: the run's join says how
+            return
+        if time.monotonic() - held < look_s:
+            continue
+        if not starting or any(w["ready"] for w in starting):
+            return
 
 
 def leftovers(run_name: str, processes: dict, wait_s: float = 30.0) -> list[str]:

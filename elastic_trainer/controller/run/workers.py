@@ -305,6 +305,16 @@ class WorkerPool:
                  "allocator": w.allocator, "mark": w.mark}
                 for w in self.handles()]
 
+    def starting(self) -> list[dict]:
+        """One row per worker still starting: its node, and whether it is up and waits only for
+        the run to take it in (at its next look for workers, ``scaling.grow_check_s``)."""
+        rows = list(self.joining.items())   # a copy at once: the loop thread adds and takes
+        ready = set()
+        if rows:
+            refs = [info for _, (_, info, _) in rows]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        return [{"worker_id": wid, "node_id": node, "ready": info in ready} for wid, (_, info, node) in rows]
+
     def ask(self, method: str, wids, timeout: float, *args) -> dict:
         """``{wid: answer}`` of ``method(*args)`` on each live worker of ``wids`` (see :func:`ask_all`)."""
         return ask_all({w: getattr(self.workers[w].actor, method).remote(*args)
