@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .checkpoint.compat import resume_request
 from .config import TrainerConfig
 from .controller.controller import ControllerActor
+from .controller.run.goodput import lost_line
 from .controller.state.saving import SaveError  # noqa: F401  (a run's error, importable from here)
 from .data.dataset import ensure_prepared
 from .data.splits import data_order, open_datasets
@@ -53,6 +54,9 @@ class Result:
     state: str = "FINISHED"          # FINISHED: every step run; STOPPED: ended early by Controller.stop()
     step: int | None = None          # the last step run, which the weights (and durable_path) hold
     ranks_path: str | None = None    # each step's per-rank compute, wait and pace (JSON lines), with report_dir
+    # Where the wall time went: {"wall_s", "effective_s", "goodput", "seconds": bucket -> s}
+    # (controller.run.goodput.BUCKETS; the buckets add up to wall_s).
+    goodput: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -119,7 +123,8 @@ class Trainer:
             if started_ray:
                 ray.shutdown()
 
-    def _report(self, cfg: TrainerConfig, run_name: str, history: list[dict], events: list[dict]) -> None:
+    def _report(self, cfg: TrainerConfig, run_name: str, history: list[dict], events: list[dict],
+                goodput: dict | None = None) -> None:
         """Write the run report PNG; a report that cannot be drawn never fails the run."""
         if cfg.run.report_dir is None:
             return
@@ -128,7 +133,7 @@ class Trainer:
         path = os.path.join(os.path.expanduser(cfg.run.report_dir), f"{run_name}.png")
         try:
             write_report(history, events, path, title=f"run {run_name}",
-                         ranks=read_rank_figures(self.ranks_path) if self.ranks_path else None)
+                         ranks=read_rank_figures(self.ranks_path) if self.ranks_path else None, goodput=goodput)
         except Exception as e:  # noqa: BLE001 - the training result matters more than its picture
             print(f"run report not written ({type(e).__name__}: {e})", file=sys.stderr)
             return
@@ -257,16 +262,18 @@ class Trainer:
                 ranks.close()
         if printer:
             printer.done(out["history"], out["state"])
+            if out.get("goodput"):
+                print(lost_line(out["goodput"]), flush=True)
             print(f"weights: {out['model_path']}", flush=True)
             if out.get("hf_path"):
                 print(f"hugging face folder: {out['hf_path']}", flush=True)
         self.report_path = None
-        self._report(cfg, run_name, out["history"], out["events"])
+        self._report(cfg, run_name, out["history"], out["events"], out.get("goodput"))
         return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
                       workers=out["workers"], plans=out["plans"], model_state=out["model_state"],
                       report_path=self.report_path, model_path=out["model_path"],
                       durable_path=out["durable_path"], run_id=out["run_id"], hf_path=out.get("hf_path"),
-                      state=out["state"], step=out["step"], ranks_path=self.ranks_path)
+                      state=out["state"], step=out["step"], ranks_path=self.ranks_path, goodput=out.get("goodput"))
 
 
 def output_dir(cfg: TrainerConfig) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ..errors import error_line
+from ..controller.run.goodput import lost_line
 from ..naming import NAMESPACE, is_controller
 
 _ANSWER_TIMEOUT_S = 10.0
@@ -109,6 +110,8 @@ def format_status(st: dict) -> str:
         lines.append("    starting: " + ", ".join(f"worker {w['worker_id']} on node {str(w['node_id'])[:12]}"
                                                 + (" (up, joins at the next look)" if w["ready"] else "")
                                                 for w in starting))
+    if st.get("goodput"):
+        lines.append("  " + lost_line(st["goodput"]))
     fails = st.get("failures") or []
     lines.append(f"  failures: {len(fails)} recent, {st.get('recoveries', 0)} recoveries")
     for f in fails:

@@ -57,6 +57,7 @@ from .stepping.evaluation import Evaluator
 from .failures.fences import Fences
 from .replanning.first_placement import place_first
 from .run.fault_points import FaultPoints
+from .run.goodput import GoodputClock
 from .run.placement import assign_ranks, fault_tolerance
 from .replanning.plan_setup import PlanSetup
 from .run.ps_group import ParameterServers
@@ -203,6 +204,7 @@ class Controller:
                            "controller runs once; start a new run, or resume this one from its checkpoints")
         log.info("[%s] starting: dp=%d x pp=%d, %d steps", self.run_name, cfg.parallel.dp,
                  cfg.parallel.pp, cfg.train.steps)
+        run.goodput = GoodputClock("startup")
         try:
             run.transition(RunState.PLACING)
             # The re-plan reads comm.constants: a missing or bad file must stop the run now,
@@ -228,8 +230,10 @@ class Controller:
                     break
                 self.step_loop.replan(order)
                 self.step_loop.loop()
-            state = self.saver.gather_state() if return_model_state else None
-            saved = self.saver.final()
+            with run.goodput.phase("checkpointing"):
+                state = self.saver.gather_state() if return_model_state else None
+                saved = self.saver.final()
+            run.goodput.end()
             # A stop that came after the last step leaves nothing undone: that run finished.
             end = RunState.STOPPED if run.stopping and run.step < cfg.train.steps else RunState.FINISHED
             run.transition(end, step=run.step, model_path=saved["model_path"])
@@ -237,7 +241,7 @@ class Controller:
                      cfg.train.steps, saved["model_path"])
             return {"history": run.history, "events": run.events, "plan": run.plan.describe(),
                     "plans": run.plans, "workers": self.pool.table(), "run_id": run.run_id,
-                    "state": end.value, "step": run.step,
+                    "state": end.value, "step": run.step, "goodput": run.goodput.report(),
                     "model_state": state, **saved}
         except BaseException as e:
             log.error("[%s] failed: %s: %s", self.run_name, type(e).__name__, e)
@@ -248,6 +252,7 @@ class Controller:
                 run.transition(RunState.FAILED, error=f"{type(e).__name__}: {e}")
             raise
         finally:
+            run.goodput.end()
             self.replanner.flush()
             if self.ps:
                 self.ps.kill()
@@ -260,7 +265,8 @@ class Controller:
         run, cfg = self.record, self.cfg
         plan = make_plan(cfg, run.counts)   # counted in run(); a second build for them is wasted
         check_start(cfg, plan)   # as a re-plan is held to scaling.worker_memory_gb, before any worker is placed
-        placed = place_first(cfg, plan, run.counts)
+        with run.goodput.phase("waiting_for_nodes"):   # no wait where the cluster has room
+            placed = place_first(cfg, plan, run.counts)
         plan, nodes = placed.plan, placed.nodes
         topo = plan.topology
         if placed.smaller:

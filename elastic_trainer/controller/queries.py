@@ -72,7 +72,8 @@ class ControllerQueries:
                                "setup": self.setup_memory()},
                     "stragglers": self.balance.tracker.stragglers,
                     "shares": list(self.balance.shares) if self.balance.shares else self.balance.shares,
-                    "benched": self.bench.describe()}
+                    "benched": self.bench.describe(),
+                    "goodput": run.goodput.report()}
 
 
 def _copy(event: dict | None) -> dict | None:

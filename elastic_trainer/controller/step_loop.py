@@ -63,10 +63,12 @@ class StepLoop:
         """Until the last step, a stop or an error: issue, wait, record; a failure goes to recovery."""
         run, driver = self.run, self.driver
         granted: collections.deque[StepOutcome] = collections.deque()   # the running lease, then one queued behind
+        last_done = 0.0   # when the last lease completed
         while granted or not run.stopping:
             if not granted:
                 if self.evaluator.due():
-                    done = self.evaluator.run_after_step()
+                    with run.goodput.phase("evaluation"):
+                        done = self.evaluator.run_after_step()
                     if not done.ok:
                         self.replan(self.recovery.recover(done))
                     continue
@@ -87,6 +89,8 @@ class StepLoop:
                 if renewal is not None:
                     granted.append(renewal)
             out = driver.finish(granted.popleft())
+            if not granted:
+                run.goodput.enter("controller")   # no step runs until the next is issued
             if not out.ok:
                 for queued in granted:
                     # Refused at once where ``out`` failed; where it completed, blocked in its first
@@ -94,8 +98,13 @@ class StepLoop:
                     out.inflight.update(queued.calls[0])
                     out.dropped.append((queued.step, queued.step + queued.count - 1))
                 granted.clear()
+                # The failed step's time, from its start (or the last step's end, where it was
+                # granted behind it) until the failure was known, is lost.
+                run.goodput.move("training", "detection", time.perf_counter() - max(out.started, last_done))
+                run.goodput.enter("replan")
                 self.replan(self.recovery.recover(out))
                 continue
+            last_done = time.perf_counter()
             steps = driver.split(out)
             if granted:
                 driver.running(granted[0])
@@ -130,6 +139,7 @@ class StepLoop:
         """Start ``count`` steps from ``step`` on every rank (``StepDriver.start``);
         ``snapshot_step``: that of a snapshot granted before it and not yet recorded."""
         ranks = self.run.ranks
+        self.run.goodput.enter("training")
         snap = schedule_after(self.schedule, snapshot_step).due(step + count - 1)
         writers = self.snapshots.writers(snapshots_pending)
         return self.driver.start(step, {w: self.pool[w].actor for w in ranks.values()}, snap,
@@ -229,6 +239,8 @@ class StepLoop:
         record["controller_cpu_s"] = time.process_time()
         record["heartbeats"] = self.driver.heartbeats
         run.commit_step(record, split_rank_figures(record))
+        self._charge_step(record)
+        run.metrics.record_goodput(run.goodput.report())
         self.recovery.step_committed()
         self.replanner.step_committed()
         self._memory_kills()
@@ -255,4 +267,18 @@ class StepLoop:
             ps.retain(self.snapshots.steps())
         if self.writer and cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 \
                 and step < cfg.train.steps:
-            self.writer.start(step, list(run.history), run.plan.describe())
+            # On the step path only where no step runs meanwhile (else the workers run on).
+            with run.goodput.phase("checkpointing", only_from="controller"):
+                self.writer.start(step, list(run.history), run.plan.describe())
+
+    def _charge_step(self, record: dict) -> None:
+        """Of a step's time, what was not training (``goodput``): its update's wait for a snapshot
+        copy, and a named straggler's share (the step at the straggler's pace over the step at
+        its peers', on the compute it slowed)."""
+        clock, dt = self.run.goodput, record.get("step_time_s") or 0.0
+        clock.move("training", "checkpointing", min(dt, record.get("snapshot_wait_s") or 0.0))
+        slow = self.balance.tracker.stragglers
+        paces = [p for r, p in (record.get("pace") or {}).items() if int(r) in slow]
+        if paces and max(paces) > 1.0:
+            compute = record.get("worker_s") or dt
+            clock.move("training", "stragglers", compute * (1.0 - 1.0 / max(paces)))

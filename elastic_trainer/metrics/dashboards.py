@@ -29,6 +29,7 @@ _RUN = 'run=~"$run"'
 
 _ROW_TITLES = {
     "progress": "Progress",
+    "goodput": "Goodput: where the wall time went",
     "throughput": "Throughput",
     "communication": "Communication",
     "elasticity": "Elasticity and failures",
@@ -63,6 +64,8 @@ _TITLES = {
     "eval_loss": "validation loss",
     "rank_pace": "pace per rank (1 = even)",
     "lr": "learning rate",
+    "goodput_ratio": "goodput (training that counts / wall time)",
+    "goodput_seconds": "wall time by bucket",
     "recovery_seconds": "recovery time (p50, p95 over the run)",
     "last_recovery_seconds": "last recovery, by phase",
     "snapshot_seconds": "snapshot time",

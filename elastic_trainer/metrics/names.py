@@ -50,7 +50,7 @@ REBALANCE_ACTIONS = ("shares", "equal shares", "balanced cut", "recut", "spare",
 DURABLE_ROLES = ("periodic", "final", "emergency")
 
 # Dashboard rows, in display order.
-GROUPS = ("progress", "throughput", "communication", "elasticity", "checkpoints")
+GROUPS = ("progress", "goodput", "throughput", "communication", "elasticity", "checkpoints")
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,14 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(PREFIX + "controller_state", GAUGE,
                "1 for the state the run's controller is in, 0 for the others.", "bool", "progress", "state",
                tag_keys=("run", "state")),
+    # goodput (controller.run.goodput): set after every step from the run's clock
+    MetricSpec(PREFIX + "goodput_ratio", GAUGE,
+               "Wall time of the steps that count (each once) over the run's wall time so far.", "ratio",
+               "goodput", "goodput"),
+    MetricSpec(PREFIX + "goodput_seconds", GAUGE,
+               "The run's wall time so far by where it went: training, startup, waiting_for_nodes, detection, "
+               "replan, restore, redone, checkpointing, drains, resizing, stragglers, evaluation, controller.",
+               "s", "goodput", "goodput", tag_keys=("run", "bucket")),
     # throughput
     _step("tokens_per_s", "Tokens of the global batch divided by the last step's wall time.", "tokens/s",
           "throughput"),

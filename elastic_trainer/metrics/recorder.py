@@ -40,6 +40,8 @@ _RANK_GAUGES = tuple(m for m in METRICS if m.source == "step_per_rank")
 _STRAGGLERS = metric("stragglers").name
 _REBALANCES = metric("rebalances").name
 _DURABLE_FAILURES = metric("durable_failures").name
+_GOODPUT = metric("goodput_ratio").name
+_GOODPUT_SECONDS = metric("goodput_seconds").name
 
 
 def ray_metric(spec: MetricSpec):
@@ -139,6 +141,17 @@ class RunMetrics:
                 value = _number(v)
                 if value is not None:
                     self._call(spec.name, "set", value, {"rank": str(rank)})
+
+    def record_goodput(self, report: dict) -> None:
+        """Set the goodput gauges from the run's clock (``GoodputClock.report``)."""
+        metrics = self._get()
+        if metrics is None:
+            return
+        value = _number(report.get("goodput"))
+        if value is not None:
+            self._call(_GOODPUT, "set", value, {})
+        for bucket, seconds in (report.get("seconds") or {}).items():
+            self._call(_GOODPUT_SECONDS, "set", float(seconds), {"bucket": bucket})
 
     def set_state(self, state: Any) -> None:
         """Mark ``state`` (a ``RunState`` or its name) as the controller's state: 1 for it, 0 for the rest."""

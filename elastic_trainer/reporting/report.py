@@ -83,8 +83,29 @@ def _memory_lines(figures: list[dict] | None) -> dict[int, tuple[list[int], list
     return out
 
 
+def _goodput_bar(ax, goodput: dict) -> None:
+    """One bar of the run's wall time, split by where it went (``controller.run.goodput``)."""
+    wall = goodput.get("wall_s") or 0.0
+    left = 0.0
+    parts = [(b, s) for b, s in goodput["seconds"].items() if s > 0]
+    colors = {b: ("tab:green" if b == "training" else c) for b, c in zip(
+        (b for b, _ in parts), ("tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                                "tab:gray", "tab:olive", "tab:cyan", "gold", "navy", "salmon", "black"))}
+    for bucket, seconds in parts:
+        ax.barh(0, seconds, left=left, color=colors[bucket], edgecolor="white",
+                label=f"{bucket} {seconds:.1f} s ({seconds / wall:.1%})" if wall else bucket)
+        left += seconds
+    ax.set_xlim(0, max(wall, left) or 1.0)
+    ax.set_yticks([])
+    ax.set_xlabel("wall time (s)")
+    share = goodput.get("goodput")
+    ax.set_title(f"goodput {share:.1%}: training that counts, over the run's wall time" if share is not None
+                 else "goodput", fontsize=9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=7, frameon=False)
+
+
 def report_figure(history: list[dict], events: list[dict], title: str | None = None,
-                  ranks: list[dict] | None = None):
+                  ranks: list[dict] | None = None, goodput: dict | None = None):
     """The report as a matplotlib ``Figure`` (not yet saved); see ``write_report``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -109,9 +130,18 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
     pace = _pace_grid(ranks)
     memory = _memory_lines(ranks)
     heights = [3, 3, 3, 3] + ([1.6] if pace is not None else []) + ([2.2] if memory else [])
-    fig = Figure(figsize=(10, 12 + 2 * (len(heights) - 4)), dpi=100)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
+    tall = 12 + 2 * (len(heights) - 4)
+    if goodput and goodput.get("seconds"):
+        # The wall time's bar below the per-step panels, on an axis of its own (seconds, not steps).
+        fig = Figure(figsize=(10, tall + 2.4), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        top, bottom = fig.subfigures(2, 1, height_ratios=[tall, 2.4])
+        axes = top.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
+        _goodput_bar(bottom.subplots(), goodput)
+    else:
+        fig = Figure(figsize=(10, tall), dpi=100)
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights})
     fig.suptitle(_title(history, events, title), fontsize=11)
 
     ax = axes[0]
@@ -184,20 +214,22 @@ def report_figure(history: list[dict], events: list[dict], title: str | None = N
         handles.append(Line2D([], [], color=RECOVERY_COLOR, linestyle=":", label="resize"))
     if handles:
         axes[0].legend(handles=handles, loc="upper right", fontsize=8)
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     return fig
 
 
 def write_report(history: list[dict], events: list[dict], path, title: str | None = None,
-                 ranks: list[dict] | None = None) -> Path:
+                 ranks: list[dict] | None = None, goodput: dict | None = None) -> Path:
     """Draw the run's report to a PNG at ``path`` and return the path.
 
     ``history`` and ``events`` are a ``Result``'s (or the controller's) lists; ``ranks`` the
-    per-rank figures (``rank_file.read_rank_figures``), drawn as a pace strip;
+    per-rank figures (``rank_file.read_rank_figures``), drawn as a pace strip; ``goodput`` the
+    run's (``Result.goodput``), drawn as a bar of its wall time by bucket;
     an empty history gives a page that says no step completed, listing the
     failures if there were any. Needs matplotlib.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    report_figure(history, events, title, ranks).savefig(path, format="png")
+    report_figure(history, events, title, ranks, goodput).savefig(path, format="png")
     return path

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_trainer.chaos.campaign.checker import (check_checkpoint, check_counts, check_end, check_history,
+from elastic_trainer.chaos.campaign.checker import (check_checkpoint, check_counts, check_end, check_goodput, check_history,
                                                     check_leftovers, check_resumes, check_state, check_timeline,
                                                     steps_off_layout)
 from elastic_trainer.checkpoint.state import merge_shards
@@ -192,3 +192,19 @@ def test_points_reached_on_two_threads_are_held_one_after_the_other():
     for t in threads:
         t.join(10)
     assert sorted(seen) == ["between_steps", "durable_write"] and not any(t.is_alive() for t in threads)
+
+
+def test_goodput_that_does_not_add_up_or_lost_a_rollback_is_a_violation():
+    events = [{"kind": "state", "time": 100.0}, {"kind": "recovery", "steps_rolled_back": 2},
+              {"kind": "state", "time": 110.0}]
+    good = {"wall_s": 10.0, "seconds": {"training": 8.0, "restore": 1.0, "redone": 1.0}}
+    assert check_goodput(good, events, finished=True) == []
+    assert "below 0" in str(check_goodput({"wall_s": 10.0, "seconds": {"training": 11.0, "redone": -1.0}},
+                                          events, True)[0])
+    assert "add up to 9.000 s" in str(check_goodput({"wall_s": 10.0, "seconds": {"training": 8.0, "redone": 1.0}},
+                                                   events, True)[0])
+    assert "span 5.000 s" in str(check_goodput(good, [events[0], events[1], {"kind": "state", "time": 105.0}],
+                                              True)[0])
+    assert "2 committed step(s) rolled back, no time redone" in str(
+        check_goodput({"wall_s": 10.0, "seconds": {"training": 10.0, "redone": 0.0}}, events, True)[0])
+    assert check_goodput(None, events, finished=False) == [] and check_goodput(None, events, True)

@@ -171,6 +171,14 @@ def test_checkpoint_events_set_their_gauges(recorder):
     assert calls(made, "snapshot_seconds")[-1][1] == 0.25 and calls(made, "snapshot_bytes")[-1][1] == 2048.0
 
 
+def test_goodput_sets_its_share_and_every_bucket(recorder):
+    rec, made = recorder
+    rec.record_goodput({"wall_s": 10.0, "effective_s": 9.0, "goodput": 0.9,
+                        "seconds": {"training": 9.0, "restore": 1.0}})
+    assert calls(made, "goodput_ratio")[-1][1] == 0.9
+    assert {c[2]["bucket"]: c[1] for c in calls(made, "goodput_seconds")} == {"training": 9.0, "restore": 1.0}
+
+
 def test_a_failing_backend_never_raises(caplog):
     class Broken:
         def set(self, *a, **k):

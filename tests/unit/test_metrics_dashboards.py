@@ -62,7 +62,8 @@ def test_dashboard_has_a_run_variable_rows_and_unique_ids():
     assert m and m.group(1) in prometheus_names()
     assert run["multi"] and run["includeAll"]
     assert [p["title"] for p in dash["panels"] if p["type"] == "row"] == [
-        "Progress", "Throughput", "Communication", "Elasticity and failures", "Checkpoints"]
+        "Progress", "Goodput: where the wall time went", "Throughput", "Communication", "Elasticity and failures",
+        "Checkpoints"]
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in _panels()}

@@ -16,7 +16,9 @@ loses nothing.
 - no restore read a local copy of a timeline the run had abandoned (``worker.copies.on_timeline``);
 - the failures counted match the faults struck: none without a lethal fault, at least one
   failure or fence for each lethal fault struck at a worker;
-- nothing of the run outlived it: actors, worker processes.
+- nothing of the run outlived it: actors, worker processes;
+- its goodput adds up: every bucket at least 0, together the run's wall time as its own state
+  events time it (within 1%), and steps rolled back show as time redone (``check_goodput``).
 
 Each check is a function of plain values (history, events, states, manifests), so the tests
 plant violations in them.
@@ -212,6 +214,29 @@ def check_counts(struck: list[dict], events: list[dict]) -> list[Violation]:
         return [Violation("failures_counted", f"{len(kills)} kill(s) struck ({', '.join(k['fault'] for k in kills)}), "
                                               "no failure, fence or worker gone at the end recorded")]
     return []
+
+
+def check_goodput(goodput: dict | None, events: list[dict], finished: bool) -> list[Violation]:
+    """The run's wall time, bucket by bucket (``controller.run.goodput``): no bucket below 0;
+    together the wall time, which (for a run that returned) is the span of its state events;
+    and time redone where a recovery rolled back committed steps."""
+    if goodput is None:
+        return [Violation("goodput", "the run returned no goodput")] if finished else []
+    seconds, wall = goodput["seconds"], goodput["wall_s"]
+    out = []
+    below = {b: s for b, s in seconds.items() if s < 0}
+    if below:
+        out.append(Violation("goodput", f"buckets below 0: {below}"))
+    if abs(sum(seconds.values()) - wall) > 0.01 * wall:
+        out.append(Violation("goodput", f"buckets add up to {sum(seconds.values()):.3f} s, the wall time is {wall:.3f} s"))
+    states = [e["time"] for e in events if e.get("kind") == "state"]
+    if finished and len(states) >= 2 and abs((states[-1] - states[0]) - wall) > 0.01 * wall + 0.05:
+        out.append(Violation("goodput", f"wall time {wall:.3f} s, the run's state events span "
+                                        f"{states[-1] - states[0]:.3f} s"))
+    rolled = sum(e.get("steps_rolled_back") or 0 for e in events if e.get("kind") == "recovery")
+    if rolled and seconds.get("redone", 0.0) <= 0:
+        out.append(Violation("goodput", f"{rolled} committed step(s) rolled back, no time redone"))
+    return out
 
 
 def check_leftovers(leftovers: list[str]) -> list[Violation]:

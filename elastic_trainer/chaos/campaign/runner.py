@@ -39,6 +39,7 @@ class Outcome:
     durable_path: str | None = None
     run_id: str | None = None
     plans: list = field(default_factory=list)
+    goodput: dict | None = None        # where the run's wall time went (``Result.goodput``)
     struck: list = field(default_factory=list)      # per fault struck: its line, the point held, what was done
     unstruck: list = field(default_factory=list)    # faults whose point the run never reached
     processes: dict = field(default_factory=dict)   # worker id -> (pid, start mark) of every worker seen
@@ -138,6 +139,7 @@ def run_schedule(cfg, schedule: Schedule, striker: Striker, deadline_s: float = 
         out.state = result.state if out.state != "HUNG" else "HUNG"
         out.history, out.events, out.model_state = result.history, result.events, result.model_state
         out.durable_path, out.run_id, out.plans = result.durable_path, result.run_id, result.plans
+        out.goodput = result.goodput
     elif error is not None:
         out.state = "FAILED" if out.state != "HUNG" else "HUNG"
         out.error = f"{type(error).__name__}: {error}"

@@ -60,13 +60,16 @@ class Replanner:
         if order.abort_setups:
             self.setup.abort()
         cause = order.cause
+        plan_bucket, restore_bucket = _buckets(order)
         while True:
             t0 = time.perf_counter()
             attempts += 1
+            run.goodput.enter(plan_bucket)
             # Memory kills found so far: their hosts are avoided before the plan is chosen.
             cause = self._memory_kills(order, cause)
             pool.await_joining(0, required=False)
-            self._wait_for_min_workers()
+            with run.goodput.phase("waiting_for_nodes"):
+                self._wait_for_min_workers()
             plan, ranks, why = self._next_plan(keep=order.after_failure, cut=order.cut, move=order.reason == "drain")
             reuse = None
             kept = shrunk_ranks(shrunk, plan, pool) if ranks is None else None
@@ -76,6 +79,7 @@ class Replanner:
                 ranks, reuse = kept, shrunk.id
                 why += "; the survivors keep their shrunk world (no rendezvous)"
             t1 = time.perf_counter()
+            run.goodput.enter(restore_bucket)
             restore = self.points.restore_point(between_steps=not order.after_failure and attempts == 1)
             try:
                 desc = self.setup.apply(plan, restore, self.points.sources, self.points.durable_refs, ranks,
@@ -110,6 +114,7 @@ class Replanner:
                      run.name, order.reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size,
                      len(pool), restore[0] if restore else 0, restore[2] if restore else "the seed")
             run.transition(RunState.RUNNING)
+            run.goodput.enter("controller")   # until the next step is issued
             return
 
     def _unfit(self, plan, detail: str) -> None:
@@ -251,6 +256,17 @@ class Replanner:
             time.sleep(0.5)
         self.budget.give_up(f"{len(pool)} workers alive, below scaling.min_workers({need}), and no nodes joined "
                             f"within failure.wait_for_nodes_s({self.cfg.failure.wait_for_nodes_s:g})")
+
+
+# Where a re-plan's time goes (``goodput``), by the order's reason: (choosing and setting up, restoring).
+_PLANNED = {"startup": ("startup", "startup"), "drain": ("drains", "drains"), "grow": ("resizing", "resizing"),
+            "straggler": ("stragglers", "stragglers"), "recut": ("stragglers", "stragglers")}
+
+
+def _buckets(order: ReplanOrder) -> tuple[str, str]:
+    if order.reason in _PLANNED:
+        return _PLANNED[order.reason]
+    return ("replan", "restore") if order.failure is not None or order.after_failure else ("resizing", "resizing")
 
 
 def _plan_summary(desc: dict | None) -> dict | None:

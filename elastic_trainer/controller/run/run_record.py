@@ -20,6 +20,7 @@ from ...config import TrainerConfig
 from ...metrics import RunMetrics
 from ...planning.plan import Plan
 from .fault_points import NO_POINTS
+from .goodput import GoodputClock
 from .rank_figures import RankFigures
 from .run_state import RunState, RunStateMachine
 
@@ -52,6 +53,7 @@ class RunRecord:
         self.generation = 0                   # numbers set-up attempts, so a stale one can be aborted
         self.points = NO_POINTS               # where a fault campaign may hold the run (fault_points)
         self.error_at: int | None = None      # inject_fault("controller_error"): the step to raise before
+        self.goodput = GoodputClock()         # where the wall time goes (restarted when the run starts)
         self.lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -168,9 +170,12 @@ class RunRecord:
             self.ranks = dict(ranks)
             self.plan = plan
             self.rolled_back = self.step - restored if restoring else 0
+            lost = [h for h in self.history if h["step"] > restored]
             self.history = [h for h in self.history if h["step"] <= restored]
             self.step = restored
             self.plans.append(desc)
+        # Their first runs are lost: the steps count once, when they are run again.
+        self.goodput.move("training", "redone", sum(h.get("step_time_s") or 0.0 for h in lost))
         return desc
 
     def adopt(self, run_id: str | None, history: list[dict]) -> None:
