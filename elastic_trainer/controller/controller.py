@@ -63,6 +63,7 @@ from .replanning.plan_setup import PlanSetup
 from .run.ps_group import ParameterServers
 from .queries import ControllerQueries
 from .failures.failure_budget import FailureBudget
+from .replanning.drains import move_seconds
 from .replanning.growth import Growth
 from .replanning.memory_bound import resolve_memory_bound
 from .state.store_room import warn_store_short
@@ -120,6 +121,7 @@ class Controller:
         budget = FailureBudget(cfg, self.saver.emergency)
         self.recovery = Recovery(cfg, run, self.pool, budget, self.fences, self.memory, ps)
         self.growth = Growth(cfg, run, self.pool, self.bench, self.schedule, self.fences)
+        self.growth.drains.estimate = self._move_estimate
         self.replanner = Replanner(cfg, run, self.pool, self.bench, self.setup, self.points, budget, self.fences,
                                    self.memory)
         self.queries = ControllerQueries(run, self.pool, self.schedule, self.balance, self.bench,
@@ -314,6 +316,12 @@ class Controller:
             self.step_loop.replan(self.recovery.start_failed(e))
         else:
             run.transition(RunState.RUNNING)
+
+    def _move_estimate(self) -> float:
+        """About how long moving ranks off a draining node takes now (``drains.move_seconds``)."""
+        run, timing = self.record, self.setup.setup_time
+        rank_bytes = timing.largest_rank_bytes(run.plan, run.counts, restoring=True) if run.plan and run.counts else 0
+        return move_seconds(self.driver.median_step_s(), rank_bytes, timing.bytes_per_s)
 
     def _where(self, wid: int) -> tuple | None:
         """(node, pid, process mark) of a worker, for the heartbeat; None if it is not in the pool."""

@@ -181,9 +181,10 @@ class StepLoop:
     def one_step_at_a_time(self) -> bool:
         """Whether the next steps must run without a lease: during warm-up (its step times set
         the timeouts), with a parameter server (it keeps per-step state of its own), with a
-        controller fault armed, and while a re-plan waits for its snapshot step."""
+        controller fault armed, while a re-plan waits for its snapshot step, and while a node
+        given too short a notice to move off has yet to go (``Drains.losing``)."""
         return (self._ps() is not None or self.run.error_at is not None or self.growth.replan_pending()
-                or self.driver.steps_since_setup < self.cfg.failure.warmup_steps)
+                or self.growth.drains.losing() or self.driver.steps_since_setup < self.cfg.failure.warmup_steps)
 
     def _carry_out(self, moves: Moves, step: int) -> None:
         """Ask growth for the re-plan a balancing decision calls for: without the straggler

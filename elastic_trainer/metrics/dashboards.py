@@ -47,6 +47,7 @@ _GRAFANA_UNITS = {
     "ratio": "none",
     "workers": "none",
     "failures": "none",
+    "drains": "none",
     "ranks": "none",
     "moves": "none",
     "checkpoints": "none",

@@ -48,6 +48,8 @@ FAILURE_KINDS = ("startup", "death", "silent", "hang", "exception", "collective"
 REBALANCE_ACTIONS = ("shares", "equal shares", "balanced cut", "recut", "spare", "readmit")
 # controller/state/durable_writer.py's roles of a durable checkpoint.
 DURABLE_ROLES = ("periodic", "final", "emergency")
+# controller/replanning/drains.py's outcomes of a preemption notice.
+DRAIN_OUTCOMES = ("moved", "loss", "idle")
 
 # Dashboard rows, in display order.
 GROUPS = ("progress", "goodput", "throughput", "communication", "elasticity", "checkpoints")
@@ -173,6 +175,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _step("pp", "Pipeline stages in the current plan.", "workers", "elasticity"),
     MetricSpec(PREFIX + "failures", COUNTER, "Worker failures seen by the controller, by kind.", "failures",
                "elasticity", "failure", tag_keys=("run", "kind"), tag_values=(("kind", FAILURE_KINDS),)),
+    MetricSpec(PREFIX + "drains", COUNTER,
+               "Preemption notices (Ray drains) by outcome: ranks moved off in time, left to the loss path "
+               "(too short to move), or idle (no rank there).", "drains", "elasticity", "drain",
+               tag_keys=("run", "outcome"), tag_values=(("outcome", DRAIN_OUTCOMES),)),
     MetricSpec(PREFIX + "recovery_seconds", HISTOGRAM,
                "Time from failure (or resize) to the first step committed after it.", "s", "elasticity",
                "recovery", tag_keys=("run", "reason"),

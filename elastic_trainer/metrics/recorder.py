@@ -41,6 +41,7 @@ _STRAGGLERS = metric("stragglers").name
 _REBALANCES = metric("rebalances").name
 _DURABLE_FAILURES = metric("durable_failures").name
 _GOODPUT = metric("goodput_ratio").name
+_DRAINS = metric("drains").name
 _GOODPUT_SECONDS = metric("goodput_seconds").name
 
 
@@ -192,6 +193,8 @@ class RunMetrics:
             self._call(_STRAGGLERS, "inc", 1.0, {})
         elif kind == "rebalance":
             self._call(_REBALANCES, "inc", 1.0, {"action": str(event.get("action") or "unknown")})
+        elif kind == "drain" and event.get("outcome"):
+            self._call(_DRAINS, "inc", 1.0, {"outcome": str(event["outcome"])})
         elif kind == "durable_failed":
             self._call(_DURABLE_FAILURES, "inc", 1.0, {"role": str(event.get("role") or "unknown")})
         elif kind in _EVENT_GAUGES:

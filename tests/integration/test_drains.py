@@ -57,10 +57,43 @@ def test_a_drained_node_is_left_before_its_deadline_with_nothing_redone(fresh_cl
     assert rec["plan_after"]["world_size"] == 4, rec   # the spare took the leaving rank
     drains = [e for e in result.events if e["kind"] == "drain"]
     assert drains[0]["node"] == victim[0].node_id and drains[0]["ranks"] == [3], drains
-    assert 0 < drains[0]["left_s"] <= 20.0, drains
+    assert 0 < drains[0]["left_s"] <= 20.0 and drains[0]["outcome"] == "moved", drains
     assert leaving and not leaving & set(result.plans[-1]["workers"].values()), (leaving, result.plans[-1])
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
+
+
+def test_a_notice_too_short_to_move_in_snapshots_first_and_takes_the_loss_at_the_deadline(fresh_cluster,
+                                                                                            corpus_dir):
+    from elastic_trainer import Trainer
+
+    c, nodes = fresh_cluster(5)
+    cfg = config(corpus_dir, "drain3", steps=300, parallel={"dp": 2, "pp": 2}, checkpoint={"memory_every": 25})
+    victim, killed = [], threading.Event()
+
+    def notice():
+        victim.append(node_of_rank("drain3", 3, nodes))
+        deadline = time.time() + 1.0   # a second's notice: too short to move a rank in
+        drain(c, victim[0], 1.0)
+
+        def at_deadline():
+            ctl = ray.get_actor("drain3-controller", namespace="elastic_trainer")
+            while not [e for e in ray.get(ctl.progress.remote(0, 0))["events"] if e["kind"] == "drain"]:
+                time.sleep(0.05)   # the cloud's kill comes once the run has read the notice
+            time.sleep(max(0.0, deadline - time.time()))
+            c.remove_node(victim[0], allow_graceful=False)
+            killed.set()
+        threading.Thread(target=at_deadline, daemon=True).start()
+
+    result = Trainer(cfg, verbose=False, on_step=Chaos().at(5, notice)).fit()
+    assert killed.wait(30)
+    assert_contiguous_data(result, cfg)
+    [ev] = [e for e in result.events if e["kind"] == "drain" and e.get("node") == victim[0].node_id][:1]
+    assert ev["outcome"] == "loss" and "then the loss path at the deadline" in ev["action"], ev
+    # The loss path at the deadline, and the loss named as a drain's.
+    [failure] = result.failures
+    assert failure["node"] == victim[0].node_id and "draining" in failure["drain"], failure
+    assert result.recoveries[0]["reason"] == failure["failure"], result.recoveries
 
 
 @ray.remote(num_cpus=0)
@@ -99,4 +132,4 @@ def test_a_drain_of_a_node_without_a_rank_costs_nothing(fresh_cluster, corpus_di
     assert_contiguous_data(result, cfg)
     assert result.failures == [] and result.recoveries == [], (result.failures, result.recoveries)
     [ev] = [e for e in result.events if e["kind"] == "drain" and e.get("node") == spare[0].node_id][:1]
-    assert ev["ranks"] == [] and ev["action"].startswith("nothing to move"), ev
+    assert ev["ranks"] == [] and ev["action"].startswith("nothing to move") and ev["outcome"] == "idle", ev

@@ -171,6 +171,20 @@ def test_checkpoint_events_set_their_gauges(recorder):
     assert calls(made, "snapshot_seconds")[-1][1] == 0.25 and calls(made, "snapshot_bytes")[-1][1] == 2048.0
 
 
+def test_drains_are_counted_by_outcome_and_the_outcomes_are_the_controllers(recorder):
+    import inspect
+
+    from elastic_trainer.controller.replanning import drains
+    from elastic_trainer.metrics.names import DRAIN_OUTCOMES
+
+    rec, made = recorder
+    rec.record_event({"kind": "drain", "node": "n", "outcome": "moved"})
+    rec.record_event({"kind": "drain", "action": "moved off"})   # a follow-up: not counted again
+    assert _counted(made, "drains") == [("inc", 1.0, {"run": "run-a", "outcome": "moved"})]
+    source = inspect.getsource(drains)
+    assert all(f'"{o}"' in source for o in DRAIN_OUTCOMES)
+
+
 def test_goodput_sets_its_share_and_every_bucket(recorder):
     rec, made = recorder
     rec.record_goodput({"wall_s": 10.0, "effective_s": 9.0, "goodput": 0.9,

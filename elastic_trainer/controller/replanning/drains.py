@@ -11,6 +11,12 @@ elsewhere takes the leaving ranks and the layout stays; with none, the plan shri
 loss and grows back when capacity returns. Placement never picks a draining node
 (``placement.free_slots``). A drain of a node with no rank (the head, a spare) lets its spares
 go and costs nothing; a drain cancelled lets the node be used again.
+
+A notice too short to move in (``enough_notice``: the time left against ``move_seconds``, the
+next step, a re-plan's fixed part and the largest rank's state at the rate the last set-up
+measured) is not raced: the next step takes a snapshot, the run trains on until the node
+goes, and the loss at the deadline restores from that snapshot, redoing little. The drain
+event says which of the two was done (``outcome``: moved, loss; idle where no rank was there).
 """
 
 from __future__ import annotations
@@ -33,15 +39,39 @@ CHECK_S = 2.0
 # or, with no deadline, this long at most.
 MARGIN_S = 4.0
 WAIT_S = 30.0
+# A re-plan's part that does not grow with the bytes (choosing, groups, building): about a
+# second on the demo (docs/runtime.md "Preemption notices").
+REPLAN_FIXED_S = 1.0
+DEFAULT_BYTES_PER_S = 50e6
+
+
+def move_seconds(step_s: float | None, rank_bytes: int, bytes_per_s: float | None) -> float:
+    """About how long moving ranks off a node takes: the next step (it takes the snapshot the
+    re-plan restores), a re-plan's fixed part, and the largest rank's state at ``bytes_per_s``
+    (the rate the last set-up measured; else a conservative 50 MB/s)."""
+    return (step_s or 1.0) + REPLAN_FIXED_S + rank_bytes / (bytes_per_s or DEFAULT_BYTES_PER_S)
+
+
+def enough_notice(left_s: float | None, need_s: float) -> bool:
+    """Whether ``left_s`` before the deadline (None: no deadline) leaves room to move: half as
+    long again as the estimate, and a second, for a slow step and a notice read late."""
+    return left_s is None or left_s >= 1.5 * need_s + 1.0
 
 
 class Drains:
     """Watches Ray's drains for the run (``poll``); ``replan(reason)`` asks for the re-plan."""
 
-    def __init__(self, run: RunRecord, pool: WorkerPool, replan, check_s: float = CHECK_S, read=draining_nodes):
-        self.run, self.pool, self._replan, self.check_s, self._read = run, pool, replan, check_s, read
+    def __init__(self, run: RunRecord, pool: WorkerPool, replan, snapshot=lambda: None, check_s: float = CHECK_S,
+                 read=draining_nodes):
+        """``replan(reason)`` asks for a re-plan at the next snapshot step, ``snapshot()`` for a
+        snapshot at the next step; ``estimate()`` (set by the controller) says how long a move
+        takes now (``move_seconds``)."""
+        self.run, self.pool, self._replan, self._snapshot = run, pool, replan, snapshot
+        self.check_s, self._read = check_s, read
+        self.estimate = lambda: move_seconds(None, 0, None)
         self._last = float("-inf")
         self.noticed: dict[str, float] = {}   # node -> when its drain was noticed (monotonic)
+        self._losing: set[str] = set()        # draining nodes with ranks left to the loss path
 
     def poll(self) -> None:
         """Read the drains if a read is due, and act on what changed."""
@@ -60,16 +90,24 @@ class Drains:
         moved = [h.wid for h in self.pool.handles() if h.node in self.pool.draining and h.rank is None]
         if moved:
             self.pool.drop(moved)
+            first = min((self.noticed[n] for n in self.pool.draining if n in self.noticed), default=now)
             self.run.event("drain", step=self.run.step, action="moved off", let_go=moved,
-                           nodes=sorted(self.pool.draining))
+                           nodes=sorted(self.pool.draining), seconds=round(now - first, 3))
         ended = [n for n in self.pool.draining if n not in notices]
         if ended:
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for node in ended:
             self.pool.undrain(node)
             self.noticed.pop(node, None)
+            self._losing.discard(node)
             self.run.event("drain", node=node, step=self.run.step, action="ended",
                            detail="the drain was cancelled" if node in alive else "the node is gone")
+
+    def losing(self) -> bool:
+        """Whether a node with ranks is left to the loss path at its deadline: until it goes, the
+        steps run one at a time, so the snapshot asked for comes at the next step, not at the
+        end of a lease, and each step after it is one more that a loss need not redo."""
+        return bool(self._losing & set(self.pool.draining))
 
     def ready(self) -> bool:
         """Whether a drain's re-plan may go now: no replacement is still starting, or waiting for
@@ -89,13 +127,24 @@ class Drains:
         let_go = self.pool.drain(node, deadline)
         self.noticed[node] = time.monotonic()
         left = None if deadline is None else round(deadline - time.time(), 3)
-        if ranks:
-            self.pool.spawn_on_free_nodes()   # replacements, started now, joined by the re-plan if in time
-            self._replan("drain")
-            action = "re-plan off it at the next step"
+        need = None
+        if not ranks:
+            outcome, action = "idle", "nothing to move: no rank of the run there"
         else:
-            action = "nothing to move: no rank of the run there"
+            self.pool.spawn_on_free_nodes()   # replacements, started now, joined by a re-plan if in time
+            need = round(self.estimate(), 3)
+            if enough_notice(left, need):
+                self._replan("drain")
+                outcome, action = "moved", "re-plan off it at the next step"
+            else:
+                # A move that cannot finish before the node goes would fail half-way: snapshot
+                # now, train on, and take the loss at the deadline from that snapshot.
+                self._snapshot()
+                self._losing.add(node)
+                outcome = "loss"
+                action = (f"snapshot at the next step, then the loss path at the deadline: {left:.1f} s left, "
+                          f"moving needs about {need:.1f} s")
         log.warning("[%s] node %s is draining (%s): %s", self.run.name, node[:12],
                     "no deadline" if left is None else f"{left:.1f} s left", action)
         self.run.event("drain", node=node, step=self.run.step, deadline=deadline, left_s=left, ranks=ranks,
-                       let_go=let_go, action=action)
+                       let_go=let_go, action=action, outcome=outcome, move_estimate_s=need)

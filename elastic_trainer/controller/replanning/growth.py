@@ -31,7 +31,8 @@ class Growth:
         self._grow_wanted = False   # a larger plan waits for the next snapshot step
         self._reason: str | None = None   # a re-plan asked for (a straggler benched), likewise
         self._cut: tuple | None = None    # the stage cut a re-plan asked for keeps (a re-cut)
-        self.drains = Drains(run, pool, self.request_replan)   # preemption notices: planned departures
+        # Preemption notices: planned departures.
+        self.drains = Drains(run, pool, self.request_replan, snapshot=schedule.request)
 
     def request_replan(self, reason: str, cut: tuple | None = None) -> None:
         """Re-plan on the usable workers at the next snapshot step, as a grow does (``reason``

@@ -1,0 +1,72 @@
+"""Preemption notices judged at the controller (controller.replanning.drains): a notice with
+room to move asks for a re-plan; one too short for the move asks for a snapshot and leaves the
+loss path to the deadline; a node without a rank costs nothing; each says so in its event."""
+
+import time
+from types import SimpleNamespace
+
+from elastic_trainer import TrainerConfig
+from elastic_trainer.controller.replanning.drains import Drains, enough_notice, move_seconds
+from elastic_trainer.controller.run.run_record import RunRecord
+
+from ..conftest import tiny_config
+
+
+class _Pool:
+    def __init__(self, workers):
+        self.workers = workers            # (wid, node, rank)
+        self.draining: dict = {}
+        self.spawned = 0
+
+    def handles(self):
+        return [SimpleNamespace(wid=w, node=n, rank=r) for w, n, r in self.workers]
+
+    def drain(self, node, deadline):
+        self.draining[node] = deadline
+        gone = [w for w, n, r in self.workers if n == node and r is None]
+        self.drop(gone)
+        return gone
+
+    def drop(self, wids):
+        self.workers = [w for w in self.workers if w[0] not in wids]
+
+    def spawn_on_free_nodes(self):
+        self.spawned += 1
+
+
+def _drains(notices, estimate_s):
+    run = RunRecord(TrainerConfig.from_dict(tiny_config("/nonexistent")), "r")
+    pool = _Pool([(0, "a", 0), (1, "b", 1), (2, "c", None)])
+    asked = []
+    d = Drains(run, pool, lambda reason: asked.append(reason), snapshot=lambda: asked.append("snapshot"),
+               read=lambda: notices)
+    d.estimate = lambda: estimate_s
+    return d, run, pool, asked
+
+
+def test_the_move_estimate_is_a_step_a_fixed_part_and_the_bytes_at_the_measured_rate():
+    assert move_seconds(0.5, 100e6, 50e6) == 0.5 + 1.0 + 2.0
+    assert move_seconds(None, 0, None) == 2.0   # before the first step: a second for it
+    assert enough_notice(None, 100.0) and enough_notice(10.0, 6.0) and not enough_notice(9.0, 6.0)
+
+
+def test_a_notice_with_room_re_plans_and_one_too_short_snapshots_for_the_loss_path():
+    d, run, pool, asked = _drains({"b": time.time() + 20.0}, estimate_s=2.0)
+    d.poll()
+    [ev] = [e for e in run.events if e["kind"] == "drain"]
+    assert asked == ["drain"] and ev["outcome"] == "moved" and ev["ranks"] == [1] and pool.spawned == 1
+    assert not d.losing()
+
+    d, run, pool, asked = _drains({"b": time.time() + 3.0}, estimate_s=2.0)
+    d.poll()
+    [ev] = [e for e in run.events if e["kind"] == "drain"]
+    assert asked == ["snapshot"] and ev["outcome"] == "loss" and pool.spawned == 1
+    assert d.losing()   # the steps go one at a time until the node goes
+    assert "then the loss path at the deadline" in ev["action"] and ev["move_estimate_s"] == 2.0
+
+
+def test_a_notice_for_a_node_without_a_rank_asks_for_nothing():
+    d, run, pool, asked = _drains({"c": time.time() + 1.0}, estimate_s=2.0)
+    d.poll()
+    [ev] = [e for e in run.events if e["kind"] == "drain"]
+    assert asked == [] and ev["outcome"] == "idle" and ev["let_go"] == [2] and pool.draining == {"c": ev["deadline"]}
