@@ -58,7 +58,7 @@ from .failures.fences import Fences
 from .replanning.first_placement import place_first
 from .run.fault_points import FaultPoints
 from .run.goodput import GoodputClock
-from .run.placement import assign_ranks, fault_tolerance
+from .run.placement import assign_ranks, fault_tolerance, pick_nodes
 from .replanning.plan_setup import PlanSetup
 from .run.ps_group import ParameterServers
 from .queries import ControllerQueries
@@ -255,6 +255,7 @@ class Controller:
             raise
         finally:
             run.goodput.end()
+            self.growth.replacements.withdraw()
             self.replanner.flush()
             if self.ps:
                 self.ps.kill()
@@ -267,6 +268,8 @@ class Controller:
         run, cfg = self.record, self.cfg
         plan = make_plan(cfg, run.counts)   # counted in run(); a second build for them is wasted
         check_start(cfg, plan)   # as a re-plan is held to scaling.worker_memory_gb, before any worker is placed
+        # A cluster with too little room asks its autoscaler (if any) before waiting for it.
+        self.growth.replacements.update(room=len(pick_nodes(cfg.scaling, cfg.max_workers, {})))
         with run.goodput.phase("waiting_for_nodes"):   # no wait where the cluster has room
             placed = place_first(cfg, plan, run.counts)
         plan, nodes = placed.plan, placed.nodes

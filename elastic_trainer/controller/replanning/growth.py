@@ -21,6 +21,7 @@ from ..run.run_state import RunState
 from ..state.snapshot_schedule import SnapshotSchedule
 from ..run.workers import WorkerPool
 from .drains import Drains
+from .replacements import Replacements
 
 
 class Growth:
@@ -33,6 +34,7 @@ class Growth:
         self._cut: tuple | None = None    # the stage cut a re-plan asked for keeps (a re-cut)
         # Preemption notices: planned departures.
         self.drains = Drains(run, pool, self.request_replan, snapshot=schedule.request)
+        self.replacements = Replacements(cfg, run, pool)   # the autoscaler asked for what is missing
 
     def request_replan(self, reason: str, cut: tuple | None = None) -> None:
         """Re-plan on the usable workers at the next snapshot step, as a grow does (``reason``
@@ -70,6 +72,7 @@ class Growth:
         self.poll_fences()
         self.pool.spawn_on_free_nodes()
         self.pool.await_joining(0, required=False)
+        self.replacements.update()
         self._grow_wanted = self._larger_plan()
         return self._grow_wanted
 
