@@ -25,7 +25,8 @@ def _ctl(steps=40, lease=16, memory_every=8, warm=10, step_s=0.01, **sections):
         driver.step_times.extend([step_s] * warm)
     driver.steps_since_setup = warm
     return SimpleNamespace(cfg=cfg, ps=None, _error_at=None, schedule=SnapshotSchedule(cfg),
-                           growth=SimpleNamespace(replan_pending=lambda: False), driver=driver)
+                           growth=SimpleNamespace(replan_pending=lambda: False,
+                                                  drains=SimpleNamespace(losing=lambda: False)), driver=driver)
 
 
 def _loop(ctl) -> StepLoop:
@@ -58,8 +59,11 @@ def test_one_step_at_a_time_where_the_controller_must_see_each():
         ctl = _ctl(warm=2, lease=cap)
         assert lease(ctl, 1) == 1                      # warm-up: its step times set the timeouts
         ctl = _ctl(lease=cap)
-        ctl.growth = SimpleNamespace(replan_pending=lambda: True)
+        ctl.growth = SimpleNamespace(replan_pending=lambda: True, drains=SimpleNamespace(losing=lambda: False))
         assert lease(ctl, 1) == 1                      # a re-plan waits for its snapshot step
+        ctl = _ctl(lease=cap)
+        ctl.growth = SimpleNamespace(replan_pending=lambda: False, drains=SimpleNamespace(losing=lambda: True))
+        assert lease(ctl, 1) == 1                      # a node given too short a notice has yet to go
         ctl = _ctl(lease=cap)
         ctl.ps = object()
         assert lease(ctl, 1) == 1                      # a parameter server keeps per-step state
