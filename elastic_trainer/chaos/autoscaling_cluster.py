@@ -18,12 +18,15 @@ import sys
 import tempfile
 import time
 
+from ray._common.utils import get_ray_address_file
 from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_ID
 
 from ..worker.liveness import kill_marked, process_mark
 from .simulate import process_tree
 
 _FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+# Where `ray start` records the machine's current cluster, which `ray.init()` without an address joins.
+CURRENT_CLUSTER = get_ray_address_file(None)
 # The node type the autoscaler launches (a one-CPU worker node by default).
 WORKER_TYPE = "ray.worker.cpu"
 
@@ -77,9 +80,13 @@ class LocalAutoscalingCluster:
         self.head_cpus, self.object_store_memory, self.system_config = head_cpus, object_store_memory, system_config
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="et-autoscaling-")
         self._proc: subprocess.Popen | None = None
+        self._current: str | None = None
         self._seen: dict[int, str] = {}   # pid -> start mark, of every process of the tree seen
 
     def start(self, timeout_s: float = 60.0) -> "LocalAutoscalingCluster":
+        # `ray start` names its cluster the machine's current one, which a later `ray.init()`
+        # without an address joins: put back what was there at the end.
+        self._current = _read(CURRENT_CLUSTER)
         path = os.path.join(self.log_dir, "autoscaling.json")
         with open(path, "w") as f:
             json.dump(self.config, f)
@@ -144,6 +151,12 @@ class LocalAutoscalingCluster:
                 break
         if self._proc is not None:
             self._proc.wait(30)
+        if _read(CURRENT_CLUSTER) == self.address:
+            if self._current is None:
+                os.remove(CURRENT_CLUSTER)
+            else:
+                with open(CURRENT_CLUSTER, "w") as f:
+                    f.write(self._current)
         return ended
 
     def kill_node(self, node_id: str) -> list[int]:
@@ -163,6 +176,14 @@ class LocalAutoscalingCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _cmdline(pid: int) -> str:

@@ -52,6 +52,9 @@ class Recorder:
         m.record_event({"kind": "durable_checkpoint", "step": 3, "seconds": 0.2, "bytes": 6})
         m.record_event({"kind": "straggler", "rank": 1, "step": 3, "pace": 1.4})
         m.record_event({"kind": "rebalance", "step": 3, "action": "shares", "shares": [6, 2]})
+        m.record_event({"kind": "drain", "node": "n", "step": 3, "outcome": "moved"})
+        m.record_goodput({"wall_s": 10.0, "effective_s": 9.0, "goodput": 0.9,
+                          "seconds": {"training": 9.0, "restore": 1.0}})
         return m.enabled
 
 
@@ -80,6 +83,12 @@ def test_recorded_metrics_are_exported_under_the_promised_names(metrics_port):
     failures = {re.search(r'kind="([^"]*)"', labels).group(1): v
                 for labels, v in got["ray_elastic_trainer_failures_total"]}
     assert failures == {**dict.fromkeys(FAILURE_KINDS, 0.0), "death": 2.0}
+    drains = {re.search(r'outcome="([^"]*)"', labels).group(1): v
+              for labels, v in got["ray_elastic_trainer_drains_total"]}
+    assert drains == {"moved": 1.0, "loss": 0.0, "idle": 0.0}
+    buckets = {re.search(r'bucket="([^"]*)"', labels).group(1): v
+               for labels, v in got["ray_elastic_trainer_goodput_seconds"]}
+    assert buckets == {"training": 9.0, "restore": 1.0} and got["ray_elastic_trainer_goodput_ratio"][0][1] == 0.9
     running = [v for labels, v in got["ray_elastic_trainer_controller_state"] if 'state="RUNNING"' in labels]
     assert running == [1.0]
     # Gauges set once stay exported while the recording process lives (the alerts rely on it):

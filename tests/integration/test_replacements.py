@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import ray
+from ray._private.utils import read_ray_address
 
 from elastic_trainer import Trainer
 from elastic_trainer.chaos.autoscaling_cluster import LocalAutoscalingCluster
@@ -43,6 +44,8 @@ def test_a_lost_node_is_asked_back_from_the_autoscaler_and_the_run_grows_back(ow
             result = Trainer(cfg, verbose=False, on_step=on_step).fit()
         finally:
             ray.shutdown()
+    # The machine's current cluster (which `ray.init()` without an address joins) is not left naming it.
+    assert read_ray_address() != c.address
     assert result.stopped and stopped.is_set(), result.state
     asks = [e for e in result.events if e["kind"] == "replacements"]
     assert [e["action"] for e in asks] == ["requested", "withdrawn", "requested", "withdrawn", ], asks
