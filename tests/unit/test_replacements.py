@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from elastic_trainer import TrainerConfig
 from elastic_trainer.controller.replanning.replacements import Replacements, worker_bundle
 from elastic_trainer.controller.run.run_record import RunRecord
+from elastic_trainer.controller.run.workers import WorkerPool
 
 from ..conftest import tiny_config
 
@@ -17,6 +18,8 @@ class _Pool:
 
     def handles(self):
         return [SimpleNamespace(node=n) for n in self.nodes]
+
+    staying = WorkerPool.staying   # the pool's own count, over these handles
 
 
 def _replacements(nodes, request):

@@ -29,6 +29,7 @@ import ray
 from ..run.placement import draining_nodes
 from ..run.run_record import RunRecord
 from ..run.workers import WorkerPool
+from .setup_time import DEFAULT_BYTES_PER_S
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ WAIT_S = 30.0
 # A re-plan's part that does not grow with the bytes (choosing, groups, building): about a
 # second on the demo (docs/runtime.md "Preemption notices").
 REPLAN_FIXED_S = 1.0
-DEFAULT_BYTES_PER_S = 50e6
 
 
 def move_seconds(step_s: float | None, rank_bytes: int, bytes_per_s: float | None) -> float:

@@ -47,8 +47,7 @@ class Replacements:
     def short(self) -> int:
         """Workers the run lacks: ``max_workers`` less those that stay (not on a draining node)
         and those starting."""
-        staying = sum(1 for h in self.pool.handles() if h.node not in self.pool.draining)
-        return max(0, self.cfg.max_workers - staying - len(self.pool.joining))
+        return max(0, self.cfg.max_workers - self.pool.staying() - len(self.pool.joining))
 
     def update(self, room: int | None = None) -> None:
         """Ask for the run's workers while it is short of some (``room``: at the start, the

@@ -213,11 +213,13 @@ class WorkerPool:
                                                          snapshot_host_budget(node_res.get(node, {}), self.cfg))
             self.joining[wid] = (actor, actor.info.remote(), node)
 
+    def staying(self) -> int:
+        """Live workers not on a draining node (those are leaving: their places are free to fill)."""
+        return sum(1 for w in self.handles() if w.node not in self.draining)
+
     def spawn_on_free_nodes(self) -> None:
         """Start workers where the cluster has room, up to the run's ``max_workers``."""
-        # Workers on a draining node are leaving: their places are free to fill elsewhere.
-        staying = sum(1 for w in self.workers.values() if w.node not in self.draining)
-        want = self.cfg.max_workers - staying - len(self.joining)
+        want = self.cfg.max_workers - self.staying() - len(self.joining)
         if want <= 0:
             return
         occupied = collections.Counter(w.node for w in self.workers.values())
