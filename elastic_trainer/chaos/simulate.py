@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 import ray
 
@@ -41,6 +42,21 @@ def process_tree(root: int) -> list[int]:
         out.append(pid)
         todo += children.get(pid, [])
     return out
+
+
+def drain_node(node_id: str, deadline_s: float | None, reason: str = "preempted", address: str | None = None) -> None:
+    """A preemption notice for ``node_id``, through Ray's own GCS ``DrainNode`` with reason
+    PREEMPTION, as ``ray drain-node`` and Ray's cloud integrations issue it: ``deadline_s``
+    seconds left (None: no deadline). ``address``: the GCS (default: the connected cluster's).
+    Raises when the GCS refuses the drain."""
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=address or ray.get_runtime_context().gcs_address)
+    deadline_ms = int((time.time() + deadline_s) * 1000) if deadline_s else 0
+    accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   reason, deadline_ms)
+    if not accepted:
+        raise RuntimeError(f"the GCS refused to drain node {node_id[:12]}: {why}")
 
 
 def freeze_node(node) -> list[int]:

@@ -9,6 +9,8 @@ import time
 import pytest
 import ray
 
+from elastic_trainer.chaos.simulate import drain_node
+
 from ..helpers import reference_losses
 from .test_recovery import Chaos, assert_contiguous_data, config, node_of_rank
 
@@ -17,13 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 def drain(cluster, node, deadline_s: float | None) -> None:
     """Ray's own drain of ``node``: a preemption notice with ``deadline_s`` seconds left."""
-    from ray.core.generated import autoscaler_pb2
-
-    gcs = ray._raylet.GcsClient(address=cluster.address)
-    deadline_ms = int(time.time() * 1000 + deadline_s * 1000) if deadline_s else 0
-    accepted, why = gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                   "preempted (test)", deadline_ms)
-    assert accepted, why
+    drain_node(node.node_id, deadline_s, "preempted (test)", address=cluster.address)
 
 
 def test_a_drained_node_is_left_before_its_deadline_with_nothing_redone(fresh_cluster, corpus_dir):
@@ -94,6 +90,35 @@ def test_a_notice_too_short_to_move_in_snapshots_first_and_takes_the_loss_at_the
     [failure] = result.failures
     assert failure["node"] == victim[0].node_id and "draining" in failure["drain"], failure
     assert result.recoveries[0]["reason"] == failure["failure"], result.recoveries
+
+
+def test_a_node_that_outlives_a_short_notice_loses_nothing_and_is_then_moved_off(fresh_cluster, corpus_dir):
+    from elastic_trainer import Trainer
+
+    c, nodes = fresh_cluster(5)
+    cfg = config(corpus_dir, "drain4", steps=300, parallel={"dp": 2, "pp": 2}, checkpoint={"memory_every": 25})
+    victim, leaving = [], set()
+
+    def notice():
+        victim.append(node_of_rank("drain4", 3, nodes))
+        st = ray.get(ray.get_actor("drain4-controller", namespace="elastic_trainer").status.remote())
+        leaving.update(w["worker_id"] for w in st["workers"] if w["node_id"] == victim[0].node_id)
+        drain(c, victim[0], 1.0)   # too short to move in, and the cloud never comes for it
+
+    try:
+        result = Trainer(cfg, verbose=False, on_step=Chaos().at(5, notice)).fit()
+    finally:
+        if victim:
+            c.remove_node(victim[0], allow_graceful=False)   # a draining node takes no later test's work
+    assert_contiguous_data(result, cfg)
+    assert result.failures == [], result.failures
+    evs = [e for e in result.events if e["kind"] == "drain" and e.get("node") == victim[0].node_id and "outcome" in e]
+    assert [e["outcome"] for e in evs][:2] == ["loss", "moved"] and "outlived" in evs[1]["action"], evs
+    [rec] = result.recoveries
+    assert rec["reason"] == "drain" and rec["restored_step"] == rec["failed_step"] - 1, rec
+    assert leaving and not leaving & set(result.plans[-1]["workers"].values()), (leaving, result.plans[-1])
+    ref = reference_losses(cfg, cfg.train.steps)
+    assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
 
 
 @ray.remote(num_cpus=0)

@@ -34,12 +34,16 @@ class _Pool:
         self.spawned += 1
 
 
+    def undrain(self, node):
+        self.draining.pop(node, None)
+
+
 def _drains(notices, estimate_s):
     run = RunRecord(TrainerConfig.from_dict(tiny_config("/nonexistent")), "r")
     pool = _Pool([(0, "a", 0), (1, "b", 1), (2, "c", None)])
     asked = []
     d = Drains(run, pool, lambda reason: asked.append(reason), snapshot=lambda: asked.append("snapshot"),
-               read=lambda: notices)
+               read=lambda: dict(notices), alive=lambda: {"a", "b", "c"}, check_s=0.0)
     d.estimate = lambda: estimate_s
     return d, run, pool, asked
 
@@ -70,3 +74,29 @@ def test_a_notice_for_a_node_without_a_rank_asks_for_nothing():
     d.poll()
     [ev] = [e for e in run.events if e["kind"] == "drain"]
     assert asked == [] and ev["outcome"] == "idle" and ev["let_go"] == [2] and pool.draining == {"c": ev["deadline"]}
+
+
+def test_a_cancelled_drain_lets_the_node_be_used_again_and_stops_the_loss_path():
+    notices = {"b": time.time() + 3.0}
+    d, run, pool, asked = _drains(notices, estimate_s=2.0)
+    d.poll()
+    assert d.losing() and pool.draining
+    notices.clear()   # the drain is gone while the node lives: cancelled
+    d.poll()
+    ended = [e for e in run.events if e["kind"] == "drain" and e.get("action") == "ended"]
+    assert ended and ended[0]["detail"] == "the drain was cancelled", run.events
+    assert not d.losing() and pool.draining == {} and asked == ["snapshot"]
+
+
+def test_a_node_left_to_the_loss_path_that_outlives_its_deadline_is_moved_off():
+    notices = {"b": time.time() + 3.0}
+    d, run, pool, asked = _drains(notices, estimate_s=2.0)
+    d.poll()
+    assert asked == ["snapshot"] and d.losing()
+    d.poll()
+    assert asked == ["snapshot"]   # before its deadline, nothing more
+    notices["b"] = time.time() - 5.0   # the deadline long past, the node still draining and alive
+    d.poll()
+    assert asked == ["snapshot", "drain"] and not d.losing()
+    [ev] = [e for e in run.events if e["kind"] == "drain" and "outlived" in e.get("action", "")]
+    assert ev["outcome"] == "moved" and ev["node"] == "b"

@@ -15,8 +15,9 @@ go and costs nothing; a drain cancelled lets the node be used again.
 A notice too short to move in (``enough_notice``: the time left against ``move_seconds``, the
 next step, a re-plan's fixed part and the largest rank's state at the rate the last set-up
 measured) is not raced: the next step takes a snapshot, the run trains on until the node
-goes, and the loss at the deadline restores from that snapshot, redoing little. The drain
-event says which of the two was done (``outcome``: moved, loss; idle where no rank was there).
+goes, and the loss at the deadline restores from that snapshot, redoing little; a node that
+outlives its deadline is then moved off as with a longer notice. The drain event says which was
+done (``outcome``: moved, loss; idle where no rank was there).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ WAIT_S = 30.0
 # A re-plan's part that does not grow with the bytes (choosing, groups, building): about a
 # second on the demo (docs/runtime.md "Preemption notices").
 REPLAN_FIXED_S = 1.0
+# A node left to the loss path that is still there this long after its deadline is moved off.
+OUTLIVED_S = 2.0
 
 
 def move_seconds(step_s: float | None, rank_bytes: int, bytes_per_s: float | None) -> float:
@@ -62,12 +65,13 @@ class Drains:
     """Watches Ray's drains for the run (``poll``); ``replan(reason)`` asks for the re-plan."""
 
     def __init__(self, run: RunRecord, pool: WorkerPool, replan, snapshot=lambda: None, check_s: float = CHECK_S,
-                 read=draining_nodes):
+                 read=draining_nodes, alive=lambda: {n["NodeID"] for n in ray.nodes() if n.get("Alive")}):
         """``replan(reason)`` asks for a re-plan at the next snapshot step, ``snapshot()`` for a
         snapshot at the next step; ``estimate()`` (set by the controller) says how long a move
-        takes now (``move_seconds``)."""
+        takes now (``move_seconds``). ``read()``: the draining nodes and their deadlines;
+        ``alive()``: the nodes alive."""
         self.run, self.pool, self._replan, self._snapshot = run, pool, replan, snapshot
-        self.check_s, self._read = check_s, read
+        self.check_s, self._read, self._alive = check_s, read, alive
         self.estimate = lambda: move_seconds(None, 0, None)
         self._last = float("-inf")
         self.noticed: dict[str, float] = {}   # node -> when its drain was noticed (monotonic)
@@ -93,9 +97,18 @@ class Drains:
             first = min((self.noticed[n] for n in self.pool.draining if n in self.noticed), default=now)
             self.run.event("drain", step=self.run.step, action="moved off", let_go=moved,
                            nodes=sorted(self.pool.draining), seconds=round(now - first, 3))
+        for node in sorted(self._losing):
+            deadline = notices.get(node)
+            if node in notices and deadline is not None and time.time() > deadline + OUTLIVED_S:
+                # The cloud did not take it at its deadline: it may go any time yet, and there is
+                # now all the time a move needs.
+                self._losing.discard(node)
+                self._replan("drain")
+                self.run.event("drain", node=node, step=self.run.step, action="outlived its deadline: re-plan "
+                               "off it at the next step", outcome="moved")
         ended = [n for n in self.pool.draining if n not in notices]
         if ended:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive = self._alive()
         for node in ended:
             self.pool.undrain(node)
             self.noticed.pop(node, None)
