@@ -12,7 +12,9 @@ the fault's point:
 - ``memory_kill``: the host's memory limit brought near what it uses and a process of the host
   takes memory until the kernel's OOM killer ends one: the run's worker, which Ray marks as the
   first to go (``oom_score_adj`` 1000), as it would on a host another tenant filled;
-- ``join``: the host kept without a Ray node starts one.
+- ``join``: the host kept without a Ray node starts one;
+- ``drain`` (the driver drained the host's node through the GCS): every process of the host
+  killed at the drain's deadline, as the cloud takes a preempted machine.
 
 Hosts: the head (the driver, the controller, the S3 server), one per rank, the spares, and one
 kept for joins. Between schedules every host is made whole again (``top_up``).
@@ -119,7 +121,10 @@ class HostFaults:
             return {"done": "link cut", "seconds": seconds}
         if kind == "memory_kill":
             return self.memory_kill(host)
-        raise ValueError(f"{kind!r} is not a host's fault; host faults: kill_node, freeze, cut, memory_kill")
+        if kind == "drain":
+            self._later(seconds, self.lab.kill, host)
+            return {"done": "host to be killed at the deadline", "seconds": seconds}
+        raise ValueError(f"{kind!r} is not a host's fault; host faults: kill_node, freeze, cut, memory_kill, drain")
 
     def memory_kill(self, host: Host) -> dict:
         """Pressure on ``host``'s memory until the kernel kills a process there; which one died."""
@@ -159,7 +164,7 @@ class HostFaults:
         self._undo.append((fn, host))
 
     def settle(self) -> None:
-        """Undo now what still lasts (a freeze, a cut)."""
+        """Undo now what still lasts (a freeze, a cut), and take a drained host now."""
         for t in self._timers:
             t.cancel()
         for fn, host in self._undo:

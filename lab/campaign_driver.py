@@ -50,6 +50,11 @@ class LabStriker(Striker):
                "pid": victim["pid"], "host": address}
         return {**out, **self.channel.call("strike", kind=fault.kind, address=address, seconds=fault.seconds)}
 
+    def _at_deadline(self, seconds: float, victim: dict) -> None:
+        """The drained host is killed whole at its deadline, by the lab's owner."""
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}.get(victim["node_id"])
+        self.channel.call("strike", kind="drain", address=address, seconds=seconds)
+
     def settle(self) -> None:
         super().settle()
         self.channel.call("settle")

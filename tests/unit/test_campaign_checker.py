@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_trainer.chaos.campaign.checker import (check_checkpoint, check_counts, check_end, check_goodput, check_history,
-                                                    check_leftovers, check_resumes, check_state, check_timeline,
-                                                    steps_off_layout)
+from elastic_trainer.chaos.campaign.checker import (check_checkpoint, check_counts, check_drains, check_end,
+                                                    check_goodput, check_history, check_leftovers, check_resumes,
+                                                    check_state, check_timeline, steps_off_layout)
 from elastic_trainer.checkpoint.state import merge_shards
 from elastic_trainer.chaos.campaign.schedule import Fault, Schedule, covering, draw
 from elastic_trainer.chaos.campaign.shrink import shrink
@@ -138,7 +138,7 @@ def test_schedules_replay_from_their_line_and_the_ci_seeds_cover_every_kind_and_
         Schedule.from_json('{"faults": [{"kind": "nap"}]}')
     cover = covering(24, 4, 6)
     assert {f.kind for s in cover for f in s.faults} == {"kill_process", "kill_node", "freeze", "join",
-                                                          "storage_outage"}
+                                                          "storage_outage", "drain", "short_drain"}
     assert {f.point for s in cover for f in s.faults} == set(POINTS)
 
 
@@ -208,3 +208,22 @@ def test_goodput_that_does_not_add_up_or_lost_a_rollback_is_a_violation():
     assert "2 committed step(s) rolled back, no time redone" in str(
         check_goodput({"wall_s": 10.0, "seconds": {"training": 10.0, "redone": 0.0}}, events, True)[0])
     assert check_goodput(None, events, finished=False) == [] and check_goodput(None, events, True)
+
+
+def test_a_drain_with_room_to_move_that_ends_as_a_loss_or_redoes_steps_is_a_violation():
+    drain = {"kind": "drain", "fault": "drain(rank 3) at in_step#4 for 9s", "done": "drained", "node": "n3",
+             "seconds": 9.0}
+    moved = {"kind": "recovery", "reason": "drain", "steps_rolled_back": 0}
+    assert check_drains([drain], [moved]) == []
+    lost = {"kind": "failure", "failure": "death", "node": "n3", "step": 6}
+    [v] = check_drains([drain], [lost])
+    assert v.invariant == "drain_moved" and "instead of leaving the node" in v.detail
+    [v] = check_drains([drain], [dict(moved, steps_rolled_back=2)])
+    assert "rolled back 2 committed step(s)" in v.detail
+    # A failure elsewhere, a short notice's loss, and a drain skipped are not the drain's.
+    assert check_drains([drain], [dict(lost, node="n1")]) == []
+    assert check_drains([dict(drain, kind="short_drain")], [lost]) == []
+    assert check_drains([dict(drain, done="skipped")], [lost]) == []
+    # A drain with room to move is no lethal fault: a failure with only it struck is a false alarm.
+    assert check_counts([drain], [lost])[0].invariant == "failures_counted"
+    assert check_counts([dict(drain, kind="short_drain")], [lost]) == []

@@ -24,8 +24,8 @@ from ...checkpoint.history_log import manifest_history
 from ...config import TrainerConfig
 from ...storage.uris import split_last
 from ...worker.allocator import nodes_start_on
-from .checker import (Violation, check_checkpoint, check_counts, check_end, check_goodput, check_history,
-                      check_leftovers, check_state, check_timeline, layout_of, steps_off_layout)
+from .checker import (Violation, check_checkpoint, check_counts, check_drains, check_end, check_goodput,
+                      check_history, check_leftovers, check_state, check_timeline, layout_of, steps_off_layout)
 from .runner import Outcome, run_schedule
 from .schedule import LETHAL, Schedule, covering, draw, variant
 from .shrink import shrink
@@ -208,6 +208,7 @@ class Campaign:
         v = check_end(out.state, out.error, lethal, cfg.failure.max_failures)
         v += check_leftovers(out.leftovers)
         v += check_counts(out.struck, out.events)
+        v += check_drains(out.struck, out.events)
         v += check_timeline(out.events)
         v += check_goodput(out.goodput, out.events, out.state in ("FINISHED", "STOPPED"))
         if out.state not in ("FINISHED", "STOPPED"):

@@ -16,6 +16,8 @@ loses nothing.
 - no restore read a local copy of a timeline the run had abandoned (``worker.copies.on_timeline``);
 - the failures counted match the faults struck: none without a lethal fault, at least one
   failure or fence for each lethal fault struck at a worker;
+- a drain with room to move (``drain``) costs no failure and redoes nothing: the run leaves
+  the node before its deadline (``check_drains``);
 - nothing of the run outlived it: actors, worker processes;
 - its goodput adds up: every bucket at least 0, together the run's wall time as its own state
   events time it (within 1%), and steps rolled back show as time redone (``check_goodput``).
@@ -214,6 +216,25 @@ def check_counts(struck: list[dict], events: list[dict]) -> list[Violation]:
         return [Violation("failures_counted", f"{len(kills)} kill(s) struck ({', '.join(k['fault'] for k in kills)}), "
                                               "no failure, fence or worker gone at the end recorded")]
     return []
+
+
+def check_drains(struck: list[dict], events: list[dict]) -> list[Violation]:
+    """Each node drained with room to move (``drain``): no failure on it, and no recovery that
+    rolled committed steps back while it was leaving."""
+    drained = {s["node"]: s for s in struck if s["kind"] == "drain" and s.get("done") == "drained"}
+    out = []
+    for node, s in drained.items():
+        lost = [e for e in events if e.get("kind") == "failure" and e.get("node") == node]
+        if lost:
+            out.append(Violation("drain_moved", f"{s['fault']} with {s.get('seconds')} s of notice: the run lost its "
+                                                f"worker(s) there ({lost[0].get('failure')} at step {lost[0].get('step')})"
+                                                " instead of leaving the node before its deadline"))
+        redone = [e for e in events if e.get("kind") == "recovery" and e.get("reason") == "drain"
+                  and (e.get("steps_rolled_back") or 0) > 0]
+        if redone:
+            out.append(Violation("drain_moved", f"{s['fault']}: its re-plan rolled back "
+                                                f"{redone[0]['steps_rolled_back']} committed step(s)"))
+    return out
 
 
 def check_goodput(goodput: dict | None, events: list[dict], finished: bool) -> list[Violation]:

@@ -14,13 +14,18 @@ from dataclasses import asdict, dataclass, field
 
 from ...controller.run.fault_points import POINTS
 
-# What the simulated cluster can do to a run; the lab adds a cut link and a memory kill.
-KINDS = ("kill_process", "kill_node", "freeze", "join", "storage_outage")
+# What the simulated cluster can do to a run; the lab adds a cut link and a memory kill. A
+# drain is a preemption notice for the node of a rank (Ray's GCS ``DrainNode``), the node
+# removed at its deadline: ``drain`` with room to move (``seconds`` of notice), ``short_drain``
+# with too little, which takes the loss path at the deadline.
+KINDS = ("kill_process", "kill_node", "freeze", "join", "storage_outage", "drain", "short_drain")
 LAB_KINDS = ("cut", "memory_kill")
+DRAINS = ("drain", "short_drain")
 # Faults that take a worker away (at once, or until it comes back): a failure without one is a
 # false alarm. A kill must be seen (a failure, a fence, or a worker named gone at the end); a
-# freeze or a cut thawed before anyone waited on the worker may pass unseen.
-LETHAL = ("kill_process", "kill_node", "freeze", "cut", "memory_kill")
+# freeze or a cut thawed before anyone waited on the worker may pass unseen, and so may a short
+# drain whose deadline comes after the run ended. A drain with room to move is no failure at all.
+LETHAL = ("kill_process", "kill_node", "freeze", "cut", "memory_kill", "short_drain")
 KILLS = ("kill_process", "kill_node", "memory_kill")
 
 # Points every run passes, with the occurrences a draw picks from (a run of ``steps`` steps,
@@ -29,11 +34,13 @@ _ALWAYS = ("in_step", "between_steps", "snapshot_in_flight", "setup", "durable_w
 # A grow comes once a lost worker's place is taken again: a new worker on the free node (a killed
 # process's, or a spare's); the runner slows the steps until it has joined (``runner``). Not after
 # a memory kill: the run starts nothing on that host again (``controller.failures.memory_kills``).
-_AFTER = {"restore": ("kill_process", "kill_node", "freeze", "cut", "memory_kill"),
+_AFTER = {"restore": ("kill_process", "kill_node", "freeze", "cut", "memory_kill", "short_drain"),
           "grow_ordered": ("kill_process", "kill_node"), "fenced": ("freeze", "cut")}
 
 
 VARIANTS = ("whole", "sharded")
+# A notice that comes while the run recovers from a loss or grows: covered by the CI's few schedules.
+_DRAIN_DURING = ("restore", "grow_ordered")
 
 
 def variant(seed: int | None) -> str:
@@ -60,7 +67,7 @@ class Fault:
             raise ValueError(f"unknown fault point {self.point!r}; points: {', '.join(POINTS)}")
 
     def line(self) -> str:
-        what = f"{self.kind}(rank {self.rank})" if self.kind in LETHAL else self.kind
+        what = f"{self.kind}(rank {self.rank})" if self.kind in LETHAL + DRAINS else self.kind
         return f"{what} at {self.point}#{self.occurrence}" + (f" for {self.seconds:g}s" if self.seconds else "")
 
 
@@ -129,19 +136,27 @@ def _seconds(rng: random.Random, kind: str) -> float:
         return round(rng.uniform(2.0, 5.0), 1)
     if kind in ("storage_outage", "cut"):
         return round(rng.uniform(1.0, 3.0), 1)
+    if kind == "drain":
+        # Seconds of notice: the drains' check (2 s), a step, a re-plan and the tiny state's move
+        # fit several times over.
+        return round(rng.uniform(8.0, 15.0), 1)
+    if kind == "short_drain":
+        return round(rng.uniform(0.5, 2.5), 1)
     return 0.0
 
 
 def covering(steps: int, world: int, durable_every: int, lab: bool = False, start: int = 0,
-             limit: int = 400) -> list[Schedule]:
-    """Few schedules that together cover every fault kind, every point and both optimizer-state
-    layouts (``variant``) at least once: of the
+             limit: int = 800) -> list[Schedule]:
+    """Few schedules that together cover every fault kind, every point, a drain during a
+    recovery and during a grow, and both optimizer-state layouts (``variant``) at least once: of the
     seeds ``start`` to ``start + limit``, each time the one that adds the most not yet covered
     (the lowest seed among equals). The short campaign CI runs."""
     kinds = set(KINDS + (LAB_KINDS if lab else ()))
-    want = {("kind", k) for k in kinds} | {("point", p) for p in POINTS} | {("variant", v) for v in VARIANTS}
+    want = ({("kind", k) for k in kinds} | {("point", p) for p in POINTS} | {("variant", v) for v in VARIANTS}
+            | {("drain during", p) for p in _DRAIN_DURING})
     pool = [draw(seed, steps, world, durable_every, lab) for seed in range(start, start + limit)]
     covers = [{("kind", f.kind) for f in s.faults} | {("point", f.point) for f in s.faults}
+              | {("drain during", f.point) for f in s.faults if f.kind in DRAINS and f.point in _DRAIN_DURING}
               | {("variant", variant(s.seed))} for s in pool]
     out: list[Schedule] = []
     while want:

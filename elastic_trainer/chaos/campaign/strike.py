@@ -1,6 +1,7 @@
 """Carrying a fault out on a simulated cluster (``ray.cluster_utils.Cluster`` on this machine):
 a worker's process killed, its node removed without grace, its process frozen and thawed, a
-node joined, the S3 server down and back. Each strike returns what it did, for the checker.
+node joined, the S3 server down and back, a node drained (a preemption notice through Ray's
+GCS) and removed at its deadline. Each strike returns what it did, for the checker.
 
 Everything struck is this campaign's own: nodes it started, processes of the run's workers
 (by pid and start time), the S3 server it runs. A thaw or a return is timed on a thread, so
@@ -16,7 +17,8 @@ import time
 
 from ...worker.allocator import nodes_start_on
 from ...worker.liveness import kill_marked, process_mark
-from ..simulate import process_tree
+from ..simulate import drain_node, process_tree
+from .schedule import DRAINS
 
 
 class Striker:
@@ -27,6 +29,8 @@ class Striker:
         self.cluster, self.nodes, self.s3 = cluster, nodes, s3
         self._timers: list[threading.Timer] = []
         self._frozen: list[int] = []
+        self._deadlines: list = []
+        self._lock = threading.Lock()   # what a drain's deadline does, done at a settle if not yet
 
     def strike(self, fault, held: dict, workers: list[dict]) -> dict:
         """Carry ``fault`` out; ``held``: the point the run holds at (``FaultPoints.held``);
@@ -57,6 +61,10 @@ class Striker:
             self.nodes.remove(node)
             self.cluster.remove_node(node, allow_graceful=False)
             return {**out, "done": "node removed"}
+        if fault.kind in DRAINS:
+            drain_node(victim["node_id"], fault.seconds, f"preempted (campaign {fault.kind})")
+            self._at_deadline(fault.seconds, victim)
+            return {**out, "done": "drained", "seconds": fault.seconds}
         if fault.kind == "freeze":
             pids = process_tree(victim["pid"])
             for pid in pids:
@@ -65,6 +73,21 @@ class Striker:
             self._later(fault.seconds, lambda: self._thaw(pids))
             return {**out, "done": "frozen", "seconds": fault.seconds}
         raise ValueError(f"{fault.kind} is a lab fault: run the campaign with --lab")
+
+    def _at_deadline(self, seconds: float, victim: dict) -> None:
+        """The cloud takes a drained node at its deadline, whatever the run did."""
+        node = next((n for n in self.nodes if n.node_id == victim["node_id"]), None)
+        if node is None:
+            return
+
+        def take() -> None:
+            with self._lock:   # the timer's thread and a settle may both come
+                if node in self.nodes:
+                    self.nodes.remove(node)
+                    if node in self.cluster.worker_nodes:
+                        self.cluster.remove_node(node, allow_graceful=False)
+        self._later(seconds, take)
+        self._deadlines.append(take)
 
     def _thaw(self, pids: list[int]) -> None:
         for pid in pids:
@@ -83,6 +106,9 @@ class Striker:
             t.cancel()
         self._timers = []
         self._thaw(list(self._frozen))
+        for take in self._deadlines:
+            take()
+        self._deadlines = []
         if self.s3 is not None and not self.s3.running:
             self.s3.start()
 
