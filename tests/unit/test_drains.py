@@ -6,7 +6,7 @@ import time
 from types import SimpleNamespace
 
 from elastic_trainer import TrainerConfig
-from elastic_trainer.controller.replanning.drains import Drains, enough_notice, move_seconds
+from elastic_trainer.controller.replanning.drains import Drains, enough_notice, leave_by_s, move_seconds
 from elastic_trainer.controller.run.run_record import RunRecord
 
 from ..conftest import tiny_config
@@ -17,6 +17,7 @@ class _Pool:
         self.workers = workers            # (wid, node, rank)
         self.draining: dict = {}
         self.spawned = 0
+        self.joining: dict = {}
 
     def handles(self):
         return [SimpleNamespace(wid=w, node=n, rank=r) for w, n, r in self.workers]
@@ -38,9 +39,9 @@ class _Pool:
         self.draining.pop(node, None)
 
 
-def _drains(notices, estimate_s):
+def _drains(notices, estimate_s, workers=((0, "a", 0), (1, "b", 1), (2, "c", None))):
     run = RunRecord(TrainerConfig.from_dict(tiny_config("/nonexistent")), "r")
-    pool = _Pool([(0, "a", 0), (1, "b", 1), (2, "c", None)])
+    pool = _Pool(list(workers))
     asked = []
     d = Drains(run, pool, lambda reason: asked.append(reason), snapshot=lambda: asked.append("snapshot"),
                read=lambda: dict(notices), alive=lambda: {"a", "b", "c"}, check_s=0.0)
@@ -100,3 +101,25 @@ def test_a_node_left_to_the_loss_path_that_outlives_its_deadline_is_moved_off():
     assert asked == ["snapshot", "drain"] and not d.losing()
     [ev] = [e for e in run.events if e["kind"] == "drain" and "outlived" in e.get("action", "")]
     assert ev["outcome"] == "moved" and ev["node"] == "b"
+
+
+def test_without_a_spare_a_drained_node_trains_on_until_near_its_deadline_or_a_spare():
+    notices = {"b": time.time() + 60.0}
+    d, run, pool, asked = _drains(notices, estimate_s=2.0, workers=[(0, "a", 0), (1, "b", 1)])
+    d.poll()
+    [ev] = [e for e in run.events if e["kind"] == "drain"]
+    assert asked == ["snapshot"] and ev["outcome"] == "moved" and "no spare: train on it" in ev["action"]
+    assert not d.losing()   # leases as usual: the node is not left to the loss path
+    d.poll()
+    assert asked == ["snapshot"]
+    notices["b"] = time.time() + leave_by_s(2.0) - 0.5   # the last safe moment is near
+    d.poll()
+    assert asked == ["snapshot", "drain"]
+    assert "before its deadline" in [e for e in run.events if e["kind"] == "drain"][-1]["action"]
+
+    notices = {"b": time.time() + 60.0}
+    d, run, pool, asked = _drains(notices, estimate_s=2.0, workers=[(0, "a", 0), (1, "b", 1)])
+    d.poll()
+    pool.workers.append((3, "d", None))   # a replacement joined: move now, the layout kept
+    d.poll()
+    assert asked == ["snapshot", "drain"] and "a spare is ready" in run.events[-1]["action"]

@@ -7,8 +7,10 @@ never a call per rank). A drain of a node that hosts ranks of the run asks for a
 way a grow does (``Growth.request_replan("drain")``): the next step takes a snapshot, and the
 re-plan right after it restores that step on the workers that are not leaving (``Bench.usable``
 leaves out those on draining nodes), so nothing is redone and no failure is counted. A spare
-elsewhere takes the leaving ranks and the layout stays; with none, the plan shrinks as after a
-loss and grows back when capacity returns. Placement never picks a draining node
+elsewhere takes the leaving ranks at once and the layout stays. With none, the node's ranks
+train on while it lives (a snapshot at the next step covers an early end), and the run moves
+off it shortly before the deadline (``leave_by_s``) or as soon as a spare is ready, shrinking
+as after a loss and growing back when capacity returns. Placement never picks a draining node
 (``placement.free_slots``). A drain of a node with no rank (the head, a spare) lets its spares
 go and costs nothing; a drain cancelled lets the node be used again.
 
@@ -46,6 +48,9 @@ WAIT_S = 30.0
 REPLAN_FIXED_S = 1.0
 # A node left to the loss path that is still there this long after its deadline is moved off.
 OUTLIVED_S = 2.0
+# With no spare to move to, ranks stay on a draining node (it trains until its deadline) until
+# this much before the last safe moment to move: a read of the drains, a lease, a slow re-plan.
+LEAVE_SLACK_S = CHECK_S + 3.0
 
 
 def move_seconds(step_s: float | None, rank_bytes: int, bytes_per_s: float | None) -> float:
@@ -53,6 +58,12 @@ def move_seconds(step_s: float | None, rank_bytes: int, bytes_per_s: float | Non
     re-plan restores), a re-plan's fixed part, and the largest rank's state at ``bytes_per_s``
     (the rate the last set-up measured; else a conservative 50 MB/s)."""
     return (step_s or 1.0) + REPLAN_FIXED_S + rank_bytes / (bytes_per_s or DEFAULT_BYTES_PER_S)
+
+
+def leave_by_s(need_s: float) -> float:
+    """How long before its deadline a draining node with ranks and no spare is left: the move's
+    room (``enough_notice``) and ``LEAVE_SLACK_S`` to find that moment late."""
+    return 1.5 * need_s + 1.0 + LEAVE_SLACK_S
 
 
 def enough_notice(left_s: float | None, need_s: float) -> bool:
@@ -76,6 +87,7 @@ class Drains:
         self._last = float("-inf")
         self.noticed: dict[str, float] = {}   # node -> when its drain was noticed (monotonic)
         self._losing: set[str] = set()        # draining nodes with ranks left to the loss path
+        self._staying: set[str] = set()       # draining nodes whose ranks train on until near the deadline
 
     def poll(self) -> None:
         """Read the drains if a read is due, and act on what changed."""
@@ -97,6 +109,20 @@ class Drains:
             first = min((self.noticed[n] for n in self.pool.draining if n in self.noticed), default=now)
             self.run.event("drain", step=self.run.step, action="moved off", let_go=moved,
                            nodes=sorted(self.pool.draining), seconds=round(now - first, 3))
+        for node in sorted(self._staying):
+            deadline = notices.get(node)
+            if node not in notices:
+                continue   # ended: below
+            if not any(h.node == node and h.rank is not None for h in self.pool.handles()):
+                self._staying.discard(node)   # another re-plan (a grow, a loss) took its ranks off
+                continue
+            spare = self._spare()
+            if spare or deadline is None or deadline - time.time() <= leave_by_s(self.estimate()):
+                self._staying.discard(node)
+                self._replan("drain")
+                self.run.event("drain", node=node, step=self.run.step, outcome="moved",
+                               action="a spare is ready: re-plan off it at the next step" if spare else
+                               f"re-plan off it at the next step, {deadline - time.time():.1f} s before its deadline")
         for node in sorted(self._losing):
             deadline = notices.get(node)
             if node in notices and deadline is not None and time.time() > deadline + OUTLIVED_S:
@@ -113,6 +139,7 @@ class Drains:
             self.pool.undrain(node)
             self.noticed.pop(node, None)
             self._losing.discard(node)
+            self._staying.discard(node)
             self.run.event("drain", node=node, step=self.run.step, action="ended",
                            detail="the drain was cancelled" if node in alive else "the node is gone")
 
@@ -121,6 +148,11 @@ class Drains:
         steps run one at a time, so the snapshot asked for comes at the next step, not at the
         end of a lease, and each step after it is one more that a loss need not redo."""
         return bool(self._losing & set(self.pool.draining))
+
+    def _spare(self) -> bool:
+        """Whether a worker is starting, or idle and not leaving, to take a leaving rank."""
+        return bool(self.pool.joining) or any(h.rank is None and h.node not in self.pool.draining
+                                              for h in self.pool.handles())
 
     def ready(self) -> bool:
         """Whether a drain's re-plan may go now: no replacement is still starting, or waiting for
@@ -146,9 +178,18 @@ class Drains:
         else:
             self.pool.spawn_on_free_nodes()   # replacements, started now, joined by a re-plan if in time
             need = round(self.estimate(), 3)
-            if enough_notice(left, need):
+            if enough_notice(left, need) and (self._spare() or left is None or left <= leave_by_s(need)):
                 self._replan("drain")
                 outcome, action = "moved", "re-plan off it at the next step"
+            elif enough_notice(left, need):
+                # No spare to move to: moving now would shrink the run for the whole notice. The
+                # node trains until shortly before its deadline (or until a spare is ready), and
+                # a snapshot at the next step covers a node that goes early.
+                self._snapshot()
+                self._staying.add(node)
+                outcome = "moved"
+                action = (f"no spare: train on it, and re-plan off it {leave_by_s(need):.1f} s before its "
+                          "deadline or once a spare is ready")
             else:
                 # A move that cannot finish before the node goes would fail half-way: snapshot
                 # now, train on, and take the loss at the deadline from that snapshot.
