@@ -114,8 +114,10 @@ def test_a_node_that_outlives_a_short_notice_loses_nothing_and_is_then_moved_off
     assert result.failures == [], result.failures
     evs = [e for e in result.events if e["kind"] == "drain" and e.get("node") == victim[0].node_id and "outcome" in e]
     assert [e["outcome"] for e in evs][:2] == ["loss", "moved"] and "outlived" in evs[1]["action"], evs
-    [rec] = result.recoveries
-    assert rec["reason"] == "drain" and rec["restored_step"] == rec["failed_step"] - 1, rec
+    # The move off it redoes nothing (a later grow or re-balance may re-plan again, redoing nothing either).
+    moves = [r for r in result.recoveries if r["reason"] == "drain"]
+    assert moves and moves[0]["restored_step"] == moves[0]["failed_step"] - 1, result.recoveries
+    assert sum(r["steps_redone"] for r in result.recoveries) == 0, result.recoveries
     assert leaving and not leaving & set(result.plans[-1]["workers"].values()), (leaving, result.plans[-1])
     ref = reference_losses(cfg, cfg.train.steps)
     assert [r["loss"] for r in result.history] == pytest.approx(ref, rel=1e-3)
