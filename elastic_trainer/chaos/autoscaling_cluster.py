@@ -65,7 +65,8 @@ def autoscaling_config(address: str, head_cpus: float, worker_resources: dict, m
 
 class LocalAutoscalingCluster:
     """``with LocalAutoscalingCluster(...) as c:`` then ``ray.init(c.address)``; nodes come as the
-    autoscaler launches them. ``worker_resources`` of each launched node; ``object_store_memory``
+    autoscaler launches them. Without token authentication: while it runs, this process's
+    ``RAY_AUTH_MODE`` is ``disabled`` (a driver started elsewhere to join it needs the same). ``worker_resources`` of each launched node; ``object_store_memory``
     per node in bytes."""
 
     def __init__(self, head_cpus: float = 1.0, worker_resources: dict | None = None, max_workers: int = 4,
@@ -81,12 +82,19 @@ class LocalAutoscalingCluster:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="et-autoscaling-")
         self._proc: subprocess.Popen | None = None
         self._current: str | None = None
+        self._auth_mode: str | None = None
         self._seen: dict[int, str] = {}   # pid -> start mark, of every process of the tree seen
 
     def start(self, timeout_s: float = 60.0) -> "LocalAutoscalingCluster":
         # `ray start` names its cluster the machine's current one, which a later `ray.init()`
         # without an address joins: put back what was there at the end.
         self._current = _read(CURRENT_CLUSTER)
+        # The head runs without a token, and so must the drivers that join it: a driver in token
+        # mode asks the GCS's calls for a token, finds none, and the GCS then takes the driver for
+        # failed and destroys its actors before they run. Ray itself turns token mode on in a
+        # process's environment once a local cluster started there finds ~/.ray/auth_token.
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "disabled"
         path = os.path.join(self.log_dir, "autoscaling.json")
         with open(path, "w") as f:
             json.dump(self.config, f)
@@ -151,6 +159,10 @@ class LocalAutoscalingCluster:
                 break
         if self._proc is not None:
             self._proc.wait(30)
+        if self._auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = self._auth_mode
         if _read(CURRENT_CLUSTER) == self.address:
             if self._current is None:
                 os.remove(CURRENT_CLUSTER)
