@@ -110,19 +110,20 @@ class Drains:
             self.run.event("drain", step=self.run.step, action="moved off", let_go=moved,
                            nodes=sorted(self.pool.draining), seconds=round(now - first, 3))
         for node in sorted(self._staying):
-            deadline = notices.get(node)
             if node not in notices:
                 continue   # ended: below
             if not any(h.node == node and h.rank is not None for h in self.pool.handles()):
                 self._staying.discard(node)   # another re-plan (a grow, a loss) took its ranks off
                 continue
             spare = self._spare()
-            if spare or deadline is None or deadline - time.time() <= leave_by_s(self.estimate()):
+            left = None if notices[node] is None else notices[node] - time.time()
+            if spare or left is None or left <= leave_by_s(self.estimate()):
                 self._staying.discard(node)
                 self._replan("drain")
                 self.run.event("drain", node=node, step=self.run.step, outcome="moved",
-                               action="a spare is ready: re-plan off it at the next step" if spare else
-                               f"re-plan off it at the next step, {deadline - time.time():.1f} s before its deadline")
+                               action="a spare is ready: re-plan off it at the next step" if spare
+                               else "re-plan off it at the next step" + ("" if left is None else
+                                                                         f", {left:.1f} s before its deadline"))
         for node in sorted(self._losing):
             deadline = notices.get(node)
             if node in notices and deadline is not None and time.time() > deadline + OUTLIVED_S:
@@ -181,7 +182,7 @@ class Drains:
             if enough_notice(left, need) and (self._spare() or left is None or left <= leave_by_s(need)):
                 self._replan("drain")
                 outcome, action = "moved", "re-plan off it at the next step"
-            elif enough_notice(left, need):
+            elif enough_notice(left, need):   # room to move, no spare to move to
                 # No spare to move to: moving now would shrink the run for the whole notice. The
                 # node trains until shortly before its deadline (or until a spare is ready), and
                 # a snapshot at the next step covers a node that goes early.
