@@ -46,6 +46,8 @@ def main(corpus_dir: str, log_dir: str, out: str) -> None:
                    "grown_back": stopped.is_set(), "state": result.state, "killed": seen["killed"],
                    "asks": [e for e in result.events if e["kind"] == "replacements"],
                    "recoveries": [e["reason"] for e in result.recoveries],
+                   "failures": [{"failure": e["failure"], "node": e.get("node")} for e in result.events
+                                if e["kind"] == "failure"],
                    "last_plan": result.plans[-1]}, f, default=str)
 
 

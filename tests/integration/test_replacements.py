@@ -37,6 +37,10 @@ def test_a_lost_node_is_asked_back_from_the_autoscaler_and_the_run_grows_back(ow
     asks = got["asks"]
     assert [e["action"] for e in asks] == ["requested", "withdrawn", "requested", "withdrawn"], asks
     assert asks[0]["short"] == 2 and asks[2]["short"] == 1 and asks[2]["bundles"] == 2, asks
-    assert got["recoveries"][:2] == ["death", "grow"], got["recoveries"]
+    # The loss is seen by whichever comes first: Ray's word that the actor died (its node's health
+    # checks fail after ~4 s here) or the worker's missed heartbeats (1 s), the latter on a loaded
+    # machine. Either way it is the killed node's worker, and the next re-plan is the grow back.
+    assert got["recoveries"][0] in ("death", "silent") and got["recoveries"][1] == "grow", got["recoveries"]
+    assert {f["node"] for f in got["failures"][:1]} == {got["killed"]}, got["failures"]
     assert got["last_plan"]["world_size"] == 2
     assert got["killed"] not in got["last_plan"]["rank_nodes"].values()
