@@ -32,6 +32,7 @@ def lr_at(train: TrainSection, step: int) -> float:
 
 
 def set_lr(optimizer, lr: float) -> None:
-    """Give every parameter group of ``optimizer`` the rate ``lr``."""
+    """Give every parameter group of ``optimizer`` the rate ``lr``, times the group's ``lr_ratio``
+    where it has one (a group with an lr of its own: ``optim.build``)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr

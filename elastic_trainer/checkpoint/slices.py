@@ -79,11 +79,17 @@ def gather_range(name: str, pieces: list, lo: int, hi: int, what: str) -> dict:
     """Elements ``[lo, hi)`` of each array of ``name`` from ``pieces`` = ``((start, end), {key: flat array
     or number})`` (a number, AdamW's ``step``, is the same in every piece). Error if the pieces leave
     part of ``[lo, hi)`` out (``what`` names the arrays for it). Arrays put together from several
-    pieces are ``Assembled``."""
+    pieces are ``Assembled`` and flat; one piece that is all of it comes as held (of the
+    parameter's shape, or an optimizer's own, such as Adafactor's factors)."""
     for (s, e), arrays in pieces:
-        if (s, e) == (lo, hi):   # one piece is all of it (a whole shard's): no copy
-            return {k: (np.asarray(v) if np.ndim(v) == 0 else np.asarray(v).reshape(-1)) for k, v in arrays.items()}
+        if (s, e) == (lo, hi):   # one piece is all of it (a whole shard's): no copy, shapes as held
+            return {k: np.asarray(v) for k, v in arrays.items()}
     check_cover(name, [span for span, _ in pieces], lo, hi, what)
+    for (s, e), arrays in pieces:
+        odd = [k for k, v in arrays.items() if np.ndim(v) and np.size(v) != e - s]
+        if odd:
+            raise ValueError(f"{name}: its {what} {odd} are not of the parameter's size (an optimizer that is "
+                             f"not elementwise) and cannot be put together from slices [{s}, {e})")
     out: dict = {}
     for (s, e), arrays in pieces:
         a, z = max(s, lo), min(e, hi)

@@ -7,6 +7,11 @@ Ray object store can hold it and readers map it without copying:
      "params": {name: array}, "optim": {name: {"exp_avg": .., "exp_avg_sq": .., "step": ..}},
      "extra": {...}}
 
+``optim`` holds whatever ``optimizer.state[p]`` holds, by key (any torch.optim class or a
+user's): tensors of the parameter's shape, scalar counters, and, of an optimizer that is not
+elementwise (Adafactor's row and column factors), tensors of other shapes, carried whole
+(such an optimizer never runs sharded, so they are never sliced).
+
 Any set of shards from one step that covers every block restores into any
 dp x pp: a rank takes the names of its own blocks from whichever shard has them.
 
@@ -32,7 +37,8 @@ import torch
 
 from .dtypes import as_tensor, to_numpy
 from .flat import FlatShard, flat_shard
-from .slices import Pieces, assemble_param, merge_moments, owned_array
+from .optim_state import state_tensors
+from .slices import Pieces, assemble_param, merge_moments
 
 
 def block_of(name: str) -> int:
@@ -129,7 +135,8 @@ def merge_shards(shards: list[dict], names: list[str], owned: dict[str, tuple[in
             continue
         if owned is None:
             shape = tuple(params[n].shape)
-            st = {k: (v.reshape(shape) if v.ndim else v)
+            # Entries of the parameter's size are its shape; others (Adafactor's factors) keep their own.
+            st = {k: (v.reshape(shape) if v.ndim and v.size == math.prod(shape) else v)
                   for k, v in merge_moments(shards, n, 0, math.prod(shape)).items()}
         else:
             st = merge_moments(shards, n, *owned[n]) if n in owned else {}
@@ -163,8 +170,8 @@ def step_tensor(value, device: torch.device, group: dict) -> torch.Tensor:
 
 
 def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, optim: dict) -> None:
-    """Write parameters and optimizer state into the live tensors (shapes checked); each
-    ``step`` is held as torch itself holds it (``step_placement``)."""
+    """Write parameters and optimizer state into the live tensors (shapes checked); each state
+    entry is held as the optimizer itself holds it (``optim_state.state_tensors``)."""
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     named_params = list(named_params)
     for name, p in named_params:
@@ -186,11 +193,7 @@ def load_into(named_params, optimizer: torch.optim.Optimizer, params: dict, opti
                 else:
                     p.copy_(as_tensor(src, p.dtype))
             if name in optim:
-                optimizer.state[p] = {
-                    k: step_tensor(v, p.device, groups.get(id(p), {})) if k == "step" else
-                    as_tensor(owned_array(v), p.dtype).to(p.device)
-                    for k, v in optim[name].items()
-                }
+                optimizer.state[p] = state_tensors(optimizer, groups.get(id(p), {}), p, optim[name])
             else:
                 optimizer.state.pop(p, None)
 

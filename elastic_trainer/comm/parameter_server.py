@@ -2,7 +2,7 @@
 
 Each DP replica pushes the gradients of the parameters it holds to the shard
 that owns them and pulls back the updated parameters; the shards hold the fp32
-master copy and the AdamW state, so workers never step their own optimizer.
+master copy and the optimizer state, so workers never step their own optimizer.
 
 - ``assign_shards``: parameter name -> shard index, balanced by size.
 - ``ParameterServerShard``: a plain class (no Ray import), wrapped by
@@ -14,8 +14,8 @@ every replica ``r < n_workers`` (``n_workers`` = dp) pushes the gradients of its
 names on that shard once; a name is updated when all ``n_workers`` replicas
 pushed it. Replicas of one stage push the same names, so the last replica's push
 steps that stage's parameters in one ``optimizer.step()`` without waiting for
-the other stages on the same shard (AdamW is per-parameter, so stepping a
-subset is exact). ``pull(s, names)`` returns them once updated.
+the other stages on the same shard (the optimizer, AdamW or ``train.optimizer``'s, is
+per-parameter, so stepping a subset is exact). ``pull(s, names)`` returns them once updated.
 
 Clipping is not done here: a shard sees only some names, so it cannot know the
 global norm. The worker clips its own gradients (norm over its replica, summed
@@ -41,6 +41,7 @@ import torch
 from ..checkpoint.state import block_of, export_shard, load_into, merge_shards
 from ..config import TrainSection
 from ..lr_schedule import lr_at, set_lr
+from ..optim.build import build_optimizer
 from .stats import CommStats
 
 
@@ -65,25 +66,13 @@ def assign_shards(named_sizes: dict[str, int], n_shards: int) -> dict[str, int]:
     return out
 
 
-def _adamw_kwargs(train) -> dict:
-    """AdamW arguments from a TrainSection or its dict, leaving unset ones at torch's defaults
-    exactly as the workers' ``build_optimizer`` does, so both paths compute the same update."""
-    t = train.model_dump() if hasattr(train, "model_dump") else dict(train)
-    kwargs = {"lr": t["lr"], "weight_decay": t.get("weight_decay", 0.01)}
-    if t.get("betas") is not None:
-        kwargs["betas"] = tuple(t["betas"])
-    if t.get("eps") is not None:
-        kwargs["eps"] = t["eps"]
-    return kwargs
-
-
 def _examples(names: Iterable[str], k: int = 3) -> str:
     names = sorted(names)
     return ", ".join(repr(n) for n in names[:k]) + (f" (+{len(names) - k} more)" if len(names) > k else "")
 
 
 class ParameterServerShard:
-    """Master copy and AdamW state of one shard's parameters; thread-safe.
+    """Master copy and optimizer state of one shard's parameters; thread-safe.
 
     ``params``: name -> array (global names; may be a superset, ``names`` picks
     this shard's). ``train``: a TrainSection or its dict. ``step``: the step the
@@ -103,9 +92,11 @@ class ParameterServerShard:
         self.shard_index, self.n_workers, self.timeout_s = shard_index, n_workers, timeout_s
         self._params = {n: torch.nn.Parameter(torch.tensor(np.asarray(params[n]), dtype=torch.float32))
                         for n in names}
-        self._optimizer = torch.optim.AdamW(list(self._params.values()), **_adamw_kwargs(train))
         # The rate of each step comes from the schedule, as on the workers (lr_schedule.lr_at).
         self._train = train if isinstance(train, TrainSection) else TrainSection.model_validate(dict(train))
+        # The workers' optimizer, built as they build it (param groups by name included), so both
+        # paths compute the same update.
+        self._optimizer = build_optimizer(list(self._params.items()), self._train)
         self._version = {n: step for n in names}  # last step applied to each name
         self._base_step = step                     # the step of a shard that owns no names
         self._pending: dict[str, dict[int, torch.Tensor]] = {n: {} for n in names}  # name -> replica -> grad
@@ -160,7 +151,7 @@ class ParameterServerShard:
                 for r in range(1, self.n_workers):
                     total += parts[r]
                 self._params[n].grad = total.div_(self.n_workers)
-        # AdamW skips parameters whose grad is None, so only these names step.
+        # torch optimizers skip parameters whose grad is None, so only these names step.
         set_lr(self._optimizer, lr_at(self._train, step))
         self._optimizer.step()
         for n in names:
@@ -221,7 +212,7 @@ class ParameterServerShard:
             return min(self._version.values(), default=self._base_step)
 
     def export_state(self, step: int | None = None, timeout_s: float | None = None) -> dict:
-        """A copy in the layout-free shard format (params, AdamW state, step).
+        """A copy in the layout-free shard format (params, optimizer state, step).
 
         ``step``: wait for that step and refuse any other; None: the current
         state, which must not be mid-step (some names updated, others not).
@@ -248,7 +239,7 @@ class ParameterServerShard:
     def load_state(self, state: dict | list[dict]) -> int:
         """Restore this shard's names from one or more shards of one step; drops pending pushes.
 
-        Names without optimizer state in ``state`` start AdamW afresh. Returns the step.
+        Names without optimizer state in ``state`` start the optimizer afresh. Returns the step.
         """
         names = set(self._params)
         # Object refs (a restore passes them unresolved) are read one at a time, each cut at once to

@@ -79,6 +79,10 @@ class TrainerConfig(_Strict):
                     f"comm.compression({comm.compression!r}) and comm.algorithm({comm.algorithm!r}) do not: "
                     "use sync 'allreduce', algorithm 'ring' and compression none, fp16 or bf16 "
                     "(docs/communication.md, 'Sharded optimizer state')")
+        if p.shard_optimizer in ("optimizer", "gradients") and not t.optimizer.is_default:
+            from ..optim.choice import check_spec
+
+            check_spec(t.optimizer.name, {}, [], {}, p.shard_optimizer)   # elementwise optimizers only
         c = self.checkpoint
         if c.durable_every is not None and c.storage is None:
             raise ValueError(f"checkpoint.durable_every({c.durable_every}) needs checkpoint.storage")

@@ -139,8 +139,30 @@ class EvalSection(_Strict):
         return self.every is not None
 
 
+class OptimizerSection(_Strict):
+    """The optimizer: a ``torch.optim`` class or a user's, its arguments, and parameter groups by
+    name (docs/config.md, "Optimizer"). Checked against the class when the config is loaded."""
+
+    name: str = Field("AdamW", min_length=1, description=(
+        "A torch.optim class by name (AdamW, Adam, SGD, Adafactor, ...) or a user's class by import path "
+        "('package.module:Class' or 'package.module.Class')."))
+    kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "Arguments of the class (momentum, betas, fused, foreach, ...); not lr: train.lr is the peak the "
+        "schedule scales."))
+    param_groups: list[dict[str, Any]] = Field(default_factory=list, description=(
+        "Groups of parameters with their own arguments: each has 'match' (a glob on the global parameter "
+        "name, e.g. '*.bias') or 'regex' (searched in it) and the arguments it overrides, e.g. "
+        "{match: '*.bias', weight_decay: 0.0}; a group's lr keeps its ratio to train.lr through the schedule. "
+        "A parameter takes the first group that matches it, else the base arguments."))
+
+    @property
+    def is_default(self) -> bool:
+        """AdamW with nothing of its own: the optimizer of configs older than this section."""
+        return self.name == "AdamW" and not self.kwargs and not self.param_groups
+
+
 class TrainSection(_Strict):
-    """Optimisation. AdamW; anything not set keeps torch's default."""
+    """Optimisation: ``optimizer`` (AdamW by default); anything not set keeps torch's default."""
 
     steps: int = Field(100, ge=1)
     global_batch_size: int = Field(16, ge=1)
@@ -151,9 +173,11 @@ class TrainSection(_Strict):
                                 "at the last step. A pure function of the step (train.lr_at).")
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from lr / warmup_steps to lr.")
     min_lr: float = Field(0.0, ge=0, description="cosine / linear: the rate at the last step.")
-    weight_decay: float = Field(0.01, ge=0)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's weight decay (its default 0.01 is AdamW's only); "
+                                                         "another optimizer takes it where set otherwise.")
     betas: tuple[float, float] | None = None
     eps: float | None = Field(None, gt=0)
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     seed: int = 0
     grad_clip: float | None = Field(None, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = Field(
@@ -170,6 +194,15 @@ class TrainSection(_Strict):
         if self.warmup_steps >= self.steps and self.lr_schedule != "constant":
             raise ValueError(f"train.warmup_steps({self.warmup_steps}) leaves no decay in train.steps({self.steps}) "
                              f"for lr_schedule {self.lr_schedule!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_optimizer(self) -> "TrainSection":
+        # The class is imported (torch.optim or the user's module) only when there is something to check.
+        if not self.optimizer.is_default or self.betas is not None or self.eps is not None:
+            from ..optim.build import check_train
+
+            check_train(self)
         return self
 
     activation_checkpointing: Literal["none", "blocks"] = Field(
@@ -189,7 +222,9 @@ class ParallelSection(_Strict):
         "auto", description="Shard over each stage's DP group: 'optimizer' (ZeRO-1) the AdamW state, each "
                             "rank updating 1/dp of the stage's parameters; 'gradients' (ZeRO-2) the "
                             "gradients as well, each freed once reduce-scattered; 'auto': 'gradients' on a "
-                            "layout that does not fit scaling.worker_memory_gb without it, else none.")
+                            "layout that does not fit scaling.worker_memory_gb without it, else none. "
+                            "Elementwise optimizers only (AdamW, Adam, SGD, ...; not Adafactor): auto "
+                            "does not shard another.")
 
     @property
     def stages_per_rank(self) -> int:

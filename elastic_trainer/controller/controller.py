@@ -47,6 +47,7 @@ from ..logs import configure_actor_logging
 from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
+from ..optim.build import check_patterns, model_param_names
 from ..planning.model_shape import ModelShape, model_shape, remember_shape
 from ..planning.plan import make_plan
 from ..planning.policy import check_start, choose_plan, cut_fits, memory_bound
@@ -214,6 +215,8 @@ class Controller:
             run_constants(cfg)
             resolve_memory_bound(cfg, self.run_name)   # before the start is held to it
             run.counts = block_param_counts(cfg.model)
+            if cfg.train.optimizer.param_groups:   # each group must take some of the model's parameters
+                check_patterns(cfg.train.optimizer, model_param_names(cfg.model))
             if self.durable:
                 self.writer = DurableWriter(self.durable, cfg, self.cfg_json, self.snapshots, len(run.counts),
                                             run.event, self.run_name, self.data, self._live_actor)

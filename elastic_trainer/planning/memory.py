@@ -1,7 +1,8 @@
 """Bytes one worker holds under a layout, buffer by buffer, device and host apart.
 
 Per parameter of the rank's own blocks (:class:`MemoryModel`, from the run's
-config): the fp32 weight and its gradient, AdamW's two moments, the fp32
+config): the fp32 weight and its gradient, the optimizer's state (AdamW's two
+moments; SGD with momentum one, Adafactor about none: ``optim.choice.state_floats``), the fp32
 gradient buckets a data-parallel all-reduce flattens the gradients into
 (every bucket is alive at the end of the backward), the error-feedback
 residual of int8/topk/powersgd or DiLoCo's outer copy and momentum; then
@@ -20,7 +21,7 @@ part, pinned in other nodes' object stores (shared memory Ray caps at its
 worker's bound.
 Every replica is the same, so one pipeline's ranks decide.
 
-Sharded (``parallel.shard_optimizer``, dp > 1): a rank keeps AdamW's moments
+Sharded (``parallel.shard_optimizer``, dp > 1): a rank keeps the optimizer's state
 for 1/dp of its parameters and the averaged gradient of that 1/dp (the
 buckets are let go once reduce-scattered); its full gradients still fill up
 during backward (micro-batches add into them). Its snapshot part, and so its
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..optim.choice import is_elementwise, resolve, state_floats
 from .layouts import Layout
 from .model_shape import ModelShape
 
@@ -71,7 +73,7 @@ class MemoryModel:
 
     weights: int = 4           # fp32 master weights
     grads: int = 4             # fp32 .grad
-    optimizer: int = 8         # AdamW exp_avg, exp_avg_sq
+    optimizer: int = 8         # the optimizer's state: AdamW's exp_avg, exp_avg_sq (optim.choice.state_floats)
     buckets: int = 4           # fp32 flat bucket copies of the gradients (dp > 1 and an all-reduce)
     extra: int = 0             # error-feedback residual (4) or DiLoCo's outer copy and momentum (8)
     extra_alone: bool = False  # kept without replicas too (DiLoCo's; a residual needs a peer)
@@ -92,7 +94,10 @@ class MemoryModel:
         extra = 8 if c.sync == "diloco" else 4 if meeting or c.compression in ("int8", "topk", "powersgd") else 0
         if shard is None:
             shard = cfg.parallel.shard_optimizer if cfg.parallel.shard_optimizer != "auto" else "none"
-        return cls(buckets=4 if c.sync == "allreduce" else 0, extra=extra, extra_alone=c.sync == "diloco",
+        o = cfg.train.optimizer
+        optimizer = 8 if o.is_default else int(round(4 * state_floats(o.name, o.kwargs)))
+        return cls(optimizer=optimizer, buckets=4 if c.sync == "allreduce" else 0, extra=extra,
+                   extra_alone=c.sync == "diloco",
                    snapshots_kept=cfg.checkpoint.snapshots_kept, replicas=cfg.checkpoint.replicas,
                    gpu=cfg.scaling.uses_gpu, shard=shard)
 
@@ -219,7 +224,7 @@ def layout_shard(cfg, layout: Layout, shape: ModelShape, bound: float | None) ->
     config names; under ``auto``, ``gradients`` where the layout does not fit ``bound`` bytes a
     worker without it, else none. None at dp = 1 (nothing to shard with), and under ``auto`` where
     the gradient exchange cannot shard (local SGD, DiLoCo, the parameter server, int8, top-k,
-    PowerSGD, an own all-reduce algorithm)."""
+    PowerSGD, an own all-reduce algorithm) or for an optimizer that is not elementwise (Adafactor)."""
     s, c = cfg.parallel.shard_optimizer, cfg.comm
     if layout.dp == 1 or s == "none":
         return "none"
@@ -227,6 +232,8 @@ def layout_shard(cfg, layout: Layout, shape: ModelShape, bound: float | None) ->
         return s
     if bound is None or c.sync != "allreduce" or c.compression not in ("none", "fp16", "bf16") or c.algorithm != "ring":
         return "none"
+    if not cfg.train.optimizer.is_default and not is_elementwise(resolve(cfg.train.optimizer.name)):
+        return "none"   # its update of a slice is not its update of the whole (optim.choice)
     checkpointing = cfg.train.activation_checkpointing == "blocks"
     need, _ = worker_memory(layout, shape, cfg.parallel.schedule, checkpointing, MemoryModel.of(cfg, "none"))
     return "none" if need <= bound else "gradients"

@@ -1,15 +1,17 @@
-"""AdamW on the 1/dp of a stage's parameters a rank owns (ZeRO-1/2), and the all-gather after it.
+"""The optimizer on the 1/dp of a stage's parameters a rank owns (ZeRO-1/2), and the all-gather after it.
 
 Each gradient bucket is split over the stage's DP group (``parallel.shard_ranges``).
-The rank's AdamW runs over views into the parameters it owns, so its moments
+The rank's optimizer (AdamW, or any elementwise one: ``optim.choice``) runs over views
+into the parameters it owns, so its state
 cover 1/dp of the stage and no second copy of the weights is kept; the update
 writes through the views into the live parameters. The averaged gradients of
 the owned shard (``GradSync.shard_grads``) become those views' ``.grad``.
 After the update each bucket's owned shard is all-gathered, so every replica
 holds the whole stage again.
 
-AdamW is elementwise and every step the same for all elements, so running it
-on slices gives the update a whole-tensor AdamW gives, element by element.
+An elementwise update is the same for every element, so running it on slices
+gives the update a whole-tensor step gives, element by element. Parameter groups
+are by the parameter's name, which its slice keeps.
 
 State comes and goes by parameter name and element range (``ranges``:
 name -> ``[start, end, shape]`` of the flattened parameter), so a snapshot
@@ -18,11 +20,10 @@ taken under one sharding loads under any other (``checkpoint.state``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..checkpoint.dtypes import as_tensor
-from ..checkpoint.slices import owned_array
-from ..checkpoint.state import step_tensor
+from ..checkpoint.optim_state import state_tensors
 from ..comm.grad_sync import GradSync
 from ..comm.shard_exchange import ShardExchange
 from ..comm.stats import CommStats
@@ -48,8 +49,8 @@ class ShardedOptimizer:
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], sync: GradSync, exchange: ShardExchange,
                  group_rank: int, train: TrainSection, build_optimizer, skip_in_norm: set[str] = frozenset()):
         """``named``: the rank's parameters by global name; ``sync``: its gradient sync, sharded over
-        ``exchange``'s group, in which this rank is ``group_rank``; ``build_optimizer(params, train)``
-        makes the AdamW; ``skip_in_norm``: names whose gradient the clip norm leaves out (the second
+        ``exchange``'s group, in which this rank is ``group_rank``; ``build_optimizer(named, train)``
+        makes the optimizer (an elementwise one: see ``optim.choice``) over ``(name, slice)`` pairs; ``skip_in_norm``: names whose gradient the clip norm leaves out (the second
         copy of a tied parameter)."""
         self.sync, self.exchange, self.p = sync, exchange, exchange.p
         self.owned: list[_Owned] = []
@@ -60,7 +61,7 @@ class ShardedOptimizer:
         self._by_bucket: dict[int, list[_Owned]] = {}
         for o in self.owned:
             self._by_bucket.setdefault(o.bucket, []).append(o)
-        self.optimizer = build_optimizer([o.view for o in self.owned], train)
+        self.optimizer = build_optimizer([(o.name, o.view) for o in self.owned], train)
         self._in_norm = [o for o in self.owned if o.name not in skip_in_norm]
         # Parameters in no bucket (frozen: no gradient, never updated) are the same on every
         # replica; group rank 0's snapshot holds them whole.
@@ -121,13 +122,12 @@ class ShardedOptimizer:
     def load_state(self, optim: dict) -> None:
         """Set the owned moments from ``{name: {kind: flat array of the owned range, or number}}``
         (``merge_shards(..., owned=self.owned_ranges())``); a name without state starts fresh."""
-        group = self.optimizer.param_groups[0]
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         for o in self.owned:
             st = optim.get(o.name)
             if not st:
                 self.optimizer.state.pop(o.view, None)
                 continue
-            self.optimizer.state[o.view] = {
-                k: step_tensor(v, o.view.device, group) if k == "step" else
-                as_tensor(owned_array(v).reshape(-1), o.view.dtype).to(o.view.device)
-                for k, v in st.items()}
+            # reshape keeps an Assembled array's kind: it is loaded without one more copy
+            flat = {k: (v if np.ndim(v) == 0 else v.reshape(-1)) for k, v in st.items()}
+            self.optimizer.state[o.view] = state_tensors(self.optimizer, groups.get(id(o.view), {}), o.view, flat)

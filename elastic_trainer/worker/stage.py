@@ -22,10 +22,11 @@ from ..comm.grad_sync import GradSync
 from ..comm.shard_exchange import ShardExchange
 from ..comm.local_sgd import ModelAverager
 from ..comm.parameter_server import PSClient
-from ..config import TrainerConfig, TrainSection
+from ..config import TrainerConfig
 from ..config.runtime import MEETING_SYNCS
 from ..data.dataset import ensure_prepared
 from ..lr_schedule import lr_at, set_lr
+from ..optim.build import build_optimizer  # noqa: F401 - also this module's, for older callers
 from ..parallel.partition import stage_indices_for_rank
 from ..parallel.topology import Topology
 from .block_build import build_rank_blocks
@@ -41,16 +42,6 @@ from .step_result import StepResult
 from .ties import TiedGrads
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def build_optimizer(params, train: TrainSection) -> torch.optim.Optimizer:
-    """AdamW with torch's defaults for anything the config leaves unset."""
-    kwargs = {"lr": train.lr, "weight_decay": train.weight_decay}
-    if train.betas is not None:
-        kwargs["betas"] = train.betas
-    if train.eps is not None:
-        kwargs["eps"] = train.eps
-    return torch.optim.AdamW(params, **kwargs)
 
 
 class StageTrainer(StageState):
@@ -116,7 +107,7 @@ class StageTrainer(StageState):
                              hold={n for n, _ in named if n in tied})
         self.zero = (ShardedOptimizer(named, self.sync, exchange, dist.get_rank(groups.dp), cfg.train,
                                       build_optimizer, skip_in_norm=self.ties.followers) if sharded else None)
-        self.optimizer = self.zero.optimizer if self.zero is not None else build_optimizer(self.params, cfg.train)
+        self.optimizer = self.zero.optimizer if self.zero is not None else build_optimizer(named, cfg.train)
         self.model_avg = (ModelAverager(named, groups.dp, topo.dp, comm)
                           if comm.sync in MEETING_SYNCS else None)
         # Parameter-server mode: the shards own the optimizer; this rank's never steps.
