@@ -1,14 +1,12 @@
-"""The driver-side API: ``Trainer(cfg).fit() -> Result``."""
+"""The driver-side API: ``Trainer(cfg).fit() -> Result``, ``Trainer(cfg).start() -> Run``."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -20,7 +18,7 @@ from .controller.run.goodput import lost_line
 from .controller.state.saving import SaveError  # noqa: F401  (a run's error, importable from here)
 from .data.dataset import ensure_prepared
 from .data.splits import data_order, open_datasets
-from .errors import DataError, ElasticTrainerError
+from .errors import DataError
 from .models.hf import load_hf_config
 from .models.build import whole_build_warning
 from .models.factory import resolve_factory
@@ -29,56 +27,12 @@ from .planning.constants import run_constants
 from .planning.model_shape import ModelShape, ShapeInBackground
 from .reporting.progress import ProgressPrinter
 from .reporting.rank_file import RankFile, ranks_path, read_rank_figures
+from .results import Result
+from .run_handle import Run, hold_to_the_end, strip_colour
 from .storage.credentials import storage_env
-from .storage.uris import is_uri, join
+from .storage.uris import is_uri, join, mask
 from .storage.preflight import check_storage
 from .worker.allocator import nodes_start_on
-
-
-@dataclass
-class Result:
-    """What a run produced."""
-
-    run_name: str
-    history: list[dict]          # one record per step: step, loss, dp, pp, world_size, step_time_s, tokens_per_s, ...
-    events: list[dict]           # state transitions, failures, recoveries, checkpoints, with times
-    plan: dict                   # topology, stage cut and node of every rank
-    workers: list[dict] = field(default_factory=list)
-    plans: list[dict] = field(default_factory=list)  # every plan the run used; history's "plan" indexes it
-    model_state: dict[str, Any] | None = None  # global parameter name -> tensor, when asked for
-    report_path: str | None = None  # the run report PNG, if written
-    model_path: str | None = None   # the final weights (model.safetensors), written and read back
-    durable_path: str | None = None  # the final durable checkpoint, where checkpoint.storage is set
-    hf_path: str | None = None       # model.kind hf: a folder AutoModelForCausalLM.from_pretrained loads
-    run_id: str | None = None        # the id its durable checkpoints carry
-    state: str = "FINISHED"          # FINISHED: every step run; STOPPED: ended early by Controller.stop()
-    step: int | None = None          # the last step run, which the weights (and durable_path) hold
-    ranks_path: str | None = None    # each step's per-rank compute, wait and pace (JSON lines), with report_dir
-    # Where the wall time went: {"wall_s", "effective_s", "goodput", "seconds": bucket -> s}
-    # (controller.run.goodput.BUCKETS; the buckets add up to wall_s).
-    goodput: dict | None = None
-
-    @property
-    def finished(self) -> bool:
-        """Every step was run (a failed run raises instead of returning)."""
-        return self.state == "FINISHED"
-
-    @property
-    def stopped(self) -> bool:
-        """A stop ended the run before its last step, at ``step``; what it had is saved."""
-        return self.state == "STOPPED"
-
-    @property
-    def failures(self) -> list[dict]:
-        return [e for e in self.events if e["kind"] == "failure"]
-
-    @property
-    def recoveries(self) -> list[dict]:
-        return [e for e in self.events if e["kind"] == "recovery"]
-
-    @property
-    def final_loss(self) -> float | None:
-        return self.history[-1]["loss"] if self.history else None
 
 
 class Trainer:
@@ -102,14 +56,10 @@ class Trainer:
         self.ranks_path: str | None = None   # the per-rank figures of the last fit (rank_file.py)
         self._data: dict = {}                # the data fingerprint, sent to the controller
 
-    def fit(self, return_model_state: bool = False, resume: bool | str = False,
-            accept_change: str | Iterable[str] = ()) -> Result:
-        """Train. ``resume`` (after the cluster or the driver was lost): True continues the run
-        named run.name from its newest durable checkpoint in ``checkpoint.storage``; a run id
-        continues that run; a checkpoint path (``<storage>/step-<N>-<run id>``) that checkpoint.
-        ``accept_change``: fields the resumed run may change (``checkpoint.compat.ACCEPTABLE``:
-        train.steps, train.lr, the schedule), listed in its resume event; any other difference
-        from the checkpoint's config but the layout is refused."""
+    def start(self, return_model_state: bool = False, resume: bool | str = False,
+              accept_change: str | Iterable[str] = ()) -> Run:
+        """Start the run and return its handle (``Run``: ``status()``, ``wait()``, ``stop()``,
+        ``result()``) while it trains. The arguments are ``fit``'s."""
         cfg = self.config
         resume = resume_request(resume, accept_change, cfg.run.name)
         run_name = cfg.run.name or time.strftime("et-%Y%m%d-%H%M%S")
@@ -118,10 +68,26 @@ class Trainer:
         shape = ShapeInBackground(cfg)
         started_ray = self._connect(cfg)
         try:
-            return self._run(cfg, run_name, return_model_state, resume, shape.result())
-        finally:
+            return self._start(cfg, run_name, return_model_state, resume, shape.result(), started_ray)
+        except BaseException:
             if started_ray:
                 ray.shutdown()
+            raise
+
+    def fit(self, return_model_state: bool = False, resume: bool | str = False,
+            accept_change: str | Iterable[str] = ()) -> Result:
+        """Train to the end: ``start().result()``. ``resume`` (after the cluster or the driver
+        was lost): True continues the run named run.name from its newest durable checkpoint in
+        ``checkpoint.storage``; a run id continues that run; a checkpoint path
+        (``<storage>/step-<N>-<run id>``) that checkpoint. ``accept_change``: fields the resumed
+        run may change (``checkpoint.compat.ACCEPTABLE``: train.steps, train.lr, the schedule),
+        listed in its resume event; any other difference from the checkpoint's config but the
+        layout is refused.
+
+        Ctrl-C (SIGINT) or SIGTERM (``ray job stop``) stops the run as ``Run.stop()`` does: the
+        step in flight completes and is saved, and the run ends STOPPED. A second one ends it at
+        once, says what was kept and raises ``KeyboardInterrupt``."""
+        return hold_to_the_end(self.start(return_model_state, resume, accept_change))
 
     def _report(self, cfg: TrainerConfig, run_name: str, history: list[dict], events: list[dict],
                 goodput: dict | None = None) -> None:
@@ -199,67 +165,46 @@ class Trainer:
             ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
         return True
 
-    def _run(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool,
-             shape: ModelShape | None = None) -> Result:
+    def _start(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool,
+               shape: ModelShape | None, started_ray: bool) -> Run:
         node_id = ray.get_runtime_context().get_node_id()
-        env = storage_env()   # the storage's credentials: the controller passes them on to the workers
+        # The storage's credentials go as a constructor argument, which Ray shows nowhere (a
+        # runtime_env is listed by `ray list actors --detail` and the dashboard); the controller
+        # sets them into its environment and hands them to the workers the same way.
         controller = ray.remote(ControllerActor).options(
             name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            **({"runtime_env": {"env_vars": env}} if env else {}),
-        ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape)
+        ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape, env=storage_env())
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
         if self.on_start:
             self.on_start(controller)
         done_ref = controller.run.remote(return_model_state, resume)
-        # What the driver has seen, kept so a failed run still gets its report.
-        history: list[dict] = []
-        events: list[dict] = []
         ranks = RankFile(ranks_path(cfg.run.report_dir, run_name)) if cfg.run.report_dir is not None else None
         self.ranks_path = ranks.path if ranks else None
-        seen_ranks = 0
-        try:
-            while True:
-                ready, _ = ray.wait([done_ref], timeout=0.2)
-                try:
-                    prog = ray.get(controller.progress.remote(len(history), len(events),
-                                                              seen_ranks if ranks else None))
-                except ray.exceptions.RayActorError:
-                    ready = [done_ref]
-                    prog = {"records": [], "events": [], "length": len(history), "n_events": len(events)}
-                if ranks and "ranks" in prog:
-                    ranks.write(prog["ranks"], prog["ranks_dropped"])
-                    seen_ranks += len(prog["ranks"]) + prog["ranks_dropped"]
-                for ev in prog["events"]:
-                    if printer:
-                        printer.event(ev)
-                events.extend(prog["events"])
-                # A rollback shortens the history: continue from where it stands now.
-                del history[prog["length"] - len(prog["records"]):]
-                for rec in prog["records"]:
-                    history.append(rec)
-                    if printer:
-                        printer.step(rec)
-                    if self.on_step:
-                        self.on_step(rec)
-                if ready:
-                    break
-            try:
-                out = ray.get(done_ref)
-            except ray.exceptions.RayTaskError as e:
-                # Our own errors say all in their message (the controller's log has the trace); an
-                # unexpected one keeps the remote traceback. Ray colours it; the report wants text.
-                cause = e.cause if isinstance(e.cause, ElasticTrainerError) else e.as_instanceof_cause()
-                error = re.sub(r"\x1b\[[0-9;]*m", "", str(cause))
-                self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": error}])
-                # What the driver saw of the failed run goes with its error: the steps and events.
-                with contextlib.suppress(AttributeError, TypeError):
-                    cause.history, cause.events = history, events
-                raise cause from None
-        finally:
-            ray.kill(controller, no_restart=True)
-            if ranks:
-                ranks.close()
+
+        def finish(out: dict | None, history: list[dict], events: list[dict], error: BaseException | None) -> Result:
+            return self._finish(cfg, run_name, out, history, events, error, printer)
+
+        return Run(run_name, controller, done_ref, printer=printer, on_step=self.on_step, ranks=ranks,
+                   trackers=None, finish=finish, shutdown_ray=started_ray)
+
+    def _finish(self, cfg: TrainerConfig, run_name: str, out: dict | None, history: list[dict],
+                events: list[dict], error: BaseException | None, printer: ProgressPrinter | None) -> Result:
+        """The run's ``Result`` from the controller's output (None: it was ended at once), or its
+        error raised with what the driver saw of it (its steps and events) and its report."""
+        if error is not None:
+            text = mask(strip_colour(str(error)))
+            self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": text}])
+            with contextlib.suppress(AttributeError, TypeError):
+                error.history, error.events = history, events
+            raise error
+        if out is None:
+            durable = [e for e in events if e["kind"] == "durable_checkpoint"]
+            step = history[-1]["step"] if history else None
+            self._report(cfg, run_name, history, events + [{"kind": "state", "to": "ABORTED"}])
+            return Result(run_name=run_name, history=history, events=events, plan={}, state="ABORTED", step=step,
+                          durable_path=durable[-1]["path"] if durable else None,
+                          report_path=self.report_path, ranks_path=self.ranks_path)
         if printer:
             printer.done(out["history"], out["state"])
             if out.get("goodput"):
