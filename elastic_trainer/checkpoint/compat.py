@@ -13,6 +13,7 @@ import os
 from typing import Any, Iterable
 
 from ..errors import ConfigError
+from ..storage.credentials import take_credentials
 
 # Sections that say how a run is laid out and operated, not what it trains.
 _FREE_SECTIONS = ("run", "parallel", "scaling", "checkpoint", "failure", "control", "balance")
@@ -93,7 +94,8 @@ def accepted_fields(fields: str | Iterable[str]) -> list[str]:
 def resume_request(resume: bool | str, accept_change: str | Iterable[str], run_name: str | None) -> dict | None:
     """What ``Trainer.fit(resume=..., accept_change=...)`` asks the controller for: None (no
     resume) or ``{"target": run id or checkpoint path, or None for the run named run.name,
-    "accept": fields}``. Checked here, before any worker starts."""
+    "accept": fields}``. Checked here, before any worker starts. A target URI's credentials are
+    taken out (``storage.credentials.take_credentials``), as a config's are."""
     accept = accepted_fields(accept_change or ())
     if not resume:
         if accept:
@@ -101,6 +103,10 @@ def resume_request(resume: bool | str, accept_change: str | Iterable[str], run_n
                               "(--resume or --resume-from with --accept-change)")
         return None
     target = resume if isinstance(resume, str) else None
+    if target is not None and "://" in target:
+        # A URI's credentials go where the config's go (storage.credentials), never further: the
+        # target travels to the controller, its errors, events and log without them.
+        target = take_credentials(target)
     if target is not None and not target.strip():
         raise ConfigError("resume('') names no run: give True (the run named run.name), a run id or a "
                           "checkpoint path")

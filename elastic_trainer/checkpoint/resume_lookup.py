@@ -8,7 +8,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from ..storage.filesystems import open_fs
-from ..storage.uris import split_last
+from ..storage.uris import mask, split_last
 from ..errors import DataError
 from .durable import MANIFEST, CheckpointError, DurableStore, checkpoint_dirname, parse_dirname
 
@@ -58,7 +58,7 @@ def load_resume(store: DurableStore, run_name: str, target: str | None = None, r
     known = runs(store)
     if target is not None:
         if target not in known:
-            raise CheckpointError(f"no run {target!r} in {store.uri}; runs there: "
+            raise CheckpointError(f"no run {mask(target)!r} in {store.uri}; runs there: "
                                   + (", ".join(f"{i} ({r['name']}, newest step {r['newest']})"
                                                for i, r in known.items()) or "none"))
         run_id = target
@@ -89,13 +89,13 @@ def _checkpoint_name(store: DurableStore, target: str) -> str | None:
         try:
             fs, root = open_fs(parent, "checkpoint")
         except DataError as e:
-            raise CheckpointError(f"checkpoint path {target!r}: {e}") from None
+            raise CheckpointError(f"checkpoint path {mask(target)!r}: {e}") from None
         if type(fs) is not type(store.fs) or root.rstrip("/") != store.root.rstrip("/"):
             raise CheckpointError(
-                f"checkpoint path {target!r} is not in checkpoint.storage({store.uri!r}): a resumed run "
-                f"writes its checkpoints there; set checkpoint.storage to {parent!r}")
+                f"checkpoint path {mask(target)!r} is not in checkpoint.storage({store.uri!r}): a resumed run "
+                f"writes its checkpoints there; set checkpoint.storage to {mask(parent)!r}")
     if parse_dirname(name) is None:
-        raise CheckpointError(f"{target!r} is not a checkpoint directory (step-<N>-<run id>)")
+        raise CheckpointError(f"{mask(target)!r} is not a checkpoint directory (step-<N>-<run id>)")
     return name
 
 

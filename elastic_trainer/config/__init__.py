@@ -22,6 +22,7 @@ from .training import (DataSection, EvalSection, ModelSection, ParallelSection, 
                               RunSection, TrainSection)
 from ..errors import ConfigError
 from ..storage.credentials import take_credentials
+from ..secrets import remember_names
 
 
 class TrainerConfig(_Strict):
@@ -45,7 +46,13 @@ class TrainerConfig(_Strict):
     def _credentials_out(cls, raw: Any) -> Any:
         # A config never holds a secret: credentials written into a URI go to the run's
         # environment here, so no record of the config (manifest, report, event) can carry them.
-        return take_credentials(raw) if isinstance(raw, dict) else raw
+        if not isinstance(raw, dict):
+            return raw
+        run = raw.get("run")
+        names = run.get("secret_names") if isinstance(run, dict) else getattr(run, "secret_names", None)
+        if isinstance(names, list):
+            remember_names(n for n in names if isinstance(n, str))   # before any URI is split or masked
+        return take_credentials(raw)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainerConfig":

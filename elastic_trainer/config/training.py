@@ -39,6 +39,12 @@ class RunSection(_Strict):
         None, description="Where the final weights go (model.safetensors, by global parameter name); local "
                           "path or pyarrow filesystem URI. Default: <checkpoint.storage>/<run> when storage "
                           "is set, else <report_dir>/<run> (elastic_trainer_reports/<run> without a report_dir).")
+    secret_names: list[str] = Field(
+        default_factory=list, description="More names (any case) whose values are secrets, besides the storages' "
+                                          "credential names and names holding SECRET, TOKEN, PASSWORD, KEY or "
+                                          "CREDENTIAL: an env_vars entry or URI parameter of such a name is masked "
+                                          "in every record and reaches the workers by call, not runtime_env "
+                                          "(docs/storage.md).")
 
 
 class ModelSection(_Strict):

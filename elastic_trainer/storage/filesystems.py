@@ -22,7 +22,7 @@ Other schemes (``gs://``, ``hdfs://``, ``file://``) go to ``from_uri``.
 from __future__ import annotations
 
 import os
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -52,9 +52,25 @@ def open_fs(path: str, what: str = "path") -> tuple[pafs.FileSystem, str]:
     if urlsplit(path).scheme == "s3":
         return _s3(path, what)
     try:
-        return pafs.FileSystem.from_uri(path)
+        return pafs.FileSystem.from_uri(_with_credentials(path))
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds; all mean the same here
         raise StorageConfigError(f"{what}({mask(path)!r}): cannot open filesystem: {mask(str(e))}") from None
+
+
+def _with_credentials(uri: str) -> str:
+    """``uri`` (not S3) with the credentials taken out of it (at the driver,
+    ``storage.credentials``) put back where ``from_uri`` reads them: a user part
+    (``abfs://account:KEY@container``, ``hdfs://user@host``) and the query (Azure's
+    ``client_secret``). A parameter ``from_uri`` does not take is its error, masked."""
+    clean, creds = split_secrets(uri)
+    creds = dict(creds or lookup(uri))
+    if not creds:
+        return uri
+    parts = urlsplit(clean)
+    user = ":".join(quote(creds.pop(k), safe="") for k in ("access_key", "secret_key") if k in creds)
+    netloc = f"{user}@{parts.netloc}" if user else parts.netloc
+    query = parse_qsl(parts.query, keep_blank_values=True) + sorted(creds.items())
+    return urlunsplit((parts.scheme, netloc, parts.path, urlencode(query, safe=":/"), parts.fragment))
 
 
 def s3_options(uri: str, what: str = "path") -> tuple[dict, str]:
@@ -72,6 +88,10 @@ def s3_options(uri: str, what: str = "path") -> tuple[dict, str]:
                 f"{', '.join(_STRINGS + _FLOATS + _BOOLS + SECRET_PARAMS)}")
         opts[k] = _option(k, v, uri, what)
     creds = creds or lookup(uri)
+    other = sorted(k for k in creds if k not in SECRET_PARAMS)
+    if other:
+        raise StorageConfigError(f"{what}({mask(uri)!r}): {', '.join(other)} in the URI is not an S3 credential; "
+                                 f"S3 URIs take {', '.join(SECRET_PARAMS)}")
     opts.update({k: v for k, v in creds.items() if v})
     if "endpoint_override" in opts and "region" not in opts:
         opts["region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"

@@ -6,19 +6,20 @@ its user part (``s3://KEY:SECRET@bucket/path``), URL-encoded as in any URI (an
 AWS secret's ``+`` and ``/`` as ``%2B`` and ``%2F``). Those never belong in a
 record: the run takes them out of its config at the driver
 (``storage.credentials``), and :func:`mask` hides any left in a line of text.
+Which query parameters are credentials is ``elastic_trainer.secrets``' one rule
+(S3's, GCS's and Azure's names, names that say so, the user's; any case):
+:func:`split_secrets` takes out of a URI exactly what :func:`mask` hides in it.
 """
 
 from __future__ import annotations
 
-import re
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-SECRET_PARAMS = ("access_key", "secret_key", "session_token")
-MASK = "***"
+from .. import secrets
+from ..secrets import MASK, is_secret_name  # noqa: F401  (MASK: importable from here as before)
 
-# A secret query parameter's value (up to the next & or whitespace), and a URI's user:password@.
-_QUERY_SECRET = re.compile(r"(?i)\b(" + "|".join(SECRET_PARAMS) + r")=([^&\s'\"]+)")
-_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s'\"]+)@")
+# The credentials S3FileSystem takes by name; a URI may spell them in any case.
+SECRET_PARAMS = ("access_key", "secret_key", "session_token")
 
 
 def is_uri(path: str) -> bool:
@@ -27,24 +28,24 @@ def is_uri(path: str) -> bool:
 
 
 def mask(text: str) -> str:
-    """``text`` with every secret a storage URI in it may carry replaced by ``***``."""
-    if not text or ("=" not in text and "@" not in text):
-        return text
-    text = _QUERY_SECRET.sub(lambda m: f"{m.group(1)}={MASK}", text)
-    return _USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
+    """``text`` with every secret a storage URI (or an environment line, a connection string)
+    in it may carry replaced by ``***`` (``secrets.mask``)."""
+    return secrets.mask(text)
 
 
 def split_secrets(uri: str) -> tuple[str, dict[str, str]]:
-    """``uri`` without its credentials, and the credentials (``access_key``, ``secret_key``,
-    ``session_token``: those it carries). A local path or a URI without any comes back as is."""
+    """``uri`` without its credentials, and the credentials: every query parameter
+    ``secrets.is_secret_name`` calls secret (any case; S3's three by their lower-case names,
+    ``access_key``, ``secret_key``, ``session_token``, others as written) and a user part
+    (``access_key``, ``secret_key``). A local path or a URI without any comes back as is."""
     if not is_uri(uri):
         return uri, {}
     parts = urlsplit(uri)
     creds: dict[str, str] = {}
     query = []
     for k, v in parse_qsl(parts.query, keep_blank_values=True):
-        if k in SECRET_PARAMS:
-            creds[k] = v
+        if is_secret_name(k):
+            creds[k.lower() if k.lower() in SECRET_PARAMS else k] = v
         else:
             query.append((k, v))
     netloc = parts.netloc
