@@ -44,7 +44,7 @@ def main(corpus_dir: str, log_dir: str, out: str) -> None:
     with open(out, "w") as f:
         json.dump({"address": c.address, "current": read_ray_address(), "stopped": result.stopped,
                    "grown_back": stopped.is_set(), "state": result.state, "killed": seen["killed"],
-                   "asks": [e for e in result.events if e["kind"] == "replacements"],
+                   "asks": result.events.of("replacements").to_dicts(),
                    "recoveries": [e["reason"] for e in result.recoveries],
                    "failures": [{"failure": e["failure"], "node": e.get("node")} for e in result.events
                                 if e["kind"] == "failure"],

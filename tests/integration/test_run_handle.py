@@ -1,7 +1,8 @@
 """The run in the user's hands: ``Trainer.start()`` gives a ``Run`` to ask, wait on and stop;
 ``stop(save=True)`` ends it STOPPED with its weights and durable checkpoint, which a resume
 continues from; the result's records and events are typed; Ctrl-C in a driver process stops the
-same way, and a second one ends it at once, saying what was kept."""
+same way (as does SIGTERM, which `ray job stop` sends), and a second one ends it at once, saying
+what was kept."""
 
 import os
 import signal
@@ -102,18 +103,18 @@ def _read_until(proc, pattern: str, lines: list[str]) -> None:
     raise AssertionError(f"the driver ended before {pattern!r}:\n" + "".join(lines[-60:]))
 
 
-def test_ctrl_c_in_the_driver_stops_saved_and_a_second_ends_at_once(cluster, corpus_dir, tmp_path):
+def test_sigterm_or_ctrl_c_in_the_driver_stops_saved_and_a_second_ends_at_once(cluster, corpus_dir, tmp_path):
     proc = _driver(corpus_dir, tmp_path)
     lines: list[str] = []
     try:
         _read_until(proc, "durable checkpoint of step 2", lines)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)   # as `ray job stop` ends a job's driver
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
     out = "".join(lines) + out
     assert proc.returncode == 0, out[-4000:]
-    assert "Ctrl-C: stopping run 'interrupted'" in out and "Traceback" not in out, out[-4000:]
+    assert "SIGTERM: stopping run 'interrupted'" in out and "Traceback" not in out, out[-4000:]
     state, step, path = next(ln for ln in out.splitlines() if ln.startswith("RESULT ")).split()[1:]
     assert state == "STOPPED" and int(step) >= 2
     store = DurableStore(str(tmp_path / "ck"), path.rsplit("-", 1)[1])

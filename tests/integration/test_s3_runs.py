@@ -81,8 +81,8 @@ def test_a_run_on_s3_loses_a_node_resumes_from_the_bucket_and_records_no_secret(
     # The secret, given in three URIs, is in none of the run's records or output.
     out = capfd.readouterr()
     texts = {"stdout": out.out, "stderr": out.err,
-             "result": json.dumps([result.history, result.events, result.workers, result.plans], default=str),
-             "resumed": json.dumps([resumed.history, resumed.events], default=str)}
+             "result": json.dumps([result.history.to_dicts(), result.events.to_dicts(), result.workers, result.plans], default=str),
+             "resumed": json.dumps([resumed.history.to_dicts(), resumed.events.to_dicts()], default=str)}
     texts.update({f"s3://{bucket}/{k}": v.decode("latin-1") for k, v in s3.objects(bucket).items()
                   if not k.startswith("corpus/")})
     texts.update({str(p): open(p, "rb").read().decode("latin-1") for p in glob.glob(f"{reports}/**", recursive=True)
