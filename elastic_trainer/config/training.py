@@ -22,6 +22,18 @@ class RunSection(_Strict):
                           "letters, digits, '.', '_' and '-', at most 100, starting with a letter or digit. "
                           "Default: et-<time>.")
     log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
+    trackers: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list, description="Experiment trackers the driver writes the run's curves, events and "
+                                          "config to (pip extra 'trackers'; docs/runtime.md, 'Trackers').")
+    tensorboard_dir: str | None = Field(
+        None, description="tensorboard: the run writes <dir>/<run>. Default: <report_dir>/tensorboard "
+                          "(elastic_trainer_reports/tensorboard without a report_dir).")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="mlflow: the tracking server or store. Default: MLflow's own (MLFLOW_TRACKING_URI, "
+                          "else its local default).")
+    mlflow_experiment: str | None = Field(
+        None, description="mlflow: the experiment. Default: the run name up to its last '.' "
+                          "('gpt-small.run1' -> 'gpt-small'), else 'elastic_trainer'.")
 
     @model_validator(mode="after")
     def _check_name(self) -> "RunSection":
