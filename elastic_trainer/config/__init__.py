@@ -19,10 +19,27 @@ from .parsing import apply_overrides, format_validation_error
 from .runtime import (BalanceSection, CheckpointSection, CommSection, ControlSection,  # noqa: F401
                              FailureSection, ScalingSection)
 from .training import (DataSection, EvalSection, ModelSection, ParallelSection,  # noqa: F401
-                              RunSection, TrainSection)
+                              PrepareSection, RunSection, TrainSection)
 from ..errors import ConfigError
 from ..storage.credentials import take_credentials
 from ..secrets import remember_names
+
+
+def _check_prepared_vocab(model: ModelSection, data: DataSection) -> None:
+    """A tokenizer trained by data.prepare has a known size: a smaller model vocabulary fails here."""
+    prep = data.prepare
+    size = getattr(prep, "vocab_size", None)
+    if size is None:
+        return
+    vocab, field = model.vocab_size, "model.vocab_size"
+    if model.kind == "hf":
+        vocab = model.hf_config.get("vocab_size") if isinstance(model.hf_config, dict) else None
+        field = "model.hf_config.vocab_size"
+    elif model.kind != "gpt":
+        return   # a factory's vocabulary is its own
+    if vocab is not None and vocab < size:
+        raise ValueError(f"{field}({vocab}) is smaller than the tokenizer data.prepare trains "
+                         f"(vocab_size {size}): set {field} to {size}")
 
 
 class TrainerConfig(_Strict):
@@ -107,6 +124,7 @@ class TrainerConfig(_Strict):
                     f"schedule 'interleaved' needs micro-batches per replica({n_micro}) to be a multiple "
                     f"of max(1, micro-batches // pp({p.pp})) = {rounds}; try a multiple of pp"
                 )
+        _check_prepared_vocab(self.model, self.data)
         if self.model.kind == "gpt":
             if self.model.seq_len is None:
                 object.__setattr__(self.model, "seq_len", self.data.seq_len)

@@ -111,13 +111,41 @@ class ModelSection(_Strict):
 
 class DataSection(_Strict):
     """Token sequences in Parquet: one row per sequence of at least seq_len + 1 ids."""
+class PrepareSection(_Strict):
+    """data.prepare as a recipe: text tokenized into data.path where that is missing (as
+    ``elastic-trainer prepare-data`` does), the tokenizer given or trained on the text."""
+
+    input: str = Field("stdlib", description="The text: 'stdlib' (this Python's standard library source, a "
+                                             "document per file), Parquet (column), .txt (a document per line) "
+                                             "or .jsonl (column key); local path or pyarrow filesystem URI.")
+    column: str = Field("text", description="The text column (Parquet) or key (.jsonl).")
+    max_mb: float | None = Field(None, gt=0, description="input stdlib: read at most this many MiB (default 8).")
+    tokenizer: str | None = Field(None, description="A tokenizer.json, a folder holding one, or a Hugging Face "
+                                                    "hub name (fetched where the hub is reachable).")
+    train_tokenizer: Literal["bpe", "unigram"] | None = Field(
+        None, description="Train a tokenizer of this kind on the input instead (byte-level BPE or Unigram), "
+                          "with vocab_size tokens; saved as <data.path>/_tokenizer.json.")
+    vocab_size: int | None = Field(None, ge=2, description="train_tokenizer: its vocabulary; the model's "
+                                                           "vocab_size must be at least this.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PrepareSection":
+        if (self.tokenizer is None) == (self.train_tokenizer is None):
+            raise ValueError(f"data.prepare needs one of tokenizer({self.tokenizer!r}) and "
+                             f"train_tokenizer({self.train_tokenizer!r})")
+        if (self.train_tokenizer is None) != (self.vocab_size is None):
+            raise ValueError(f"data.prepare.vocab_size({self.vocab_size}) goes with train_tokenizer, and only "
+                             "with it (a given tokenizer has its own)")
+        return self
+
+
 
     path: str = Field(..., description="Parquet file or directory; local path or pyarrow filesystem URI.")
     column: str = "tokens"
     seq_len: int = Field(128, ge=1)
-    prepare: Literal["stdlib"] | None = Field(
-        None, description="'stdlib': build the byte corpus of Python's standard library at path if it is missing."
-    )
+    prepare: Literal["stdlib"] | PrepareSection | None = Field(
+        None, description="'stdlib': build the byte corpus of Python's standard library at path if it is missing; "
+                          "a recipe (input, tokenizer or train_tokenizer + vocab_size): tokenize text there.")
     shuffle: bool = Field(
         True, description="Shuffle windows per epoch, seeded. A corpus whose decoded tokens fit in read_ahead_mb "
                           "is fully permuted; a larger one by blocks of shuffle_block consecutive windows in a "

@@ -30,14 +30,26 @@ from .parquet_layout import group_max_id, group_tokens, list_files, read_footer,
 log = logging.getLogger(__name__)
 
 def ensure_prepared(cfg: DataSection) -> None:
-    """Build the demo corpus at ``cfg.path`` if the config asks for it and it is missing."""
-    if cfg.prepare != "stdlib":
+    """Build the corpus at ``cfg.path`` as ``data.prepare`` says, where it is missing: the demo's
+    byte corpus ('stdlib'), or text tokenized by a recipe (``data.prepare.prepare_recipe``)."""
+    if cfg.prepare is None:
         return
     fs, where = open_fs(cfg.path, "data.path")
-    if not isinstance(fs, pafs.LocalFileSystem):
-        raise DataError(f"data.prepare('stdlib') writes a local directory; data.path({cfg.path!r}) is not local")
-    if fs.get_file_info(where).type == pafs.FileType.NotFound:
-        prepare_stdlib_corpus(where, cfg.seq_len)
+    local = isinstance(fs, pafs.LocalFileSystem)
+    if cfg.prepare == "stdlib":
+        if not local:
+            raise DataError(f"data.prepare('stdlib') writes a local directory; data.path({cfg.path!r}) is not local")
+        if fs.get_file_info(where).type == pafs.FileType.NotFound:
+            prepare_stdlib_corpus(where, cfg.seq_len)
+        return
+    if fs.get_file_info(where).type != pafs.FileType.NotFound:
+        return   # prepared already (by the driver, another rank, or `elastic-trainer prepare-data`)
+    if not local:
+        raise DataError(f"data.path({cfg.path!r}) does not exist, and data.prepare writes a local directory: "
+                        "run `elastic-trainer prepare-data --job JOB.yaml --out DIR`, copy DIR to data.path")
+    from .prepare import prepare_recipe
+
+    prepare_recipe(cfg.prepare, where, cfg.column)
 
 
 def split_windows(n_windows: int, fraction: float) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -1,4 +1,5 @@
-"""Tokenize a text corpus (Parquet, .txt or .jsonl) into the Parquet token rows training reads.
+"""Tokenize a text corpus (Parquet, .txt, .jsonl or the stdlib's source) into the Parquet token
+rows training reads, with a given tokenizer or one trained on the corpus (``data.tokenizer``).
 
 Text is read and tokenized a batch at a time, so memory stays bounded by the batch
 and one pending row group, not by the corpus. Output is ``list<int32>`` rows, one per
@@ -14,29 +15,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import DataError
-from .corpus import staged_dir
 from ..storage.filesystems import open_fs
+from .corpus import staged_dir, stdlib_source_files
+from .tokenizer import check_ids_fit, load_tokenizer, train_tokenizer
+
+# Written beside the token rows (names starting with '_' are not read as data): the tokenizer the
+# rows were made with, and what a job needs to know of them (its vocabulary above all).
+TOKENIZER_FILE = "_tokenizer.json"
+PREPARED_FILE = "_prepared.json"
+STDLIB = "stdlib"   # as an input: the Python standard library's source files, a document each
 
 EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>", "<|eos|>")
-
-
-def load_tokenizer(tokenizer_file: str | Path):
-    """A ``tokenizers.Tokenizer`` from its JSON file (always a local path)."""
-    from tokenizers import Tokenizer
-
-    path = Path(tokenizer_file).expanduser()
-    if not path.is_file():
-        raise DataError(f"tokenizer file {str(tokenizer_file)!r} does not exist (give the tokenizer.json a "
-                        "`tokenizers` Tokenizer was saved to)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
-        raise DataError(f"tokenizer file {str(tokenizer_file)!r} is not a `tokenizers` JSON file: {e}") from None
 
 
 def find_eos(tok, eos_token: str | None = None) -> tuple[str | None, int | None]:
@@ -55,9 +50,13 @@ def find_eos(tok, eos_token: str | None = None) -> tuple[str | None, int | None]
     return None, None
 
 
-def iter_texts(input_path: str, column: str, batch_rows: int) -> Iterator[list[str]]:
+def iter_texts(input_path: str, column: str, batch_rows: int, max_bytes: int | None = None) -> Iterator[list[str]]:
     """Batches of at most ``batch_rows`` documents: Parquet (file or directory, local or a pyarrow
-    URI; ``column`` holds the text), ``.txt`` (one document per line) or ``.jsonl`` (``column`` key)."""
+    URI; ``column`` holds the text), ``.txt`` (one document per line), ``.jsonl`` (``column`` key),
+    or ``stdlib`` (this Python's standard library source files, at most ``max_bytes`` of them)."""
+    if input_path == STDLIB:
+        yield from _iter_stdlib(batch_rows, 8 << 20 if max_bytes is None else max_bytes)
+        return
     fs, where = open_fs(input_path, "input")
     info = fs.get_file_info(where)
     if info.type == pafs.FileType.NotFound:
@@ -102,6 +101,26 @@ def _iter_lines(fs, where, input_path, column, batch_rows, is_json) -> Iterator[
             if len(batch) >= batch_rows:
                 yield batch
                 batch = []
+    if batch:
+        yield batch
+
+
+def _iter_stdlib(batch_rows: int, max_bytes: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    total = 0
+    for path in stdlib_source_files():   # sorted: the same documents on every node of one Python
+        if total >= max_bytes:
+            break
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")[:max_bytes - total]
+        except OSError:
+            continue
+        total += len(text)
+        if text:
+            batch.append(text)
+        if len(batch) >= batch_rows:
+            yield batch
+            batch = []
     if batch:
         yield batch
 
@@ -151,34 +170,52 @@ class _ShardWriter:
         self._close_file()
 
 
-def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer_file: str | Path, column: str = "text",
-                      out_column: str = "tokens", eos: bool = True, eos_token: str | None = None,
-                      batch_rows: int = 1024, rows_per_group: int = 2048, rows_per_file: int = 131072) -> dict:
+def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer: str | Path | None = None,
+                      column: str = "text", out_column: str = "tokens", eos: bool = True,
+                      eos_token: str | None = None, batch_rows: int = 1024, rows_per_group: int = 2048,
+                      rows_per_file: int = 131072, train: str | None = None, vocab_size: int | None = None,
+                      max_bytes: int | None = None) -> dict:
     """Tokenize the documents of ``input_path`` into Parquet token rows at ``out_dir`` (local).
 
-    Each non-empty document becomes one ``list<int32>`` row of ``out_column``: its token ids
-    followed, if ``eos``, by the EOS id (``eos_token``, else a common EOS name in the vocabulary).
-    Returns ``{"rows", "tokens", "files", "path", "eos_token", "eos_id", "dropped"}``, plus
-    ``"note"`` when an EOS was asked for but the tokenizer has none (rows then end without one).
+    The tokenizer is ``tokenizer`` (a tokenizer.json, a folder holding one, or a hub name:
+    :func:`~elastic_trainer.data.tokenizer.load_tokenizer`), or, with ``train`` ('bpe' or 'unigram')
+    and ``vocab_size``, one trained on the same documents first. Each non-empty document becomes
+    one ``list<int32>`` row of ``out_column``: its token ids followed, if ``eos``, by the EOS id
+    (``eos_token``, else a common EOS name in the vocabulary). The tokenizer is saved as
+    ``_tokenizer.json`` and a summary as ``_prepared.json`` (:func:`read_prepared`) beside the rows.
+    Returns ``{"rows", "tokens", "files", "path", "eos_token", "eos_id", "dropped", "vocab_size",
+    "max_token_id", "tokenizer"}``, plus ``"note"`` when an EOS was asked for but the tokenizer has
+    none (rows then end without one). ``max_bytes``: input ``stdlib`` only, its size cap.
     """
     for name, value in (("batch_rows", batch_rows), ("rows_per_group", rows_per_group),
                         ("rows_per_file", rows_per_file)):
         if value < 1:
             raise DataError(f"{name}({value}) must be at least 1")
+    if (tokenizer is None) == (train is None):
+        raise DataError(f"give one of tokenizer({tokenizer!r}) and train({train!r}): a tokenizer to use, or the "
+                        "kind to train on the input")
+    if (train is None) != (vocab_size is None):
+        raise DataError(f"vocab_size({vocab_size}) goes with train (a trained tokenizer's size), and only with it")
     if "://" in str(out_dir):
         raise DataError(f"out_dir({str(out_dir)!r}) must be a local directory (it is written by rename)")
     out = Path(out_dir).expanduser().absolute()
     if out.exists():
         raise DataError(f"out_dir({str(out_dir)!r}) already exists; remove it or choose another")
-    tok = load_tokenizer(tokenizer_file)
+    if train is not None:
+        tok = train_tokenizer(train, vocab_size, iter_texts(str(input_path), column, batch_rows, max_bytes))
+        source = f"{train.lower()} trained on {input_path} (vocab_size {vocab_size})"
+    else:
+        tok = load_tokenizer(tokenizer)
+        source = str(tokenizer)
+    vocab = check_ids_fit(tok, source)
     eos_name, eos_id = find_eos(tok, eos_token) if eos else (None, None)
     result = {"rows": 0, "tokens": 0, "files": 0, "path": str(out), "eos_token": eos_name, "eos_id": eos_id,
-              "dropped": 0}
+              "dropped": 0, "vocab_size": vocab, "max_token_id": -1, "tokenizer": source}
     if eos and eos_id is None:
         result["note"] = f"the tokenizer has none of {list(EOS_NAMES)}: rows end without an EOS token"
     with staged_dir(out) as tmp:
         writer = _ShardWriter(tmp, out_column, rows_per_group, rows_per_file)
-        for texts in iter_texts(str(input_path), column, batch_rows):
+        for texts in iter_texts(str(input_path), column, batch_rows, max_bytes):
             ids = [e.ids for e in tok.encode_batch(texts)]
             arr, dropped = _to_rows(ids, eos_id)
             result["dropped"] += dropped
@@ -186,11 +223,35 @@ def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer_file: str 
                 writer.add(arr)
                 result["rows"] += len(arr)
                 result["tokens"] += len(arr.values)
+                result["max_token_id"] = max(result["max_token_id"], int(pc.max(arr.values).as_py()))
         writer.close()
         result["files"] = writer.files
         if result["rows"] == 0:
             raise DataError(f"input({str(input_path)!r}) gave no non-empty documents in column({column!r})")
+        tok.save(str(tmp / TOKENIZER_FILE))
+        summary = {k: result[k] for k in ("vocab_size", "max_token_id", "eos_token", "eos_id", "rows", "tokens",
+                                          "tokenizer")}
+        (tmp / PREPARED_FILE).write_text(json.dumps({**summary, "column": out_column, "dtype": "int32",
+                                                     "input": str(input_path)}, indent=2) + "\n")
     return result
+
+
+def prepare_recipe(recipe, out_dir: str | Path, out_column: str = "tokens") -> dict:
+    """Prepare ``out_dir`` as a job's ``data.prepare`` recipe (:class:`~elastic_trainer.config.PrepareSection`)
+    says: its input tokenized with its tokenizer, or with one trained on the input."""
+    max_bytes = None if recipe.max_mb is None else int(recipe.max_mb * (1 << 20))
+    return prepare_tokenized(recipe.input, out_dir, recipe.tokenizer, column=recipe.column, out_column=out_column,
+                             train=recipe.train_tokenizer, vocab_size=recipe.vocab_size, max_bytes=max_bytes)
+
+
+def read_prepared(path: str | Path) -> dict | None:
+    """What :func:`prepare_tokenized` recorded of the corpus at local ``path`` (its ``_prepared.json``:
+    ``vocab_size``, ``max_token_id``, ``eos_id``, ``tokenizer``, ...); None where it has none."""
+    f = Path(path).expanduser() / PREPARED_FILE
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _to_rows(ids: list[list[int]], eos_id: int | None) -> tuple[pa.ListArray, int]:

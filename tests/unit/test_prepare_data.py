@@ -111,7 +111,7 @@ def test_cli_prepare_data_with_a_tokenizer(tmp_path, tok_file, capsys):
     assert main(["prepare-data", "--tokenizer", str(path), "--input", str(tmp_path / "in.parquet"),
                  "--out", str(out), "--no-eos"]) == 0
     want = [tok.encode(t).ids for t in TEXTS if t]
-    line = capsys.readouterr().out.strip()
+    line = capsys.readouterr().out.strip().splitlines()[0]
     assert line == f"wrote {len(want)} rows, {sum(map(len, want))} tokens (1 files) to {out}"
     assert read_rows(out) == want
     assert main(["prepare-data", "--tokenizer", str(path), "--out", str(tmp_path / "x")]) == 2
