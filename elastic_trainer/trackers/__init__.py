@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Mapping
 
 from ..config import TrainerConfig
 from ..errors import ConfigError, error_line
@@ -59,21 +60,25 @@ class Trackers:
     def __bool__(self) -> bool:
         return bool(self._open)
 
-    def step(self, rec: dict) -> None:
-        """Write one step record (a step written again after a rollback replaces the first)."""
-        self._each("step", rec)
+    def step(self, rec: Mapping) -> None:
+        """Write one step record, a dict or any mapping (a step written again after a rollback
+        replaces the first)."""
+        if self._open:
+            self._each("step", dict(rec))
 
-    def event(self, ev: dict) -> None:
-        """Write one event (``kind``, ``time``, its fields) as text, and count it where it is trouble."""
-        self._each("event", ev)
+    def event(self, ev: Mapping) -> None:
+        """Write one event (``kind``, ``time``, its fields; a dict or any mapping) as text, and
+        count it where it is trouble."""
+        if self._open:
+            self._each("event", dict(ev))
 
     def flush(self) -> None:
         """Send what is buffered now."""
         self._each("flush")
 
-    def close(self, state: str, goodput: dict | None = None) -> None:
+    def close(self, state: str, goodput: Mapping | None = None) -> None:
         """Write the run's end (``state``, the goodput report) and close every tracker."""
-        self._each("close", state, goodput)
+        self._each("close", str(getattr(state, "value", state)), dict(goodput) if goodput else None)
         self._open = []
 
     def _each(self, method: str, *args) -> None:

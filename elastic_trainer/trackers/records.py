@@ -26,8 +26,9 @@ STEP_KEYS = {
     "layout/pp": "pp",
     "layout/world_size": "world_size",
 }
-# Derived: the share of the step's wall time spent in communication no compute hid.
-COMM_SHARE = "comm/exposed_share"
+# Derived: the share of the step's wall time spent waiting on communication (exposed, not
+# overlapped with compute), as ``results.StepRecord.comm_share``.
+COMM_SHARE = "comm/share"
 GOODPUT = "goodput/ratio"
 # Kinds whose count over the run is a curve too ("events/<kind>").
 COUNTED = ("failure", "recovery", "rebalance", "drain", "straggler", "snapshot_dropped", "durable_failed")
@@ -41,7 +42,7 @@ def step_scalars(rec: dict) -> dict[str, float]:
     ratio, or the controller's goodput report)."""
     out = {name: float(rec[key]) for name, key in STEP_KEYS.items() if _number(rec.get(key))}
     if _number(rec.get("exposed_comm_s")) and _number(rec.get("step_time_s")) and rec["step_time_s"] > 0:
-        out[COMM_SHARE] = rec["exposed_comm_s"] / rec["step_time_s"]
+        out[COMM_SHARE] = min(1.0, rec["exposed_comm_s"] / rec["step_time_s"])
     good = rec.get("goodput")
     if isinstance(good, dict):
         good = good.get("goodput")

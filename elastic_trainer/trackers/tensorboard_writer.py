@@ -24,7 +24,7 @@ _HPARAM_LIMIT = 500
 def log_dir(cfg: TrainerConfig, run_name: str) -> str:
     """``<run.tensorboard_dir>/<run>``, by default ``<report_dir>/tensorboard/<run>``."""
     base = cfg.run.tensorboard_dir or os.path.join(cfg.run.report_dir or "elastic_trainer_reports", "tensorboard")
-    return os.path.join(os.path.expanduser(base), run_name)
+    return os.path.abspath(os.path.join(os.path.expanduser(base), run_name))
 
 
 class TensorBoardTracker:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import MappingProxyType
 
 import pytest
 
@@ -47,10 +48,10 @@ def _feed(trackers) -> None:
     """Steps 1-5, a failure at 5, a recovery to step 3 that redoes 4 and 5 (new losses), a
     second failure at 4 after the rollback, an evaluation, and the run's end."""
     trackers.event({"kind": "state", "from": "STARTING", "to": "RUNNING", "time": time.time()})
-    for s in range(1, 6):
-        trackers.step(_rec(s, 10.0 - s))
-    trackers.event({"kind": "failure", "step": 5, "failure": "death", "worker": 3, "rank": 1,
-                    "node": "0123456789abcdef", "time": time.time()})
+    for s in range(1, 6):   # any mapping will do (the driver's records may be typed)
+        trackers.step(_rec(s, 10.0 - s) if s % 2 else MappingProxyType(_rec(s, 10.0 - s)))
+    trackers.event(MappingProxyType({"kind": "failure", "step": 5, "failure": "death", "worker": 3, "rank": 1,
+                    "node": "0123456789abcdef", "time": time.time()}))
     trackers.event({"kind": "recovery", "reason": "failure", "plan_before": {"dp": 2, "pp": 2},
                     "plan_after": {"dp": 1, "pp": 2}, "sources": {"live": 4}, "restored_step": 3,
                     "steps_redone": 2, "detect_s": 0.5, "replan_s": 0.25, "restore_s": 0.125, "step": 3,
@@ -99,7 +100,7 @@ def test_both_trackers_read_back(tmp_path, mlflow_uri, capsys):
     acc = _tb(log_dir(cfg, "gpt-tiny.both"))
     assert {e.step: e.value for e in acc.Scalars("train/loss")} == LATEST_LOSS
     assert {e.step: e.value for e in acc.Scalars("layout/world_size")}[5] == 2
-    assert [e.value for e in acc.Scalars("comm/exposed_share")] == [0.25] * 8
+    assert [e.value for e in acc.Scalars("comm/share")] == [0.25] * 8
     assert acc.Scalars("train/lr")[0].value == pytest.approx(1e-3)
     assert acc.Scalars("throughput/tokens_per_s")[-1].value == 1006.0
     assert [(e.step, e.value) for e in acc.Scalars("train/eval_loss")] == [(6, 2.5)]
@@ -128,7 +129,7 @@ def test_both_trackers_read_back(tmp_path, mlflow_uri, capsys):
     history = [(m.step, m.value) for m in client.get_metric_history(rid, "train/loss")]
     assert history == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 5.0), (4, 24.0), (5, 25.0), (6, 26.0)]
     assert dict(history) == LATEST_LOSS
-    assert [m.value for m in client.get_metric_history(rid, "comm/exposed_share")] == [0.25] * 8
+    assert [m.value for m in client.get_metric_history(rid, "comm/share")] == [0.25] * 8
     assert [(m.step, m.value) for m in client.get_metric_history(rid, "train/eval_loss")] == [(6, 2.5)]
     assert [m.value for m in client.get_metric_history(rid, "events/failure")] == [1.0, 2.0]
     assert run.data.metrics["goodput/ratio"] == pytest.approx(0.9)
