@@ -256,9 +256,23 @@ def _print_prepared(res: dict) -> None:
 
 
 def _cmd_export(args) -> int:
+    if args.hf and args.out and args.hf != args.out:
+        raise ConfigError(f"export: two folders given, OUT {args.out!r} and --hf {args.hf!r}; give one")
+    out, fmt = args.out or args.hf, args.format or ("hf" if args.hf else None)
+    if args.hf and fmt != "hf":
+        raise ConfigError(f"export: --hf OUT writes a Hugging Face folder, not --format {fmt}; give OUT alone")
+    if out is None:
+        raise ConfigError("export: give the folder to write (elastic-trainer export SOURCE OUT [--format hf|dcp])")
+    if fmt == "dcp":
+        from ..checkpoint.dcp_export import export_dcp
+
+        out = export_dcp(args.source, out)
+        print(f"wrote a torch distributed checkpoint to {mask(out)} (torch.distributed.checkpoint.load reads it; "
+              "model.init_from starts a run from it)")
+        return 0
     from ..checkpoint.hf_export import export
 
-    out = export(args.source, args.hf)
+    out = export(args.source, out)
     print(f"wrote a Hugging Face folder to {mask(out)} (AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
@@ -373,13 +387,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-token", metavar="TOKEN", help="the EOS token (default: the first of </s>, "
                                                         "<|endoftext|>, <eos>, ... in the vocabulary)")
     p.set_defaults(fn=_cmd_prepare)
-    ex = sub.add_parser("export", help="Write a run's weights as a Hugging Face folder (model.kind hf).",
-                        description="Write config.json and model.safetensors that AutoModelForCausalLM."
-                                    "from_pretrained loads, from a run's model.safetensors (or its output "
-                                    "folder, or a failed run's model-step-N.safetensors) or a durable "
-                                    "checkpoint directory (step-N-<run id>).")
+    ex = sub.add_parser("export", help="Write a run's weights as a Hugging Face folder (model.kind hf), or its "
+                                       "weights and optimizer state as a torch distributed checkpoint.",
+                        description="--format hf (the default): config.json and model.safetensors that "
+                                    "AutoModelForCausalLM.from_pretrained loads. --format dcp: a torch distributed "
+                                    "checkpoint (torchtitan's layout: parameters by global name, AdamW state under "
+                                    "optimizer.*), one file per part of the source. SOURCE: a run's "
+                                    "model.safetensors (or its output folder, or a failed run's "
+                                    "model-step-N.safetensors) or a durable checkpoint directory (step-N-<run id>; "
+                                    "the only source with optimizer state).")
     ex.add_argument("source", help="weights file, run output folder, or durable checkpoint directory")
-    ex.add_argument("--hf", required=True, metavar="OUT", help="the folder to write")
+    ex.add_argument("out", nargs="?", metavar="OUT", help="the folder to write")
+    ex.add_argument("--format", choices=("hf", "dcp"), help="hf (default) or dcp (a local folder)")
+    ex.add_argument("--hf", metavar="OUT", help="the folder to write, as a Hugging Face folder (as OUT with "
+                                                "--format hf)")
     ex.set_defaults(fn=_cmd_export)
     campaign_cmd.add_parser(sub)
     return parser
