@@ -76,8 +76,10 @@ class ModelSection(_Strict):
         None, description="kind hf: a transformers config, as a dict (with model_type, e.g. 'llama', 'gpt2') "
                           "or the path of a config.json or of a folder holding one. Nothing is fetched from a hub.")
     init_from: str | None = Field(
-        None, description="kind hf: a local save_pretrained folder whose weights the run starts from "
-                          "(fine-tuning); its config is used where hf_config is not set.")
+        None, description="Weights the run starts from (fine-tuning), a local folder: a torch distributed "
+                          "checkpoint (a folder with .metadata, e.g. from `elastic-trainer export --format dcp`; "
+                          "any kind, by global parameter name), or for kind hf a save_pretrained folder, "
+                          "whose config is used where hf_config is not set.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSection":
@@ -91,8 +93,8 @@ class ModelSection(_Strict):
             if self.factory is not None:
                 raise ValueError("model.factory is for kind 'factory'; kind 'hf' builds from model.hf_config")
             return self
-        if self.hf_config is not None or self.init_from is not None:
-            raise ValueError(f"model.hf_config and model.init_from need model.kind 'hf', not {self.kind!r}")
+        if self.hf_config is not None:
+            raise ValueError(f"model.hf_config: transformers configs need model.kind 'hf', not {self.kind!r}")
         if self.factory is not None:
             if not _FACTORY_RE.match(self.factory):
                 raise ValueError(

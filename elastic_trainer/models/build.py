@@ -21,7 +21,8 @@ the model's order, so a block's values would depend on every block before it,
 and a rank would have to draw them all to get its own.
 
 With ``model.init_from`` the blocks are read from the folder instead, each
-rank only its own tensors (``hf_load``). A user factory builds the whole
+rank only its own tensors (``hf_load``; ``dcp_load`` for a torch distributed
+checkpoint, which any kind may start from). A user factory builds the whole
 model on every rank unless it takes ``only_blocks`` (``factory``).
 """
 
@@ -40,6 +41,7 @@ from ..config import ModelSection, TrainerConfig
 from .factory import build_blocks, build_blocks_for_shapes, opts_in_to_rank_local
 from .gpt import TokenCrossEntropy, build_gpt, init_gpt_module
 from .hf import block_ties, blocks_of, meta_model
+from .dcp_load import DCPWeights, is_dcp
 from .hf_load import HFWeights
 from .meta import no_init_on_meta
 
@@ -116,7 +118,8 @@ def build_own_blocks(model: ModelSection, seed: int, own: Iterable[int], device:
         partial = opts_in_to_rank_local(model)
         blocks, loss_fn = build_blocks(model, seed, only_blocks=own if partial else None)
         ties = block_ties(blocks) if not partial else block_ties(build_blocks_for_shapes(model)[0])
-        return {i: blocks[i].to(device) for i in own}, loss_fn, ties, {"how": "factory-part" if partial else "whole"}
+        how = _load_built(model, blocks, own, {"how": "factory-part" if partial else "whole"})
+        return {i: blocks[i].to(device) for i in own}, loss_fn, ties, how
     recipe = _recipe(model)
     ties = block_ties(recipe.blocks)
     if any(_has_buffers(b) for b in recipe.blocks) or _has_buffers(recipe.loss_fn):
@@ -124,8 +127,9 @@ def build_own_blocks(model: ModelSection, seed: int, own: Iterable[int], device:
         # statistics): this model is built whole, in the same way on every rank.
         log.info("model has buffers: every rank builds it whole from the seed")
         blocks, loss_fn = build_blocks(model, seed)
-        return {i: blocks[i].to(device) for i in own}, loss_fn, ties, {"how": "whole"}
-    weights = HFWeights(model.init_from) if model.init_from else None
+        how = _load_built(model, blocks, own, {"how": "whole"})
+        return {i: blocks[i].to(device) for i in own}, loss_fn, ties, how
+    weights = init_weights(model)
     out: dict[int, nn.Module] = {}
     for i in own:
         block = recipe.blocks[i].to_empty(device="cpu")
@@ -141,6 +145,27 @@ def build_own_blocks(model: ModelSection, seed: int, own: Iterable[int], device:
     if weights is None:
         return out, recipe.loss_fn, ties, {"how": "seed"}
     return out, recipe.loss_fn, ties, {"how": "load", "files": sorted(weights.opened)}
+
+
+def init_weights(model: ModelSection) -> HFWeights | DCPWeights | None:
+    """Where ``model.init_from``'s tensors are read from: a torch distributed checkpoint (any
+    kind), else a Hugging Face folder (kind hf); None without ``init_from``."""
+    if not model.init_from:
+        return None
+    if model.kind != "hf" or is_dcp(model.init_from):
+        return DCPWeights(model.init_from)
+    return HFWeights(model.init_from)
+
+
+def _load_built(model: ModelSection, blocks: list, own: list[int], how: dict) -> dict:
+    """Blocks ``own`` of a model built whole or by its factory, their weights then read from
+    ``init_from`` where it is given; ``how`` with the files read."""
+    weights = init_weights(model)
+    if weights is None:
+        return how
+    for i in own:
+        weights.load_block(blocks[i], i, blocks)
+    return {**how, "files": sorted(weights.opened)}
 
 
 @torch.no_grad()
