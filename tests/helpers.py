@@ -61,7 +61,8 @@ def reference_run(cfg, steps: int, micro_batches: int = 1, replicas: int = 1):
 
     blocks, loss_fn = build_model(cfg.model, cfg.train.seed)
     model = nn.Sequential(*blocks)
-    opt = build_optimizer(model.parameters(), cfg.train)
+    # By global name, as the ranks name them: train.optimizer's param groups match on it.
+    opt = build_optimizer([(f"blocks.{n}", p) for n, p in model.named_parameters()], cfg.train)
     data = TokenDataset.open(cfg.data)
     sampler = make_sampler(cfg, data)
     gb = cfg.train.global_batch_size
