@@ -12,7 +12,17 @@ import logging
 import os
 import sys
 
+from .secrets import mask
+
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _MaskingFormatter(logging.Formatter):
+    """Every line with its secrets masked (``secrets.mask``): an actor's log file is readable by
+    whoever reads the node's Ray logs, and Ray forwards it to the driver."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask(super().format(record))
 
 
 def configure_actor_logging() -> None:
@@ -25,7 +35,7 @@ def configure_actor_logging() -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setFormatter(_MaskingFormatter(_FORMAT))
     logger.addHandler(handler)
     level = os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO").upper()
     logger.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")

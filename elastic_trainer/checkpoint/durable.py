@@ -45,6 +45,7 @@ import torch
 from ..storage.filesystems import open_fs
 from ..storage.uris import is_uri, join, split_secrets
 from ..errors import ElasticTrainerError
+from ..secrets import recorded_config
 from ..storage.retry import StorageError, with_retries
 from .cover import cover_problems, part_spans
 from .part_io import HashingWriter, read_bytes, sha256_of, to_numpy, to_torch
@@ -181,6 +182,9 @@ class DurableStore:
                 + f" not in {d} as seen from here; give checkpoint.storage a shared filesystem or an object "
                 "store URI (s3://, gs://)")
         entries = [{k: f[k] for k in ("name", "sha256", "bytes", "blocks", "sliced", "spans") if k in f} for f in files]
+        if isinstance(meta.get("config"), dict):
+            # The bucket is no place for a secret: scaling.env_vars by their names only, the rest masked.
+            meta = {**meta, "config": recorded_config(meta["config"])}
         manifest = {"format": FORMAT, "step": step, "run_id": self.run_id, "created": time.time(),
                     "files": entries, **meta}
 

@@ -51,6 +51,7 @@ from ..optim.build import check_patterns, model_param_names
 from ..planning.model_shape import ModelShape, model_shape, remember_shape
 from ..planning.plan import make_plan
 from ..planning.policy import check_start, choose_plan, cut_fits, memory_bound
+from ..secrets import install
 from .balance.stragglers import Balance
 from .balance.benching import Bench
 from .state.durable_writer import DurableWriter
@@ -357,7 +358,11 @@ class ControllerActor:
     ``worker_handles``, refused unless the run's config sets ``failure.allow_fault_injection``.
     """
 
-    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None, shape: ModelShape | None = None):
+    def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None, shape: ModelShape | None = None,
+                 env: dict[str, str] | None = None):
+        """``env``: the storage's credentials (``storage_env``), handed over here rather than in a
+        runtime_env, which Ray lists to every client; set before anything reads storage."""
+        install(env)
         self._ctl = Controller(cfg_json, run_name, data, shape)
 
     def run(self, *args, **kwargs) -> dict:

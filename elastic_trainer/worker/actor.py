@@ -24,6 +24,7 @@ from ..checkpoint.host_arena import HostArena
 from ..config import TrainerConfig
 from ..errors import error_line
 from ..logs import configure_actor_logging
+from ..secrets import install
 from ..parallel.topology import Topology
 from .device import bind, current_visible, worker_device
 from .faults import FaultHooks
@@ -66,9 +67,12 @@ class InjectedFault(RuntimeError):
 
 class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
     def __init__(self, run_name: str, worker_id: int, torch_threads: int | None, allow_faults: bool = False,
-                 host_budget: int | None = None):
+                 host_budget: int | None = None, env: dict[str, str] | None = None):
         """``host_budget``: bytes this worker's snapshot copy buffers may hold (its share of
-        ``checkpoint.host_memory_gb`` on its node; None: no bound)."""
+        ``checkpoint.host_memory_gb`` on its node; None: no bound). ``env``: the secret-valued
+        environment variables (credentials, secret-named ``scaling.env_vars``), handed over here
+        rather than in the runtime_env Ray lists; set before anything reads storage."""
+        install(env)
         configure_actor_logging()
         self.run_name = run_name
         self.worker_id = worker_id

@@ -19,12 +19,20 @@ import uuid
 from ...config import TrainerConfig
 from ...metrics import RunMetrics
 from ...planning.plan import Plan
+from ...secrets import mask
 from .fault_points import NO_POINTS
 from .goodput import GoodputClock
 from .rank_figures import RankFigures
 from .run_state import RunState, RunStateMachine
 
 log = logging.getLogger(__name__)
+
+
+def _masked(detail: dict) -> dict:
+    """An event's detail with its texts masked (an error quoting a URI, a library's message):
+    events reach the driver, the report, the metrics and ``status``. Only the top level: a
+    nested value may be completed later by reference."""
+    return {k: mask(v) if isinstance(v, str) else v for k, v in detail.items()}
 
 
 class RunRecord:
@@ -78,6 +86,7 @@ class RunRecord:
 
     # -- changes -------------------------------------------------------------------------------
     def transition(self, new: RunState, **detail) -> tuple[RunState, RunState]:
+        detail = _masked(detail)
         with self.lock:
             prev, _ = self.machine.move(new)
             self.events.append({"kind": "state", "from": prev.value, "to": new.value, "time": time.time(), **detail})
@@ -87,7 +96,7 @@ class RunRecord:
 
     def event(self, kind: str, **detail) -> dict:
         """Record an event (and its metrics); the event itself, which a recovery completes later."""
-        ev = {"kind": kind, "time": time.time(), **detail}
+        ev = {"kind": kind, "time": time.time(), **_masked(detail)}
         with self.lock:
             self.events.append(ev)
         self.metrics.record_event(ev)
@@ -97,7 +106,7 @@ class RunRecord:
         """An event not yet shown: one that is completed later (a recovery, by its first step),
         published whole by ``publish``. A driver reads events once each, so one shown and then
         completed would stay unfinished there."""
-        ev = {"kind": kind, "time": time.time(), **detail}
+        ev = {"kind": kind, "time": time.time(), **_masked(detail)}
         with self.lock:
             self._held.append(ev)
         return ev

@@ -23,6 +23,7 @@ from ...errors import ElasticTrainerError, WorkerError, error_line
 from ...naming import NAMESPACE, spare_name
 from ...planning.node_share import snapshot_host_budget
 from ...storage.credentials import storage_env
+from ...secrets import split_env
 from ...worker.actor import TrainWorker
 from ...worker.allocator import allocator_env, inherited
 from ...worker.device import SHARE_GPUS_ENV
@@ -206,11 +207,15 @@ class WorkerPool:
             env.update(self._allocator_env)
             env.update(storage_env())   # the storage's credentials, as the driver passed them here
             env.update(self.cfg.scaling.env_vars)   # the run's own settings win
+            # Secret-named variables go as a constructor argument (Ray lists a runtime_env to every
+            # client, never an argument); what must be there at the process's start cannot be secret.
+            env, secret = split_env(env, self.cfg.run.secret_names)
             if env:
                 opts["runtime_env"] = {"env_vars": env}
             actor = self._actor_cls.options(**opts).remote(self.run_name, wid, self.cfg.scaling.torch_threads,
                                                          self.cfg.failure.allow_fault_injection,
-                                                         snapshot_host_budget(node_res.get(node, {}), self.cfg))
+                                                         snapshot_host_budget(node_res.get(node, {}), self.cfg),
+                                                         env=secret)
             self.joining[wid] = (actor, actor.info.remote(), node)
 
     def staying(self) -> int:

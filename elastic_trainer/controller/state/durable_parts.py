@@ -18,19 +18,25 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...checkpoint.durable import CheckpointError, DurableStore, write_part_here
+from ...secrets import carrying
+from ...storage.credentials import storage_env
 
 # A part's write (a durable part, a stage's weights) may take this long at the least: its storage
 # calls retry within it.
 PART_TIMEOUT_S = 300.0
 
 
-_write_part = ray.remote(num_cpus=0, max_retries=0)(write_part_here)
+# A task inherits its caller's runtime_env, which holds no secret: each is handed the storage's
+# credentials (storage_env) as its first argument (secrets.carrying).
+_write_part = ray.remote(num_cpus=0, max_retries=0)(carrying(write_part_here))
 
 
-@ray.remote(num_cpus=0, num_returns=2, max_retries=0)
-def _read_part(spec: tuple, name: str, entry: dict, step: int):
+def _read_part_here(spec: tuple, name: str, entry: dict, step: int):
     shard = DurableStore(*spec).read_part(name, entry, step)
     return entry["bytes"], shard
+
+
+_read_part = ray.remote(num_cpus=0, num_returns=2, max_retries=0)(carrying(_read_part_here))
 
 
 def _raise_cause(e: ray.exceptions.RayTaskError):
@@ -62,7 +68,7 @@ class DurableParts:
 
         def task(i: int, ref, node):
             where = NodeAffinitySchedulingStrategy(node, soft=True) if node else "DEFAULT"
-            return _write_part.options(scheduling_strategy=where).remote(self.spec, step, i, ref)
+            return _write_part.options(scheduling_strategy=where).remote(storage_env(), self.spec, step, i, ref)
 
         calls = [actor.write_durable_part.remote(self.spec, step, i, ref) if actor is not None else task(i, ref, node)
                  for i, (ref, node, actor) in enumerate(parts)]
@@ -88,7 +94,7 @@ class DurableParts:
     def reader(self, store: DurableStore, name: str, manifest: dict) -> list:
         """Read every part of the checkpoint ``name`` on the nodes (a ``DurableStore.load_dir``
         reader): the parts' object refs, once every one has verified."""
-        pairs = [_read_part.options(scheduling_strategy="SPREAD").remote(self.spec, name, entry, manifest["step"])
+        pairs = [_read_part.options(scheduling_strategy="SPREAD").remote(storage_env(), self.spec, name, entry, manifest["step"])
                  for entry in manifest["files"]]
         try:
             ray.get([size for size, _ in pairs], timeout=self.timeout_s)

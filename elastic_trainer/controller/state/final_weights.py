@@ -23,6 +23,8 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...checkpoint.weights import WeightsError, part_file, unseen_parts, weights_from_shards, write_index
+from ...secrets import carrying
+from ...storage.credentials import storage_env
 from ...storage.uris import join
 from ...config import TrainerConfig
 from ...worker.weights_writer import write_stage
@@ -43,13 +45,16 @@ class PartsNotSaved(WeightsError):
         self.parts = parts   # {"file", "stage", "node", "fallback", "error"}
 
 
-@ray.remote(num_cpus=0, max_retries=0)
-def _write_from_snapshot(job: dict, blocks: list[int], *shards) -> dict:
+def _write_from_snapshot_here(job: dict, blocks: list[int], *shards) -> dict:
     """Write ``blocks``' tensors of snapshot parts ``shards`` as ``job`` says (``write_stage``)."""
     # A bf16 parameter is stored as its bits (int16); no parameter is an int16 of its own.
     bits = {n: torch.bfloat16 for sh in shards for n, a in sh["params"].items() if a.dtype == np.int16}
     state = {n: t for n, t in weights_from_shards(list(shards), bits).items() if int(n.split(".")[1]) in blocks}
     return write_stage(state, job, ray.get_runtime_context().get_node_id())
+
+
+# The storage's credentials come as the first argument: the task's runtime_env holds none.
+_write_from_snapshot = ray.remote(num_cpus=0, max_retries=0)(carrying(_write_from_snapshot_here))
 
 
 class FinalWeights:
@@ -158,7 +163,7 @@ class FinalWeights:
         try:
             return ray.get(_write_from_snapshot.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(
-                    job, blocks, *[snap.shards[r].ref for r in picked]), timeout=self.timeout_s)
+                    storage_env(), job, blocks, *[snap.shards[r].ref for r in picked]), timeout=self.timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
             log.warning("[%s] the snapshot of step %d could not stand in for stage %d: %s", run.name,
                         run.step, stage, e)
@@ -184,7 +189,7 @@ class FinalWeights:
             job = {"where": folder, "file": part_file(i, len(parts)), "meta": meta, "run": self.run.name,
                    "retries": self.cfg.failure.storage_retries, "hf": None}
             refs.append(_write_from_snapshot.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(job, mine, *group_refs))
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(storage_env(), job, mine, *group_refs))
         answers = ray.get(refs, timeout=self.timeout_s)
         bad = [{"file": part_file(i, len(parts)), "stage": None, **a} for i, a in enumerate(answers) if "error" in a]
         if bad:
