@@ -9,6 +9,7 @@ import re
 
 from ..config import TrainerConfig
 from ..reporting.progress import ProgressPrinter
+from ..secrets import recorded_config
 from ..storage.uris import mask
 
 # Scalar name -> the step record's key. The names are TensorBoard tags and MLflow metric keys alike.
@@ -90,7 +91,8 @@ def event_detail(ev: dict) -> str:
 
 def flat_config(cfg_json: dict, limit: int) -> dict[str, str]:
     """The config as ``section.key`` -> text (nested mappings flattened, lists as JSON), each
-    value masked and cut to ``limit`` characters."""
+    value masked (``scaling.env_vars`` by name only: ``secrets.recorded_config``) and cut to
+    ``limit`` characters."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, v) -> None:
@@ -102,7 +104,7 @@ def flat_config(cfg_json: dict, limit: int) -> dict[str, str]:
         text = mask(text)
         out[prefix] = text if len(text) <= limit else text[:limit - 3] + "..."
 
-    walk("", cfg_json)
+    walk("", recorded_config(cfg_json))   # a value alone does not say it is a secret; its name does
     return out
 
 

@@ -171,3 +171,13 @@ def test_an_azure_uri_opens_with_the_key_its_config_no_longer_holds(monkeypatch)
     back = _with_credentials(clean)
     assert back.startswith(f"abfs://acc:{ENCODED}@c/p?") and split_secrets(back) == split_secrets(given)
     assert type(open_fs(clean)[0]).__name__ == "AzureFileSystem"
+
+
+def test_a_trackers_config_holds_env_vars_by_name():
+    from elastic_trainer.trackers.records import flat_config
+
+    given = TrainerConfig.from_dict(tiny_config("/data", scaling={"env_vars": {"HF_TOKEN": SECRET, "A_DSN": SECRET}},
+                                                run={"secret_names": ["A_DSN"]})).model_dump(mode="json")
+    flat = flat_config(given, 200)
+    assert flat["scaling.env_vars.HF_TOKEN"] == "***" and flat["scaling.env_vars.A_DSN"] == "***"
+    assert SECRET not in json.dumps(flat)
