@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from elastic_trainer.checkpoint.dcp_export import export_dcp, flat_boxes
@@ -22,6 +23,7 @@ from elastic_trainer.checkpoint.state import block_of, export_shard
 from elastic_trainer.cli.commands import main
 from elastic_trainer.config import ModelSection, TrainerConfig
 from elastic_trainer.errors import ModelError
+from elastic_trainer.lr_schedule import lr_at
 from elastic_trainer.models.build import build_model, build_own_blocks
 from elastic_trainer.worker.stage import build_optimizer
 
@@ -53,7 +55,7 @@ class Whole(nn.Module):
 def _trained(cfg: TrainerConfig):
     blocks, loss_fn = build_model(cfg)
     model = Whole(blocks)
-    opt = build_optimizer(model.parameters(), cfg.train)
+    opt = build_optimizer(list(model.named_parameters()), cfg.train)
     x = torch.randint(0, 16, (2, 4))
     loss_fn(nn.Sequential(*blocks)(x), x).backward()
     opt.step()
@@ -93,39 +95,65 @@ def exported(tmp_path):
     return cfg, model, opt, out
 
 
-def test_a_durable_checkpoint_loads_with_torch_dcp(exported):
-    cfg, model, opt, out = exported
-    assert sorted(f for f in os.listdir(out) if f.endswith(".distcp")) == [f"__{k}_0.distcp" for k in range(4)]
+def _load_into_torch(cfg: TrainerConfig, out: str):
+    """A fresh model and optimizer loaded from the DCP at ``out`` as a torchtitan user would: the model's
+    state dict, then the ``optimizer`` part through ``set_optimizer_state_dict`` (flattened)."""
     fresh = Whole(build_model(cfg, seed=99)[0])
     state = {k: torch.zeros_like(v) for k, v in fresh.state_dict().items()}
     dcp.load(state, checkpoint_id=out)
-    for k, v in model.state_dict().items():
-        assert torch.equal(state[k], v), k
-    # torchtitan's optimizer layout: loads into a torch AdamW over the same names.
     fresh.load_state_dict(state)
-    fresh_opt = build_optimizer(fresh.parameters(), cfg.train)
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    reader = dcp.FileSystemReader(out)
-    keys = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("optimizer.")]
-    osd = {k.removeprefix("optimizer."): None for k in keys}
-    meta = reader.read_metadata().state_dict_metadata
-    osd = {k: torch.empty(meta["optimizer." + k].size) if hasattr(meta["optimizer." + k], "size") else None
-           for k in osd}
-    tensors = {k: v for k, v in osd.items() if v is not None}
+    fresh_opt = build_optimizer(list(fresh.named_parameters()), cfg.train)
+    meta = dcp.FileSystemReader(out).read_metadata().state_dict_metadata
+    keys = [k.removeprefix("optimizer.") for k in meta if k.startswith("optimizer.")]
+    tensors = {k: torch.empty(meta["optimizer." + k].size, dtype=meta["optimizer." + k].properties.dtype)
+               for k in keys if isinstance(meta["optimizer." + k], TensorStorageMetadata)}
     dcp.load({"optimizer": tensors}, checkpoint_id=out)
-    objects = {f"optimizer.{k}": None for k, v in osd.items() if v is None}
+    objects = {f"optimizer.{k}": None for k in keys if k not in tensors}
     dcp.load(objects, checkpoint_id=out)   # param_groups: small pickles (lr, betas, ...)
     flat = {**tensors, **{k.removeprefix("optimizer."): v for k, v in objects.items()}}
-    set_optimizer_state_dict(fresh, fresh_opt, flat, options=options)
+    set_optimizer_state_dict(fresh, fresh_opt, flat, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return fresh, fresh_opt
+
+
+def _same_optimizer_state(model, opt, fresh, fresh_opt):
     by_name = dict(model.named_parameters())
     for name, p in fresh.named_parameters():
         want, got = opt.state[by_name[name]], fresh_opt.state[p]
-        assert set(got) == {"step", "exp_avg", "exp_avg_sq"}
+        assert set(got) == set(want), name
         for key in want:
             assert torch.equal(got[key], want[key]), (name, key)
-    from elastic_trainer.lr_schedule import lr_at
 
+
+def test_a_durable_checkpoint_loads_with_torch_dcp(exported):
+    cfg, model, opt, out = exported
+    assert sorted(f for f in os.listdir(out) if f.endswith(".distcp")) == [f"__{k}_0.distcp" for k in range(4)]
+    fresh, fresh_opt = _load_into_torch(cfg, out)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    _same_optimizer_state(model, opt, fresh, fresh_opt)
+    assert set(fresh_opt.state[fresh.blocks[0].tok.weight]) == {"step", "exp_avg", "exp_avg_sq"}
     assert fresh_opt.param_groups[0]["lr"] == lr_at(cfg.train, 2)
+
+
+def test_another_optimizer_and_its_param_groups(tmp_path):
+    """Adafactor (factored second moments, of shapes other than the parameter's) and a group of
+    its own for the biases at a tenth of the rate: what loads is the run's, group by group."""
+    cfg = TrainerConfig.from_dict({"model": MODEL, "data": {"path": "x", "seq_len": 4}, "train": {
+        "lr": 1e-2, "steps": 10, "lr_schedule": "linear", "optimizer": {
+            "name": "Adafactor", "kwargs": {"weight_decay": 0.05}, "param_groups": [{"match": "*.bias", "lr": 1e-3, "weight_decay": 0.0}]}}})
+    model, opt = _trained(cfg)
+    whole = export_shard(1, list(model.named_parameters()), opt, list(range(4)))
+    src = DurableStore(str(tmp_path / "ck"), run_id="r2").save(1, [whole], {"config": cfg.model_dump(mode="json")})
+    out = export_dcp(src, str(tmp_path / "dcp"))
+    fresh, fresh_opt = _load_into_torch(cfg, out)
+    _same_optimizer_state(model, opt, fresh, fresh_opt)
+    assert {k for st in fresh_opt.state.values() for k in st} >= {"row_var", "col_var"}
+    rate = lr_at(cfg.train, 2)
+    by_lr = sorted(fresh_opt.param_groups, key=lambda g: g["lr"])
+    assert [g["lr"] for g in by_lr] == pytest.approx([rate / 10, rate])
+    names = {id(p): n for n, p in fresh.named_parameters()}
+    assert {names[id(p)].endswith(".bias") for p in by_lr[0]["params"]} == {True}
+    assert by_lr[0]["weight_decay"] == 0.0 and by_lr[1]["weight_decay"] == 0.05
 
 
 def test_init_from_a_dcp_reads_only_the_ranks_files(exported):
