@@ -27,6 +27,7 @@ import torch
 from ...checkpoint.durable import DurableStore
 from ...checkpoint.hf_export import hf_names, recorded_config
 from ...checkpoint.weights import WeightsError, weights_from_shards
+from ...secrets import mask_values
 from ...storage.uris import split_last
 from ...config import TrainerConfig
 from ...errors import RunError
@@ -59,7 +60,8 @@ class RunSaver:
     def _meta(self, step: int) -> dict:
         run = self.run
         meta = {"run": run.name, "run_id": run.run_id, "step": step, "format": "elastic_trainer",
-                "model": self.cfg.model.model_dump(mode="json")}
+                # Weights travel: a secret-named factory argument (a hub token) stays behind.
+                "model": mask_values(self.cfg.model.model_dump(mode="json"), self.cfg.run.secret_names)}
         if self.hf_config is not None:
             meta["hf_config"] = self.hf_config
         return meta
