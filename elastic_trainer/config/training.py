@@ -267,7 +267,7 @@ class ParallelSection(_Strict):
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(2, ge=1, description="Stages per rank for the interleaved schedule.")
     shard_optimizer: Literal["auto", "none", "optimizer", "gradients"] = Field(
-        "auto", description="Shard over each stage's DP group: 'optimizer' (ZeRO-1) the AdamW state, each "
+        "auto", description="Shard over each stage's DP group: 'optimizer' (ZeRO-1) the optimizer state, each "
                             "rank updating 1/dp of the stage's parameters; 'gradients' (ZeRO-2) the "
                             "gradients as well, each freed once reduce-scattered; 'auto': 'gradients' on a "
                             "layout that does not fit scaling.worker_memory_gb without it, else none. "
