@@ -190,3 +190,45 @@ def test_export_arguments(tmp_path, capsys):
     assert "--hf OUT writes a Hugging Face folder" in capsys.readouterr().err
     with pytest.raises(ExportError, match="writes a local folder"):
         export_dcp(str(tmp_path), "s3://bucket/out")
+
+
+GPT2 = {"kind": "hf", "hf_config": {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
+                                    "n_positions": 32}}
+
+
+@pytest.mark.parametrize("model", [GPT2, {"factory": "tests.helpers:build_mlp", "kwargs": {"width": 8}},
+                                   {"factory": "tests.helpers:build_mlp_parts", "kwargs": {"width": 8}}],
+                         ids=["hf-gpt2-tied", "factory-whole", "factory-parts"])
+def test_init_from_a_dcp_saved_by_torch_for_any_kind(model, tmp_path):
+    """A DCP that torch's own ``dcp.save`` wrote from the single-process model (as torchtitan would),
+    a tied head saved once under its leader's name: each kind's ranks start from it."""
+    from elastic_trainer.models.hf import block_ties
+
+    section = ModelSection.model_validate(model)
+    blocks, _ = build_model(section, seed=1)
+    state = {f"blocks.{i}.{n}": p.detach().clone() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+    followers = {f for _, f in block_ties(blocks)}
+    assert followers or model is not GPT2
+    dcp.save({k: v for k, v in state.items() if k not in followers}, checkpoint_id=str(tmp_path / "dcp"))
+    loaded = ModelSection.model_validate({**model, "init_from": str(tmp_path / "dcp")})
+    last = len(blocks) - 1
+    own, _, _, how = build_own_blocks(loaded, 2, [1, last])
+    assert how["files"] == ["__0_0.distcp"]
+    other = build_own_blocks(section, 2, [1])[0][1]
+    assert not all(torch.equal(a, b) for a, b in zip(other.parameters(), own[1].parameters()))
+    for i, b in own.items():
+        for n, p in b.named_parameters():
+            assert torch.equal(p, state[f"blocks.{i}.{n}"]), (i, n)
+
+
+def test_a_runs_weights_export_as_the_model_alone(tmp_path):
+    from elastic_trainer.checkpoint.weights import save_weights
+
+    blocks, _ = build_model(ModelSection.model_validate(MODEL), seed=3)
+    state = {f"blocks.{k}": v for k, v in Whole(blocks).blocks.state_dict().items()}
+    src = save_weights(str(tmp_path / "w"), state, {"model": MODEL})
+    out = export_dcp(src, str(tmp_path / "dcp"))
+    assert set(dcp.FileSystemReader(out).read_metadata().state_dict_metadata) == set(state)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(got, checkpoint_id=out)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
