@@ -250,6 +250,10 @@ def export_dcp(source: str, out_dir: str) -> str:
                           "export to a local path, then copy it")
     _, n, parts = _parts(source)
     out = os.path.abspath(os.path.expanduser(out_dir))
+    with contextlib.suppress(FileNotFoundError):
+        # An earlier export here stops being a checkpoint until this one's .metadata is in: its
+        # metadata would name files this export is replacing.
+        os.remove(os.path.join(out, ".metadata"))
     writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1)
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     done: set = set()

@@ -232,3 +232,16 @@ def test_a_runs_weights_export_as_the_model_alone(tmp_path):
     got = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(got, checkpoint_id=out)
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_second_export_replaces_the_first(exported, tmp_path):
+    cfg, model, _, out = exported
+    blocks, _ = build_model(cfg, seed=4)
+    state = {f"blocks.{k}": v for k, v in Whole(blocks).blocks.state_dict().items()}
+    from elastic_trainer.checkpoint.weights import save_weights
+
+    export_dcp(save_weights(str(tmp_path / "w"), state, {"model": MODEL}), out)
+    assert set(dcp.FileSystemReader(out).read_metadata().state_dict_metadata) == set(state)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(got, checkpoint_id=out)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
