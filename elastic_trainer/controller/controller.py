@@ -86,6 +86,10 @@ __all__ = ["Controller", "ControllerActor", "RunError", "RunState"]
 
 log = logging.getLogger(__name__)
 
+# How long the workers of a run that ended well have to leave through their own path
+# (WorkerPool.teardown) before they are killed; leaving takes well under a second.
+WORKERS_LEAVE_S = 15.0
+
 
 class Controller:
     def __init__(self, cfg_json: dict, run_name: str, data: dict | None = None, shape: ModelShape | None = None):
@@ -264,7 +268,8 @@ class Controller:
             if self.ps:
                 self.ps.kill()
             self.fences.clear()
-            self.pool.teardown()
+            ended_well = run.machine.state in (RunState.FINISHED, RunState.STOPPED)
+            self.pool.teardown(leave_s=WORKERS_LEAVE_S if ended_well else 0.0)
 
     def _start(self, resume: bool | dict) -> None:
         """Place and start the first workers and set up the first plan. A worker that fails to

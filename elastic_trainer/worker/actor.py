@@ -255,6 +255,17 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         with self._setup_lock:
             self._reset(keep, hold)
 
+    @ray.method(concurrency_group="control")
+    def leave(self) -> None:
+        """End this worker at a run's end through its own path: leave the process groups, drop the
+        stage and its threads, then exit the actor (the caller sees it die, ``RayActorError``).
+        A kill ends the process wherever its threads are, and one still there when the driver
+        ends its local cluster is sent SIGTERM: Ray's handler raises SystemExit wherever it
+        lands, and "Exception ignored ... SystemExit" reaches the driver's last lines."""
+        with self._setup_lock:
+            self._reset()
+        ray.actor.exit_actor()
+
     def _reset(self, keep: dict | None = None, hold: bool = False) -> None:
         """Leave the process groups and drop the stage; keep local copies.
 

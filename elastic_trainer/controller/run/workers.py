@@ -381,11 +381,24 @@ class WorkerPool:
         with self.lock:
             self.bare_nodes -= dead
 
-    def teardown(self) -> None:
+    def teardown(self, leave_s: float = 0.0) -> None:
+        """End every worker. ``leave_s`` > 0 (a run that ended well): each is asked to leave
+        through its own path (``TrainWorker.leave``) and waited for up to that long, so none is
+        still there when the driver ends its cluster; one that has not ended by then is killed,
+        as every one is at once with 0 (a failed run's may hang in a collective)."""
         with self.lock:
             workers, self.workers = self.workers, {}
-        for w in workers.values():
-            kill_actor(w.actor)
+        actors = [w.actor for w in workers.values()]
+        if leave_s > 0 and actors and ray.is_initialized():
+            calls = {a.leave.remote(): a for a in actors}
+            # A call that is ready is one whose actor died (exit_actor): no answer comes otherwise.
+            _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=leave_s)
+            actors = [calls[r] for r in pending]
+            if actors:
+                log.warning("[%s] %d worker(s) did not leave within %gs of the run's end: killed", self.run_name,
+                            len(actors), leave_s)
+        for actor in actors:
+            kill_actor(actor)
         for actor, _, _ in self.joining.values():
             kill_actor(actor)
         self.joining = {}
