@@ -52,7 +52,7 @@ class DCPWeights:
             raise ModelError(f"model.init_from({folder!r}): {METADATA} is not readable: {e!r}") from None
         self.entries = self.metadata.state_dict_metadata
 
-    def _found(self, name: str, block: nn.Module, local: str, blocks: list[nn.Module]) -> str | None:
+    def _found(self, name: str, block: nn.Module, local: str) -> str | None:
         if name in self.entries:
             return name
         tie = getattr(block, TIED_ATTR, {}).get(local)
@@ -64,7 +64,7 @@ class DCPWeights:
     @torch.no_grad()
     def load_block(self, block: nn.Module, index: int, blocks: list[nn.Module]) -> None:
         """Fill block ``index``'s parameters (on the host) from the checkpoint; ``blocks``: every
-        block of the model (meta ones will do), to name a tied parameter's leader."""
+        block of the model (as HFWeights takes it; a tie is named by the block itself here)."""
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -73,7 +73,7 @@ class DCPWeights:
         targets: list[tuple[str, torch.Tensor]] = []   # (checkpoint name, parameter)
         for local, p in block.named_parameters():
             name = f"blocks.{index}.{local}"
-            found = self._found(name, block, local, blocks)
+            found = self._found(name, block, local)
             if found is None:
                 raise ModelError(f"model.init_from({self.folder!r}): the checkpoint has no tensor {name!r} "
                                  f"(block {index}'s parameter {local!r}, shape {tuple(p.shape)}); it holds "
