@@ -219,3 +219,20 @@ def test_the_planner_sizes_each_optimizers_state():
     assert MemoryModel.of(cfg(optimizer={"name": "Adafactor"})).optimizer == 0
     assert MemoryModel.of(cfg(optimizer={"name": LION})).optimizer == 4   # its own state_floats
     assert state_floats("RMSprop", {"momentum": 0.9, "centered": True}) == 3
+
+
+def test_a_parameter_server_shard_steps_the_configured_optimizer_with_its_groups():
+    """comm.sync: parameter_server: the shards own the optimizer, built as the ranks build it."""
+    from elastic_trainer.comm.parameter_server import ParameterServerShard
+
+    train = {"lr": 0.1, "optimizer": {"name": "SGD", "kwargs": {"momentum": 0.9},
+                                      "param_groups": [{"match": "*.b", "lr": 0.05}]}}
+    init = {"blocks.0.w": np.ones((2, 3), np.float32), "blocks.0.b": np.ones(3, np.float32)}
+    shard = ParameterServerShard(init, train, n_workers=1, timeout_s=10)
+    shard.push(1, 0, {"blocks.0.w": np.ones((2, 3), np.float32), "blocks.0.b": np.ones(3, np.float32)})
+    got = shard.pull(1)
+    # The first SGD step with momentum is plain SGD; lr_at(step 1) of a constant schedule is train.lr.
+    np.testing.assert_allclose(got["blocks.0.w"], 1 - 0.1)
+    np.testing.assert_allclose(got["blocks.0.b"], 1 - 0.05)
+    state = shard.export_state()
+    assert set(state["optim"]["blocks.0.w"]) == {"momentum_buffer"}
