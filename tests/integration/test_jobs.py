@@ -57,7 +57,7 @@ def tiny(job: dict, name: str, corpus_dir: str, corpus_text: Path, data_dir: Pat
     pp = min(p.get("pp", 1), 2)
     p.update(pp=pp, dp=min(p.get("dp", 1), NUM_NODES // pp))
     t = job["train"]
-    t.update(steps=3, global_batch_size=2 * p["dp"] * pp, micro_batch_size=1)
+    t.update(steps=2, global_batch_size=2 * p["dp"] * pp, micro_batch_size=1)
     if t.get("warmup_steps"):
         t["warmup_steps"] = 1
     job["scaling"] = {**job.get("scaling", {}), "resources_per_worker": {"CPU": 1}, "backend": "gloo",
@@ -75,7 +75,7 @@ def test_job_runs_at_a_tiny_size(cluster, corpus_dir, corpus_text, tmp_path, pat
     cfg = TrainerConfig.model_validate(tiny(job, f"job-{path.stem.replace('_', '-')}", corpus_dir, corpus_text,
                                             tmp_path / "data"))
     result = Trainer(cfg, verbose=False).fit()
-    assert result.state == "FINISHED" and result.step == 3
+    assert result.state == "FINISHED" and result.step == 2
     assert all(r["loss"] == r["loss"] for r in result.history)   # no NaN
     recipe = job["data"].get("prepare")
     if isinstance(recipe, dict):
