@@ -141,6 +141,9 @@ class Run:
             self._result = self._finish(out, self._history, self._events, error)
         except BaseException as e:  # noqa: BLE001
             self._error = e
+        if self._trackers:
+            r = self._result
+            self._trackers.close(r.state if r else "FAILED", r.goodput if r else None)
         self._ended.set()
 
     def _poll(self) -> dict | None:

@@ -21,6 +21,7 @@ from .data.splits import data_order, open_datasets
 from .errors import DataError
 from .models.hf import load_hf_config
 from .models.build import whole_build_warning
+from .models.dcp_load import DCPWeights
 from .models.factory import resolve_factory
 from .naming import NAMESPACE, controller_name
 from .planning.constants import run_constants
@@ -32,6 +33,7 @@ from .run_handle import Run, hold_to_the_end, strip_colour
 from .storage.credentials import storage_env
 from .storage.uris import is_uri, join, mask
 from .storage.preflight import check_storage
+from .trackers import check_trackers, open_trackers
 from .worker.allocator import nodes_start_on
 
 
@@ -110,6 +112,7 @@ class Trainer:
     def _check_inputs(self, cfg: TrainerConfig) -> TrainerConfig:
         """Fail before any worker starts: bad data and bad factories are cheap to find here."""
         resolve_factory(cfg.model)
+        check_trackers(cfg)
         # Wrong credentials or a missing bucket fail here, not at the first write minutes in.
         check_storage([("data.path", cfg.data.path), ("eval.path", cfg.eval.path),
                        ("checkpoint.storage", cfg.checkpoint.storage), ("run.output_dir", output_dir(cfg))],
@@ -127,6 +130,11 @@ class Trainer:
             vocab = getattr(load_hf_config(model.hf_config, model.init_from), "vocab_size", None)
         else:
             vocab = model.vocab_size if model.kind == "gpt" else None  # a factory's is its own
+            if model.init_from:
+                # A torch distributed checkpoint: absolute for the workers, and a folder that is
+                # none fails here rather than on every worker.
+                model = model.model_copy(update={"init_from": _absolute(model.init_from)})
+                DCPWeights(model.init_from)
         data = cfg.data.model_copy(update={"path": _absolute(cfg.data.path)})
         ev = cfg.eval.model_copy(update={"path": _absolute(cfg.eval.path)}) if cfg.eval.path else cfg.eval
         ensure_prepared(data)
@@ -176,6 +184,10 @@ class Trainer:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape, env=storage_env())
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
+        trackers = open_trackers(cfg, run_name)
+        if printer:
+            for line in trackers.where:
+                print(line, flush=True)
         if self.on_start:
             self.on_start(controller)
         done_ref = controller.run.remote(return_model_state, resume)
@@ -186,7 +198,7 @@ class Trainer:
             return self._finish(cfg, run_name, out, history, events, error, printer)
 
         return Run(run_name, controller, done_ref, printer=printer, on_step=self.on_step, ranks=ranks,
-                   trackers=None, finish=finish, shutdown_ray=started_ray)
+                   trackers=trackers, finish=finish, shutdown_ray=started_ray)
 
     def _finish(self, cfg: TrainerConfig, run_name: str, out: dict | None, history: list[dict],
                 events: list[dict], error: BaseException | None, printer: ProgressPrinter | None) -> Result:

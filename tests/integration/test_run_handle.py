@@ -28,10 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 _MANY = 100000   # steps no test runs to: a run ends on its stop
 
 
-def test_start_status_stop_and_resume_from_the_stop(cluster, corpus_dir, tmp_path):
+def test_start_status_stop_and_resume_from_the_stop(cluster, corpus_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # MLflow keeps a new experiment's artifacts under ./mlruns
     storage = str(tmp_path / "ck")
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = config(corpus_dir, "handle", steps=_MANY, parallel={"dp": 2, "pp": 1}, checkpoint={"storage": storage},
-                 run={"output_dir": str(tmp_path / "out")})
+                 run={"output_dir": str(tmp_path / "out"), "trackers": ["tensorboard", "mlflow"],
+                      "tensorboard_dir": str(tmp_path / "tb"), "mlflow_tracking_uri": mlflow_uri})
     third = threading.Event()
     run = Trainer(cfg, verbose=False, on_step=lambda rec: rec["step"] >= 3 and third.set()).start()
     assert third.wait(120), run.status()
@@ -59,6 +62,21 @@ def test_start_status_stop_and_resume_from_the_stop(cluster, corpus_dir, tmp_pat
     assert ck.step == result.step and read_metadata(ck.weights)["step"] == result.step
     assert DurableStore(storage, result.run_id).load(result.step)[1]["step"] == result.step
     assert ck.path == result.durable_path and ck.path.endswith(f"step-{result.step:08d}-{result.run_id}")
+
+    # The trackers saw the run, as their own readers show: each step's loss, the events, the config.
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb" / "handle"), size_guidance={"scalars": 0, "tensors": 0})
+    tb.Reload()
+    losses = {e.step: e.value for e in tb.Scalars("train/loss")}
+    assert losses == pytest.approx({r.step: r.loss for r in result.history}, rel=1e-6)
+    assert any(t.startswith("events/") for t in tb.Tags()["tensors"]), tb.Tags()
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("elastic_trainer").experiment_id])
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == \
+        [r.step for r in result.history]
+    assert mlrun.info.status == "KILLED" and mlrun.data.params["train.steps"] == str(_MANY)
 
     # A resume continues from the stop's step.
     more = config(corpus_dir, "handle", steps=result.step + 2, parallel={"dp": 2, "pp": 1},
