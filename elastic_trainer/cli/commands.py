@@ -73,6 +73,9 @@ def _cmd_run(args) -> int:
             result = Trainer(cfg, on_step=sim.killer(args.kill_node_at_step)).fit(resume=resume, accept_change=accept)
     else:
         result = Trainer(cfg).fit(resume=resume, accept_change=accept)
+    if result.final_loss is None:
+        print(f"run {result.run_name}: {result.state.lower()} before its first step")
+        return 0
     print(f"run {result.run_name}: final loss {result.final_loss:.4f} after {len(result.history)} steps"
           + (f", {len(result.failures)} failure(s) survived" if result.failures else ""))
     return 0
@@ -413,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     except ElasticTrainerError as e:
         print(f"error: {mask(str(e))}", file=sys.stderr)   # a URI typed with its secret is shown without
         return 2
+    except KeyboardInterrupt:
+        # A run's second Ctrl-C has already said what it kept; anything else was just interrupted.
+        return 130
 
 
 if __name__ == "__main__":

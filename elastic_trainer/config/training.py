@@ -111,8 +111,6 @@ class ModelSection(_Strict):
         return self
 
 
-class DataSection(_Strict):
-    """Token sequences in Parquet: one row per sequence of at least seq_len + 1 ids."""
 class PrepareSection(_Strict):
     """data.prepare as a recipe: text tokenized into data.path where that is missing (as
     ``elastic-trainer prepare-data`` does), the tokenizer given or trained on the text."""
@@ -141,6 +139,8 @@ class PrepareSection(_Strict):
         return self
 
 
+class DataSection(_Strict):
+    """Token sequences in Parquet: one row per sequence of at least seq_len + 1 ids."""
 
     path: str = Field(..., description="Parquet file or directory; local path or pyarrow filesystem URI.")
     column: str = "tokens"
