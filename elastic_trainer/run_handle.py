@@ -22,6 +22,7 @@ from .results import Result
 from .storage.uris import mask
 
 _POLL_S = 0.2
+_LEAVE_S = 5.0   # how long a finished run's controller gets to leave on its own
 
 
 class Run:
@@ -131,10 +132,7 @@ class Run:
         except BaseException as e:  # noqa: BLE001 - handed to result()
             error = e
         finally:
-            try:
-                ray.kill(self.controller, no_restart=True)
-            except Exception:  # noqa: BLE001 - gone already
-                pass
+            self._end_controller(graceful=error is None and out is not None)
             if self._ranks:
                 self._ranks.close()
         try:
@@ -145,6 +143,17 @@ class Run:
             r = self._result
             self._trackers.close(r.state if r else "FAILED", r.goodput if r else None)
         self._ended.set()
+
+    def _end_controller(self, graceful: bool) -> None:
+        """A controller whose run ended well leaves through its own exit (a kill, or Ray's
+        shutdown meeting it alive, may print a traceback of its SIGTERM handler); one that does
+        not within a few seconds, and any after a failure, is killed."""
+        try:
+            if graceful:
+                ray.wait([self.controller.__ray_terminate__.remote()], timeout=_LEAVE_S)
+            ray.kill(self.controller, no_restart=True)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
 
     def _poll(self) -> dict | None:
         """Follow until the controller's run ends; its output (None where the run was aborted)."""
