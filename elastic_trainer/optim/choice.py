@@ -31,6 +31,8 @@ REFUSED = {
              "step does not have",
     "SparseAdam": "it takes sparse gradients only, and the gradients here are dense",
     "Optimizer": "it is the base class, with no update of its own",
+    "Muon": "it takes 2-D parameters only, and one optimizer steps all of a model's parameters here, its "
+            "1-D biases and norms too",
 }
 # Arguments of the config that the step sets itself, not the optimizer's kwargs.
 _NOT_KWARGS = {"params": "the parameters come from the model",
@@ -140,10 +142,12 @@ def check_spec(name: str, kwargs: dict, groups: list[dict], legacy: dict, sharde
             raise ConfigError(f"train.{k}({v!r}) is an argument {cls.__name__} does not take; it takes "
                               f"{', '.join(t for t in takes if t != 'lr')}")
     if sharded in ("optimizer", "gradients") and not is_elementwise(cls):
+        why = ("its state and step are per row / column or per tensor" if cls.__name__ == "Adafactor"
+               else "it does not declare elementwise = True")
         raise ConfigError(
             f"parallel.shard_optimizer({sharded!r}) steps each rank's slice of a parameter on its own, "
             f"which is exact only for an elementwise update; {cls.__name__}'s is not "
-            f"({'its state and step are per row / column or per tensor' if cls.__name__ == 'Adafactor' else 'it does not declare elementwise = True'}): "
+            f"({why}): "
             "use shard_optimizer 'none' or 'auto' (auto does not shard it)")
     return cls
 
@@ -159,11 +163,11 @@ def try_build(cls: type, kwargs: dict, groups: list[dict], lr: float) -> None:
     try:
         cls(made, lr=lr, **kwargs)
     except Exception as e:  # noqa: BLE001 - whatever the class raises for its arguments
-        raise ConfigError(f"train.optimizer: {cls.__name__}(lr={lr}, {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
-                          f"with param_groups {groups} refused its arguments: {type(e).__name__}: {e}") from None
+        args = ", ".join([f"lr={lr}"] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        raise ConfigError(f"train.optimizer: {cls.__name__}({args}) with param_groups {groups} refused its "
+                          f"arguments: {type(e).__name__}: {e}") from None
 
 
-# Floats of optimizer state per parameter element, by torch class (the planner's memory model).
 def state_floats(name: str, kwargs: dict) -> float:
     """Floats of state the optimizer keeps per parameter element (scalar counters left out);
     a user class may say with a class attribute ``state_floats``; else 2, as AdamW."""

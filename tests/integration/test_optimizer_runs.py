@@ -27,7 +27,7 @@ def test_a_node_loss_restores_the_optimizers_state_and_the_run_follows_torch(fre
     optimizer, shard = CASES[case]
     c, nodes = fresh_cluster(4)
     name = f"opt-{case}"
-    cfg = config(corpus_dir, name, steps=14, train={"optimizer": optimizer},
+    cfg = config(corpus_dir, name, steps=12, train={"optimizer": optimizer},
                  parallel={"dp": 2, "pp": 2, "shard_optimizer": shard}, checkpoint={"verify_restores": True})
     result = Trainer(cfg, verbose=False,
                      on_step=Chaos().at(4, lambda: c.remove_node(node_of_rank(name, 3, nodes), allow_graceful=False))).fit()

@@ -23,9 +23,8 @@ NO_DECAY = [{"match": "*.bias", "weight_decay": 0.0}, {"regex": r"\.ln", "weight
 # (train.optimizer, parallel.shard_optimizer)
 CASES = [
     ({"name": "SGD", "kwargs": {"momentum": 0.9, "nesterov": True}}, "optimizer"),
-    ({"name": "Adam", "kwargs": {"amsgrad": True}}, "none"),
+    ({"name": "Adam", "kwargs": {"amsgrad": True, "foreach": True}}, "none"),   # AdamW's foreach kernel too
     ({"name": "AdamW", "kwargs": {"fused": True}, "param_groups": NO_DECAY}, "gradients"),
-    ({"name": "AdamW", "kwargs": {"foreach": True}}, "none"),
     ({"name": "Adafactor"}, "none"),
     ({"name": "tests.optim_lion:Lion", "kwargs": {"weight_decay": 0.1}, "param_groups": NO_DECAY}, "gradients"),
 ]

@@ -31,6 +31,7 @@ def cfg(parallel=None, **train):
     ({"optimizer": {"name": "no_such_pkg.mod.Cls"}}, ["cannot import 'no_such_pkg.mod'"]),
     ({"optimizer": {"name": "tests.helpers:build_mlp"}}, ["no class 'build_mlp'"]),
     ({"optimizer": {"name": "LBFGS"}}, ["LBFGS", "closure"]),
+    ({"optimizer": {"name": "Muon"}}, ["Muon", "2-D parameters only"]),
     ({"optimizer": {"name": "SGD", "kwargs": {"momentum": 0.9, "betas": [0.9, 0.99]}}},
      ["SGD takes no 'betas'", "momentum", "nesterov"]),
     ({"optimizer": {"name": "SGD", "kwargs": {"lr": 0.1}}}, ["'lr'", "train.lr"]),
@@ -236,3 +237,29 @@ def test_a_parameter_server_shard_steps_the_configured_optimizer_with_its_groups
     np.testing.assert_allclose(got["blocks.0.b"], 1 - 0.05)
     state = shard.export_state()
     assert set(state["optim"]["blocks.0.w"]) == {"momentum_buffer"}
+
+
+class Picky(torch.optim.SGD):
+    """A user class whose step refuses the zero gradient of the placement probe."""
+
+    def step(self, closure=None):
+        if all(float(p.grad.abs().sum()) == 0 for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("no zero gradients here")
+        out = super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p]["step"] = self.state[p].get("step", torch.tensor(0.0)) + 1
+        return out
+
+
+def test_state_comes_back_where_the_class_keeps_it_and_by_the_older_rule_where_it_cannot_be_probed():
+    from elastic_trainer.checkpoint.optim_state import placement, state_tensors
+
+    p = torch.nn.Parameter(torch.ones(3, 2))
+    asgd = torch.optim.ASGD([p])
+    assert set(placement(asgd, asgd.param_groups[0], p)) == {"step", "eta", "mu", "ax"}
+    picky = Picky([p], lr=0.1, momentum=0.9)
+    assert placement(picky, picky.param_groups[0], p) == {}
+    got = state_tensors(picky, picky.param_groups[0], p, {"step": np.float32(4), "momentum_buffer": np.ones((3, 2), np.float32)})
+    assert (got["step"].dtype, got["step"].shape, got["step"].device.type) == (torch.float32, (), "cpu")
+    assert (got["momentum_buffer"].dtype, got["momentum_buffer"].shape) == (torch.float32, (3, 2))
