@@ -28,7 +28,8 @@ _PLACEMENT: dict = {}
 
 
 def _group_key(group: dict) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+    # The rate changes every step and places nothing: left out, so one probe serves a whole run.
+    return tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr", "lr_ratio")))
 
 
 def placement(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> dict[str, tuple]:
