@@ -190,6 +190,21 @@ def test_any_optimizers_state_goes_through_a_snapshot_and_steps_on_as_if_never_s
         assert torch.equal(p, q), n
 
 
+def test_adafactors_state_goes_through_a_durable_checkpoint(tmp_path):
+    from elastic_trainer.checkpoint.durable import DurableStore
+
+    model, named, opt = _stepped("Adafactor", {})
+    store = DurableStore(str(tmp_path / "ck"))
+    store.save(3, [export_shard(3, named, opt, [0])], {})
+    shards, _ = store.load(3)
+    _, fresh_named, fresh_opt = _stepped("Adafactor", {}, seed=1, steps=0)
+    load_into(fresh_named, fresh_opt, *merge_shards(shards, [n for n, _ in fresh_named])[1:])
+    for (n, p), (_, q) in zip(named, fresh_named):
+        assert torch.equal(p, q) and opt.state[p].keys() == fresh_opt.state[q].keys(), n
+        for k, v in opt.state[p].items():
+            assert torch.equal(fresh_opt.state[q][k], v), (n, k)
+
+
 def test_sgd_momentum_saved_in_slices_restores_whole_and_as_other_slices():
     model, named, opt = _stepped("SGD", {"momentum": 0.9})
     w = dict(named)["blocks.0.0.weight"]
