@@ -16,12 +16,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from elastic_trainer.worker.process_group import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
+_SECRET = "hf_Zq8sEcReTvAlUe"
 STEP_SERIES = re.compile(r'^ray_elastic_trainer_step\{[^}]*run="jobtest"[^}]*\} (\S+)$', re.M)
 
 
@@ -86,7 +88,12 @@ def _scrape_step(port: int) -> float | None:
 
 def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
     ray_bin, ports, env = ray_head
-    entrypoint = (f"{sys.executable} -m elastic_trainer run {ROOT / 'jobs' / 'demo.yaml'} "
+    # The demo as a user's job file that hands the workers a token: a secret belongs in the file
+    # (a command line is listed with the job and in `ps`).
+    job = yaml.safe_load((ROOT / "jobs" / "demo.yaml").read_text())
+    job["scaling"]["env_vars"] = {"HF_TOKEN": _SECRET}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    entrypoint = (f"{sys.executable} -m elastic_trainer run {tmp_path / 'job.yaml'} "
                   "--set train.steps=80 --set run.log_every=10 --set run.name=jobtest "
                   f"--set run.report_dir={tmp_path}")
     # Blocking submit: it follows the job's logs until the job ends, as a user would see them.
@@ -124,3 +131,10 @@ def test_demo_job_submitted_through_ray_job_submit(ray_head, tmp_path):
     assert "plan dp=2 x pp=2" in status_out and "rank 3: worker" in status_out
     # A head started plainly: the workers' own environment preloads jemalloc (worker.allocator).
     assert "MiB on jemalloc" in status_out, status_out
+    # A secret-named env_vars entry reached the workers without Ray listing it: the actors'
+    # details (runtime environments included), as any client of the cluster reads them.
+    actors = subprocess.run([ray_bin, "list", "actors", "--detail", "--limit", "1000", "--address",
+                             f"http://127.0.0.1:{ports['dashboard']}"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert actors.returncode == 0 and "TrainWorker" in actors.stdout, actors.stdout[-2000:] + actors.stderr[-2000:]
+    assert _SECRET not in actors.stdout and _SECRET not in logs and _SECRET not in status_out
