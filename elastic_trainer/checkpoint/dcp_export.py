@@ -152,7 +152,7 @@ def _param_groups(train: TrainSection, step: int, shapes: dict[str, tuple]) -> d
     """Each name's param group but ``params``, as the run's optimizer holds it after ``step``: the
     optimizer ``train`` names, built over the names on the meta device (groups go by name)."""
     from ..lr_schedule import lr_at
-    from ..worker.stage import build_optimizer
+    from ..optim.build import build_optimizer
 
     params = [(n, torch.empty(shape, device="meta", requires_grad=True)) for n, shape in shapes.items()]
     if not params:

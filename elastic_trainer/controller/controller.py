@@ -47,7 +47,8 @@ from ..logs import configure_actor_logging
 from ..models.factory import block_param_counts
 from ..naming import worker_name
 from ..planning.constants import run_constants
-from ..optim.build import check_patterns, model_param_names
+from ..models.factory import model_param_names
+from ..optim.build import check_patterns
 from ..planning.model_shape import ModelShape, model_shape, remember_shape
 from ..planning.plan import make_plan
 from ..planning.policy import check_start, choose_plan, cut_fits, memory_bound

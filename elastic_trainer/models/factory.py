@@ -121,3 +121,10 @@ def block_param_counts(model: ModelSection) -> list[int]:
     """Parameter count per block (built on the meta device where the factory allows it)."""
     blocks, _, _ = build_blocks_for_shapes(model)
     return [sum(p.numel() for p in b.parameters()) for b in blocks]
+
+
+def model_param_names(model) -> list[str]:
+    """Every global parameter name of ``model`` (a ``ModelSection``), built on the meta device
+    where the factory allows it."""
+    blocks, _, _ = build_blocks_for_shapes(model)
+    return [f"blocks.{i}.{n}" for i, b in enumerate(blocks) for n, _ in b.named_parameters()]

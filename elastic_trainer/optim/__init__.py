@@ -2,5 +2,5 @@
 with parameter groups by name pattern (``build``), and what sharding, state and the planner
 need to know of it (``choice``). See docs/config.md, "Optimizer"."""
 
-from .build import build_optimizer, check_patterns, model_param_names  # noqa: F401
+from .build import build_optimizer, check_patterns  # noqa: F401
 from .choice import check_spec, is_elementwise, resolve, state_floats  # noqa: F401

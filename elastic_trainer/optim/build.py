@@ -121,12 +121,3 @@ def check_patterns(spec, names: list[str]) -> None:
         raise ConfigError(f"train.optimizer.param_groups[{i}].{key}({g[key]!r}): {why}; the model's "
                           f"{len(names)} parameters are named like {sample} (a 'match' glob such as "
                           "'*.bias', or a 'regex' searched in the name)")
-
-
-def model_param_names(model) -> list[str]:
-    """Every global parameter name of ``model`` (a ``ModelSection``), built on the meta device
-    where the factory allows it."""
-    from ..models.factory import build_blocks_for_shapes
-
-    blocks, _, _ = build_blocks_for_shapes(model)
-    return [f"blocks.{i}.{n}" for i, b in enumerate(blocks) for n, _ in b.named_parameters()]

@@ -10,7 +10,8 @@ from elastic_trainer.checkpoint.state import export_shard, load_into, merge_shar
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.lr_schedule import set_lr
-from elastic_trainer.optim import build_optimizer, check_patterns, model_param_names, state_floats
+from elastic_trainer.models.factory import model_param_names
+from elastic_trainer.optim import build_optimizer, check_patterns, state_floats
 from elastic_trainer.planning.layouts import Layout
 from elastic_trainer.planning.memory import MemoryModel, layout_shard
 from elastic_trainer.planning.model_shape import model_shape
