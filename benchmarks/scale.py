@@ -202,7 +202,7 @@ def auto_run(out: dict, off_histories: list[list[dict]]) -> dict:
     """
     result = out["result"]
     evs = [e for e in result.events if e.get("kind") == "snapshot_interval"]
-    row = {"event": evs[-1] if evs else None, "peak_rss_mb": out["peak_rss_mb"], "step_s": None,
+    row = {"event": evs[-1].to_dict() if evs else None, "peak_rss_mb": out["peak_rss_mb"], "step_s": None,
            "overhead": None, "steps_measured": 0}
     if evs:
         chosen = evs[-1].get("step", 0)

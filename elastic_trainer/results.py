@@ -16,24 +16,31 @@ from typing import Any, Iterator
 
 
 class _Fields(Mapping):
-    """A dataclass read as a mapping of its fields (``extra`` flattened in, ``None`` kept)."""
+    """A dataclass read as a mapping: the keys it was made from (``from_dict``; all its fields
+    where made directly), ``extra`` flattened in. A field the source dict lacked is None as an
+    attribute and absent as a key, so ``rec.get(k, default)`` and ``k in rec`` read as before."""
+
+    def _keys(self) -> list[str]:
+        given = self.__dict__.get("_given")
+        fields = [f.name for f in dataclasses.fields(self) if f.name != "extra"]
+        return [n for n in fields if given is None or n in given] + list(self.extra)
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        out.update(self.extra)
-        return out
+        return {k: self[k] for k in self._keys()}
 
     def __getitem__(self, key: str):
         if key != "extra" and key in self._names():
+            given = self.__dict__.get("_given")
+            if given is not None and key not in given:
+                raise KeyError(key)
             return getattr(self, key)
         return self.extra[key]
 
     def __iter__(self) -> Iterator[str]:
-        yield from (n for n in self._names() if n != "extra")
-        yield from self.extra
+        return iter(self._keys())
 
     def __len__(self) -> int:
-        return len(self._names()) - 1 + len(self.extra)
+        return len(self._keys())
 
     @classmethod
     def _names(cls) -> frozenset[str]:
@@ -42,8 +49,9 @@ class _Fields(Mapping):
     @classmethod
     def from_dict(cls, d: Mapping):
         names = cls._names() - {"extra"}
-        return cls(**{k: v for k, v in d.items() if k in names},
-                   extra={k: v for k, v in d.items() if k not in names})
+        obj = cls(**{k: v for k, v in d.items() if k in names}, extra={k: v for k, v in d.items() if k not in names})
+        obj.__dict__["_given"] = frozenset(d)
+        return obj
 
 
 @dataclass(eq=False)

@@ -7,6 +7,7 @@ asks ``status()``, ``wait(timeout)``s, ``stop()``s the run or takes its ``result
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import sys
@@ -73,22 +74,24 @@ class Run:
             r = self._result
             return {"run": r.run_name, "state": r.state, "step": r.step, "steps": None, "plan": r.plan,
                     "goodput": r.goodput, "last_recovery": self._last_recovery()}
-        last = self._history[-1] if self._history else None
+        last = self._last_step()
         return {"run": self.name, "state": "FAILED" if self._error else "UNKNOWN",
-                "step": last["step"] if last else None, "steps": None, "plan": None, "goodput": None,
+                "step": last, "steps": None, "plan": None, "goodput": None,
                 "last_recovery": self._last_recovery(),
                 "error": mask(str(self._error)) if self._error else None}
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the run to end, at most ``timeout`` seconds; whether it has ended."""
+        self._not_from_a_callback("wait")
         return _wait(self._ended, timeout)
 
     def result(self, timeout: float | None = None) -> Result:
         """The run's ``Result`` once it has ended (waiting at most ``timeout`` seconds: a
         ``TimeoutError`` past it, the run going on); a failed run raises its error."""
+        self._not_from_a_callback("result")
         if not _wait(self._ended, timeout):
             raise TimeoutError(f"run {self.name!r} is still running after {timeout:g}s (at step "
-                               f"{self._history[-1]['step'] if self._history else 'none yet'})")
+                               f"{self._last_step() or 'none yet'})")
         if self._shutdown_ray:
             self._shutdown_ray = False
             ray.shutdown()
@@ -101,7 +104,11 @@ class Run:
         weights and (with ``checkpoint.storage``) a durable checkpoint of it are written, and the
         run ends STOPPED (FINISHED if its last step was already done). ``save=False``: the
         controller ends at once and the run ends ABORTED, keeping only the durable checkpoints
-        written before (``Result.durable_path`` names the newest)."""
+        written before (``Result.durable_path`` names the newest).
+
+        From an ``on_step`` callback (which runs on the thread that follows the run) the stop is
+        asked and None returned: the result comes once the callback has returned."""
+        following = threading.current_thread() is self._thread
         if not self.done:
             if save:
                 try:
@@ -110,7 +117,7 @@ class Run:
                     pass   # it ended meanwhile; the result says how
             else:
                 self.abort(reason or "Run.stop(save=False)")
-        return self.result(timeout)
+        return None if following else self.result(timeout)
 
     def abort(self, reason: str) -> None:
         """End the run at once, saving nothing more (``stop(save=False)`` without the wait)."""
@@ -121,6 +128,15 @@ class Run:
 
     # -- the follower ---------------------------------------------------------------------
 
+    def _not_from_a_callback(self, what: str) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"Run.{what}() from an on_step callback would wait on the thread that runs the "
+                               "callback; call stop() there (it asks and returns), and wait elsewhere")
+
+    def _last_step(self) -> int | None:
+        last = self._history[-1:]   # a slice: the follower may shorten the list meanwhile
+        return last[0]["step"] if last else None
+
     def _last_recovery(self) -> dict | None:
         rec = next((e for e in reversed(self._events) if e["kind"] == "recovery"), None)
         return dict(rec) if rec else None
@@ -128,21 +144,24 @@ class Run:
     def _follow(self) -> None:
         out, error = None, None
         try:
-            out = self._poll()
-        except BaseException as e:  # noqa: BLE001 - handed to result()
-            error = e
-        finally:
+            try:
+                out = self._poll()
+            except BaseException as e:  # noqa: BLE001 - handed to result()
+                error = e
             self._end_controller(graceful=error is None and out is not None)
-            if self._ranks:
-                self._ranks.close()
-        try:
-            self._result = self._finish(out, self._history, self._events, error)
-        except BaseException as e:  # noqa: BLE001
-            self._error = e
-        if self._trackers:
-            r = self._result
-            self._trackers.close(r.state if r else "FAILED", r.goodput if r else None)
-        self._ended.set()
+            with _said("the per-rank figures file"):
+                if self._ranks:
+                    self._ranks.close()
+            try:
+                self._result = self._finish(out, self._history, self._events, error)
+            except BaseException as e:  # noqa: BLE001
+                self._error = e
+            with _said("the trackers"):
+                if self._trackers:
+                    r = self._result
+                    self._trackers.close(r.state if r else "FAILED", r.goodput if r else None)
+        finally:
+            self._ended.set()   # whatever failed above, nobody waits forever
 
     def _end_controller(self, graceful: bool) -> None:
         """A controller whose run ended well leaves through its own exit (a kill, or Ray's
@@ -192,8 +211,10 @@ class Run:
             return ray.get(self._done_ref)
         except ray.exceptions.RayTaskError as e:
             # Our own errors say all in their message (the controller's log has the trace); an
-            # unexpected one keeps the remote traceback. Ray colours it; the report wants text.
+            # unexpected one keeps the remote traceback. Either may quote a URI: masked.
             cause = e.cause if isinstance(e.cause, ElasticTrainerError) else e.as_instanceof_cause()
+            with contextlib.suppress(AttributeError, TypeError):
+                cause.args = tuple(mask(a) if isinstance(a, str) else a for a in cause.args)
             raise cause from None
         except ray.exceptions.RayActorError:
             if self._aborted:
@@ -210,8 +231,8 @@ def _wait(event: threading.Event, timeout: float | None) -> bool:
     return event.wait(timeout)
 
 
-class _Terminated(Exception):
-    """SIGTERM (``ray job stop``) in the main thread, to be taken as a Ctrl-C."""
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (``ray job stop``) in the main thread, taken as a Ctrl-C."""
 
 
 def hold_to_the_end(run: Run) -> Result:
@@ -219,7 +240,7 @@ def hold_to_the_end(run: Run) -> Result:
     (the result says STOPPED); a second ends it at once, says what was kept and raises
     ``KeyboardInterrupt``. Signals are handled so only from the main thread."""
     main = threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGTERM) if main else None
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     if main:
         signal.signal(signal.SIGTERM, _raise_terminated)
     asked = 0
@@ -237,6 +258,9 @@ def hold_to_the_end(run: Run) -> Result:
                         "the checkpoint are saved. Again to end at once, unsaved.")
                     _ask_stop(run, f"{what} in the driver")
                     continue
+                if main:   # a third signal would cut the report of what was kept short
+                    for sig in before:
+                        signal.signal(sig, signal.SIG_IGN)
                 run.abort(f"{what} again in the driver")
                 try:
                     r = run.result()
@@ -248,8 +272,9 @@ def hold_to_the_end(run: Run) -> Result:
                     f"{r.step if r is not None else '?'}; kept {kept}")
                 raise KeyboardInterrupt from None
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, before)
+        for sig, handler in before.items():
+            if handler is not None:   # None: set from outside Python, not ours to restore
+                signal.signal(sig, handler)
 
 
 def _raise_terminated(signum, frame):
@@ -267,6 +292,15 @@ def _ask_stop(run: Run, reason: str) -> None:
 def _step_of(path: str) -> str:
     m = re.search(r"step-(\d+)", path)
     return m.group(1) if m else "?"
+
+
+@contextlib.contextmanager
+def _said(what: str):
+    """Closing ``what`` failed: said, not raised (the run's result matters more)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        say(f"warning: closing {what} failed: {type(e).__name__}: {e}")
 
 
 def strip_colour(text: str) -> str:

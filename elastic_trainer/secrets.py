@@ -88,11 +88,12 @@ def mask(text: str, extra: Iterable[str] = ()) -> str:
     extra = list(extra)
     if "=" in text or ":" in text:
         def hide(m: re.Match) -> str:
-            if not is_secret_name(m.group("name"), extra):
-                return m.group(0)
             value = m.group("value")
             quote = value[0] if value[0] in "\"'" else ""
-            return f"{m.group('q')}{m.group('name')}{m.group('q')}{m.group('sep')}{quote}{MASK}{quote}"
+            inner = value[1:-1] if quote else value
+            # An ordinary name's value may hold a secret of its own (a URI's query): looked into.
+            inner = mask(inner, extra) if not is_secret_name(m.group("name"), extra) else MASK
+            return f"{m.group('q')}{m.group('name')}{m.group('q')}{m.group('sep')}{quote}{inner}{quote}"
         text = _NAMED.sub(hide, text)
     if "@" in text:
         text = _USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
@@ -132,7 +133,9 @@ def split_env(env: Mapping[str, str], extra: Iterable[str] = ()) -> tuple[dict[s
     the others. The plain ones may go through Ray's runtime_env (listed by ``ray list actors
     --detail``); the secret ones go by an actor's constructor argument (:func:`install`)."""
     extra = list(extra)
-    plain = {k: v for k, v in env.items() if not is_secret_name(k, extra)}
+    # A value that carries a credential (a proxy's or a database's user:password@) is secret
+    # whatever its name.
+    plain = {k: v for k, v in env.items() if not is_secret_name(k, extra) and mask(str(v)) == str(v)}
     return plain, {k: v for k, v in env.items() if k not in plain}
 
 

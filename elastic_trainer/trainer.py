@@ -176,23 +176,34 @@ class Trainer:
     def _start(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool,
                shape: ModelShape | None, started_ray: bool) -> Run:
         node_id = ray.get_runtime_context().get_node_id()
-        # The storage's credentials go as a constructor argument, which Ray shows nowhere (a
-        # runtime_env is listed by `ray list actors --detail` and the dashboard); the controller
-        # sets them into its environment and hands them to the workers the same way.
-        controller = ray.remote(ControllerActor).options(
-            name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape, env=storage_env())
+        # What the driver writes while the run goes: made before the controller, so a report
+        # folder that cannot be made or a tracker's start leaves no run behind.
+        ranks = RankFile(ranks_path(cfg.run.report_dir, run_name)) if cfg.run.report_dir is not None else None
+        self.ranks_path = ranks.path if ranks else None
         printer = ProgressPrinter(cfg, stream=sys.stdout) if self.verbose else None
         trackers = open_trackers(cfg, run_name)
         if printer:
             for line in trackers.where:
                 print(line, flush=True)
-        if self.on_start:
-            self.on_start(controller)
-        done_ref = controller.run.remote(return_model_state, resume)
-        ranks = RankFile(ranks_path(cfg.run.report_dir, run_name)) if cfg.run.report_dir is not None else None
-        self.ranks_path = ranks.path if ranks else None
+        controller = None
+        try:
+            # The storage's credentials go as a constructor argument, which Ray shows nowhere (a
+            # runtime_env is listed by `ray list actors --detail` and the dashboard); the controller
+            # sets them into its environment and hands them to the workers the same way.
+            controller = ray.remote(ControllerActor).options(
+                name=controller_name(run_name), namespace=NAMESPACE, num_cpus=0, max_concurrency=8, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(cfg.model_dump(mode="json"), run_name, self._data, shape, env=storage_env())
+            if self.on_start:
+                self.on_start(controller)
+            done_ref = controller.run.remote(return_model_state, resume)
+        except BaseException:
+            if controller is not None:
+                ray.kill(controller, no_restart=True)
+            trackers.close("FAILED", None)
+            if ranks:
+                ranks.close()
+            raise
 
         def finish(out: dict | None, history: list[dict], events: list[dict], error: BaseException | None) -> Result:
             return self._finish(cfg, run_name, out, history, events, error, printer)
@@ -204,6 +215,7 @@ class Trainer:
                 events: list[dict], error: BaseException | None, printer: ProgressPrinter | None) -> Result:
         """The run's ``Result`` from the controller's output (None: it was ended at once), or its
         error raised with what the driver saw of it (its steps and events) and its report."""
+        self.report_path = None
         if error is not None:
             text = mask(strip_colour(str(error)))
             self._report(cfg, run_name, history, events + [{"kind": "state", "to": "FAILED", "error": text}])
@@ -224,7 +236,6 @@ class Trainer:
             print(f"weights: {out['model_path']}", flush=True)
             if out.get("hf_path"):
                 print(f"hugging face folder: {out['hf_path']}", flush=True)
-        self.report_path = None
         self._report(cfg, run_name, out["history"], out["events"], out.get("goodput"))
         return Result(run_name=run_name, history=out["history"], events=out["events"], plan=out["plan"],
                       workers=out["workers"], plans=out["plans"], model_state=out["model_state"],

@@ -51,7 +51,8 @@ def main(cfg_path: str, out_dir: str) -> int:
         return 1
     keep = ("history", "events", "plan", "plans", "workers", "state", "step", "run_id", "model_path", "durable_path")
     doc = {k: getattr(result, k) for k in keep}
-    doc["recoveries"], doc["failures"] = result.recoveries, result.failures
+    doc["history"], doc["events"] = result.history.to_dicts(), result.events.to_dicts()
+    doc["recoveries"], doc["failures"] = result.recoveries.to_dicts(), result.failures.to_dicts()
     (out / "result.json").write_text(json.dumps(doc, default=str))
     return 0
 

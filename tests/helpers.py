@@ -144,3 +144,53 @@ def spawn_ranks(target, nprocs: int, *args, timeout_s: float = 240.0) -> dict:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def spawn_rank_cases(target, nprocs: int, ncases: int, expected: int, *args, timeout_s: float = 300.0) -> dict:
+    """Run ``target(rank, ports, *args, queue)`` in ``nprocs`` spawned processes, ``ports`` a free
+    loopback port per case (each case a gloo world of its own), and collect ``expected``
+    ``(case, rank, status, value)`` reports, stopping at the first error: ``{case: {rank: (status, value)}}``."""
+    import multiprocessing as mp
+
+    from elastic_trainer.worker.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ports = [free_port("127.0.0.1") for _ in range(ncases)]
+    procs = [ctx.Process(target=target, args=(r, ports, *args, q)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    try:
+        for _ in range(expected):
+            i, rank, status, val = q.get(timeout=timeout_s)
+            got.setdefault(i, {})[rank] = (status, val)
+            if status == "error":
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+def assert_ranks_match(ranks: dict, world: int, dp: int, reference) -> None:
+    """The ranks of one case (``{rank: (status, (losses, state))}``) trained as the single-process
+    ``reference`` (losses, state) did: the step's loss (the mean of the last stage's replicas') to
+    1e-5, every parameter to 1e-4."""
+    import numpy as np
+    import pytest
+
+    bad = {r: v for r, (s, v) in ranks.items() if s != "ok"}
+    assert not bad and len(ranks) == world, bad or f"ranks reported: {sorted(ranks)}"
+    ref_losses, ref_state = reference
+    per_replica = [v[0] for s, v in ranks.values() if v[0][0] is not None]
+    assert len(per_replica) == dp
+    losses = np.mean(np.array(per_replica), axis=0)
+    assert losses.tolist() == pytest.approx(ref_losses, rel=1e-5)
+    state = {n: w for _, (_, st) in ranks.values() for n, w in st.items()}
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        np.testing.assert_allclose(state[name], ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+

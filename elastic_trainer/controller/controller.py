@@ -44,10 +44,9 @@ from ..checkpoint.durable import DurableStore
 from ..config import TrainerConfig
 from ..errors import RunError, WorkerError
 from ..logs import configure_actor_logging
-from ..models.factory import block_param_counts
+from ..models.factory import block_param_counts, model_param_names
 from ..naming import worker_name
 from ..planning.constants import run_constants
-from ..models.factory import model_param_names
 from ..optim.build import check_patterns
 from ..planning.model_shape import ModelShape, model_shape, remember_shape
 from ..planning.plan import make_plan

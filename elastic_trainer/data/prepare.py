@@ -21,6 +21,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import DataError
+from ..secrets import mask
 from ..storage.filesystems import open_fs
 from .corpus import staged_dir, stdlib_source_files
 from .tokenizer import check_ids_fit, load_tokenizer, train_tokenizer
@@ -203,7 +204,7 @@ def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer: str | Pat
         raise DataError(f"out_dir({str(out_dir)!r}) already exists; remove it or choose another")
     if train is not None:
         tok = train_tokenizer(train, vocab_size, iter_texts(str(input_path), column, batch_rows, max_bytes))
-        source = f"{train.lower()} trained on {input_path} (vocab_size {vocab_size})"
+        source = f"{train.lower()} trained on {mask(str(input_path))} (vocab_size {vocab_size})"
     else:
         tok = load_tokenizer(tokenizer)
         source = str(tokenizer)
@@ -232,7 +233,7 @@ def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer: str | Pat
         summary = {k: result[k] for k in ("vocab_size", "max_token_id", "eos_token", "eos_id", "rows", "tokens",
                                           "tokenizer")}
         (tmp / PREPARED_FILE).write_text(json.dumps({**summary, "column": out_column, "dtype": "int32",
-                                                     "input": str(input_path)}, indent=2) + "\n")
+                                                     "input": mask(str(input_path))}, indent=2) + "\n")
     return result
 
 

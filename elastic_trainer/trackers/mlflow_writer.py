@@ -28,7 +28,7 @@ _METRICS_PER_BATCH = 1000
 _PARAMS_PER_BATCH = 100
 _FLUSH_S = 5.0
 # MLflow's run status for each end of an elastic_trainer run.
-_STATUS = {"FINISHED": "FINISHED", "STOPPED": "KILLED", "FAILED": "FAILED"}
+_STATUS = {"FINISHED": "FINISHED", "STOPPED": "KILLED", "ABORTED": "KILLED", "FAILED": "FAILED"}
 
 
 def tracking_uri(cfg: TrainerConfig) -> str:
@@ -138,11 +138,14 @@ class MlflowTracker:
         self._flushed = self._clock()
 
     def close(self, state: str, goodput: dict | None) -> None:
-        for key, value in goodput_scalars(goodput).items():
-            self._metric(key, value, self._last_step, None)
-        self.flush()
-        self.client.set_tag(self.run_id, "elastic_trainer.state", state)
-        self.client.set_terminated(self.run_id, _STATUS.get(state, "FAILED"))
+        try:
+            for key, value in goodput_scalars(goodput).items():
+                self._metric(key, value, self._last_step, None)
+            self.flush()
+            self.client.set_tag(self.run_id, "elastic_trainer.state", state)
+        finally:
+            # Whatever the writes did, the MLflow run is not left RUNNING.
+            self.client.set_terminated(self.run_id, _STATUS.get(state, "FAILED"))
 
 
 def _with_credentials(uri: str) -> str:

@@ -6,15 +6,12 @@ worker runs its steps with), five steps each; losses must match the single-proce
 it its workers' start (``tests/integration/test_equivalence.py`` keeps the runs through Ray).
 """
 
-import multiprocessing as mp
-
-import numpy as np
 import pytest
 
 from elastic_trainer.config import TrainerConfig
 
 from ..conftest import tiny_config
-from ..helpers import reference_run
+from ..helpers import assert_ranks_match, reference_run, spawn_rank_cases
 
 STEPS = 5
 PROCS = 4
@@ -73,28 +70,7 @@ def _rank(rank, ports, corpus, q):
 
 @pytest.fixture(scope="module")
 def runs(corpus_dir):
-    from elastic_trainer.worker.process_group import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ports = [free_port("127.0.0.1") for _ in LAYOUTS]
-    procs = [ctx.Process(target=_rank, args=(r, ports, corpus_dir, q)) for r in range(PROCS)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    expected = sum(dp * pp for dp, pp, *_ in LAYOUTS)
-    try:
-        for _ in range(expected):
-            i, rank, status, val = q.get(timeout=300)
-            got.setdefault(i, {})[rank] = (status, val)
-            if status == "error":
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return got
+    return spawn_rank_cases(_rank, PROCS, len(LAYOUTS), sum(dp * pp for dp, pp, *_ in LAYOUTS), corpus_dir)
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +81,5 @@ def reference(corpus_dir):
 @pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=IDS)
 def test_layout_matches_single_process(runs, reference, i):
     dp, pp, *_ = LAYOUTS[i]
-    ranks = runs.get(i, {})
-    bad = {r: v for r, (s, v) in ranks.items() if s != "ok"}
-    assert not bad and len(ranks) == dp * pp, bad or f"ranks reported: {sorted(ranks)}"
-    ref_losses, ref_state = reference
     # The last stage's ranks hold the loss of their replica's micro-batches: the step's is their mean.
-    per_replica = [v[0] for s, v in ranks.values() if v[0][0] is not None]
-    assert len(per_replica) == dp
-    losses = np.mean(np.array(per_replica), axis=0)
-    assert losses.tolist() == pytest.approx(ref_losses, rel=1e-5)
-    state = {n: w for _, (_, st) in ranks.values() for n, w in st.items()}
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        np.testing.assert_allclose(state[name], ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_ranks_match(runs.get(i, {}), dp * pp, dp, reference)

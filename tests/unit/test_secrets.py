@@ -181,3 +181,17 @@ def test_a_trackers_config_holds_env_vars_by_name():
     flat = flat_config(given, 200)
     assert flat["scaling.env_vars.HF_TOKEN"] == "***" and flat["scaling.env_vars.A_DSN"] == "***"
     assert SECRET not in json.dumps(flat)
+
+
+@pytest.mark.parametrize("text", [
+    'path="s3://b/p?secret_key=S3CR3T"', '{"path": "gs://b/o?access_token=S3CR3T"}',
+    "uri=s3://b/x?secret_key=S3CR3T&y=1", "input_value='https://a.blob/c?sv=1&sig=S3CR3T'"])
+def test_a_secret_inside_an_ordinary_names_value_is_masked(text):
+    # The value of a name that is no secret (path, uri, a pydantic input_value) is looked into.
+    assert "S3CR3T" not in mask(text) and "***" in mask(text)
+
+
+def test_an_env_value_carrying_a_credential_is_secret_whatever_its_name():
+    plain, secret = split_env({"HTTPS_PROXY": "http://user:pw@proxy:3128", "NCCL_DEBUG": "INFO",
+                               "DATABASE_URL": "postgres://u:p@db/x"})
+    assert plain == {"NCCL_DEBUG": "INFO"} and set(secret) == {"HTTPS_PROXY", "DATABASE_URL"}

@@ -391,17 +391,29 @@ class WorkerPool:
         actors = [w.actor for w in workers.values()]
         if leave_s > 0 and actors and ray.is_initialized():
             calls = {a.leave.remote(): a for a in actors}
-            # A call that is ready is one whose actor died (exit_actor): no answer comes otherwise.
-            _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=leave_s)
-            actors = [calls[r] for r in pending]
-            if actors:
+            ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=leave_s)
+            # Left: the call failed as its actor ended (exit_actor). One that answered or raised is
+            # still there, and is killed with those that have not answered.
+            actors = [calls[r] for r in calls if r in pending or not _ended(r)]
+            if pending:
                 log.warning("[%s] %d worker(s) did not leave within %gs of the run's end: killed", self.run_name,
-                            len(actors), leave_s)
+                            len(pending), leave_s)
         for actor in actors:
             kill_actor(actor)
         for actor, _, _ in self.joining.values():
             kill_actor(actor)
         self.joining = {}
+
+
+def _ended(ref) -> bool:
+    """Whether a ready call's actor has ended (its call failed with the actor)."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - raised in the actor, which is still there
+        return False
+    return False
 
 
 def kill_actor(actor) -> None:

@@ -23,6 +23,7 @@ from ...checkpoint.resume_lookup import load_resume, runs
 from ...config import TrainerConfig
 from ...errors import RunError
 from ...storage.retry import StorageError
+from ...secrets import recorded_config
 from ..run.rank_figures import RANK_FIELDS
 from ..run.placement import dead_nodes
 from .durable_parts import DurableParts
@@ -265,8 +266,9 @@ class RestorePoints:
                                        f"{there}); starting fresh")
             return None
         manifest, step = got.manifest, got.manifest["step"]
-        accepted, refused = resume_check(manifest.get("config") or {}, self.cfg_json, manifest.get("data"), self.data,
-                                         step, accept)
+        # The manifest keeps the config as recorded (secrets masked): this run's is compared so too.
+        accepted, refused = resume_check(manifest.get("config") or {}, recorded_config(self.cfg_json),
+                                         manifest.get("data"), self.data, step, accept)
         if refused:
             may = [r.split(":")[0] for r in refused if r.split(":")[0] in ACCEPTABLE and ": checkpoint " in r]
             raise RunError(
