@@ -27,7 +27,10 @@ _LEAVE_S = 5.0   # how long a finished run's controller gets to leave on its own
 
 
 class Run:
-    """A run started by ``Trainer.start()``: ``status()``, ``wait()``, ``stop()``, ``result()``."""
+    """A run started by ``Trainer.start()``: ``status()``, ``wait()``, ``stop()``, ``result()``.
+
+    Where the run started a local Ray of its own, it is shut down when the result is first taken
+    (``result()`` or ``stop()``); until then it stays up for ``status()``."""
 
     def __init__(self, name: str, controller, done_ref, *, printer: ProgressPrinter | None,
                  on_step: Callable[[dict], None] | None, ranks: RankFile | None, trackers,
