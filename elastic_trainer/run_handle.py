@@ -35,10 +35,13 @@ class Run:
     def __init__(self, name: str, controller, done_ref, *, printer: ProgressPrinter | None,
                  on_step: Callable[[dict], None] | None, ranks: RankFile | None, trackers,
                  finish: Callable[[dict | None, list, list, BaseException | None], Result],
-                 shutdown_ray: bool = False):
+                 shutdown_ray: bool = False, follow: bool = True):
         """Made by ``Trainer.start()``. ``finish`` turns the controller's output (None where the
         run was aborted) or its error into the ``Result`` or the error ``result()`` gives;
-        ``shutdown_ray``: the run started a local Ray, shut down once its result is taken."""
+        ``shutdown_ray``: the run started a local Ray, shut down once its result is taken.
+        ``follow``: a thread of its own follows the run; else ``result()`` follows it in the
+        caller's thread (``fit()``: ``on_step`` runs in the caller's thread, as it always did,
+        and a Ctrl-C there interrupts the following, which ``result()`` takes up again)."""
         self.name = name
         self._shutdown_ray = shutdown_ray
         self.controller = controller
@@ -51,8 +54,10 @@ class Run:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._aborted: str | None = None   # why the run was ended at once, where it was
-        self._thread = threading.Thread(target=self._follow, name=f"follow-{name}", daemon=True)
-        self._thread.start()
+        self._seen_ranks = 0
+        self._thread = threading.Thread(target=self._follow, name=f"follow-{name}", daemon=True) if follow else None
+        if self._thread:
+            self._thread.start()
 
     # -- what the caller sees ------------------------------------------------------------
 
@@ -86,12 +91,16 @@ class Run:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the run to end, at most ``timeout`` seconds; whether it has ended."""
         self._not_from_a_callback("wait")
+        if self._thread is None and not self.done:
+            raise RuntimeError("this run is followed by fit(), which waits for it; wait() is for start()'s runs")
         return _wait(self._ended, timeout)
 
     def result(self, timeout: float | None = None) -> Result:
         """The run's ``Result`` once it has ended (waiting at most ``timeout`` seconds: a
         ``TimeoutError`` past it, the run going on); a failed run raises its error."""
         self._not_from_a_callback("result")
+        if self._thread is None and not self.done:
+            self._follow()   # here, in the caller's thread; a KeyboardInterrupt passes through
         if not _wait(self._ended, timeout):
             raise TimeoutError(f"run {self.name!r} is still running after {timeout:g}s (at step "
                                f"{self._last_step() or 'none yet'})")
@@ -147,10 +156,14 @@ class Run:
     def _follow(self) -> None:
         out, error = None, None
         try:
-            try:
-                out = self._poll()
-            except BaseException as e:  # noqa: BLE001 - handed to result()
-                error = e
+            out = self._poll()
+        except KeyboardInterrupt:
+            # Followed in the caller's thread (fit): the caller decides what a Ctrl-C means, and
+            # following takes up again where it was (its state is this object's).
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to result()
+            error = e
+        try:
             self._end_controller(graceful=error is None and out is not None)
             with _said("the per-rank figures file"):
                 if self._ranks:
@@ -180,18 +193,17 @@ class Run:
     def _poll(self) -> dict | None:
         """Follow until the controller's run ends; its output (None where the run was aborted)."""
         history, events, ranks = self._history, self._events, self._ranks
-        seen_ranks = 0
         while True:
             ready, _ = ray.wait([self._done_ref], timeout=_POLL_S)
             try:
                 prog = ray.get(self.controller.progress.remote(len(history), len(events),
-                                                               seen_ranks if ranks else None))
+                                                               self._seen_ranks if ranks else None))
             except ray.exceptions.RayActorError:
                 ready = [self._done_ref]
                 prog = {"records": [], "events": [], "length": len(history), "n_events": len(events)}
             if ranks and "ranks" in prog:
                 ranks.write(prog["ranks"], prog["ranks_dropped"])
-                seen_ranks += len(prog["ranks"]) + prog["ranks_dropped"]
+                self._seen_ranks += len(prog["ranks"]) + prog["ranks_dropped"]
             for ev in prog["events"]:
                 if self._printer:
                     self._printer.event(ev)
@@ -234,28 +246,32 @@ def _wait(event: threading.Event, timeout: float | None) -> bool:
     return event.wait(timeout)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (``ray job stop``) in the main thread, taken as a Ctrl-C."""
-
-
 def hold_to_the_end(run: Run) -> Result:
     """``run.result()``, with Ctrl-C and SIGTERM taken as stops: the first stops the run saved
     (the result says STOPPED); a second ends it at once, says what was kept and raises
     ``KeyboardInterrupt``. Signals are handled so only from the main thread."""
     main = threading.current_thread() is threading.main_thread()
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    # Which signal came: Ray's waits turn whatever a handler raises into a plain KeyboardInterrupt.
+    came: list[str] = []
+
+    def interrupted(signum, frame):
+        came.append("SIGTERM" if signum == signal.SIGTERM else "Ctrl-C")
+        raise KeyboardInterrupt
+
     if main:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        for sig in before:
+            signal.signal(sig, interrupted)
     asked = 0
     try:
         while True:
             try:
                 return run.result()
-            except (KeyboardInterrupt, _Terminated) as e:
-                what = "SIGTERM" if isinstance(e, _Terminated) else "Ctrl-C"
+            except KeyboardInterrupt:
+                what = came[-1] if came else "Ctrl-C"
                 asked += 1
                 if run.done:
-                    continue   # it ended meanwhile: its result as it is
+                    return run.result()   # it ended meanwhile: its result as it is
                 if asked == 1:
                     say(f"{what}: stopping run {run.name!r}: the step in flight completes, then the weights and "
                         "the checkpoint are saved. Again to end at once, unsaved.")
@@ -278,10 +294,6 @@ def hold_to_the_end(run: Run) -> Result:
         for sig, handler in before.items():
             if handler is not None:   # None: set from outside Python, not ours to restore
                 signal.signal(sig, handler)
-
-
-def _raise_terminated(signum, frame):
-    raise _Terminated()
 
 
 def _ask_stop(run: Run, reason: str) -> None:

@@ -59,7 +59,7 @@ class Trainer:
         self._data: dict = {}                # the data fingerprint, sent to the controller
 
     def start(self, return_model_state: bool = False, resume: bool | str = False,
-              accept_change: str | Iterable[str] = ()) -> Run:
+              accept_change: str | Iterable[str] = (), _follow: bool = True) -> Run:
         """Start the run and return its handle (``Run``: ``status()``, ``wait()``, ``stop()``,
         ``result()``) while it trains. The arguments are ``fit``'s."""
         cfg = self.config
@@ -70,7 +70,7 @@ class Trainer:
         shape = ShapeInBackground(cfg)
         started_ray = self._connect(cfg)
         try:
-            return self._start(cfg, run_name, return_model_state, resume, shape.result(), started_ray)
+            return self._start(cfg, run_name, return_model_state, resume, shape.result(), started_ray, _follow)
         except BaseException:
             if started_ray:
                 ray.shutdown()
@@ -89,7 +89,7 @@ class Trainer:
         Ctrl-C (SIGINT) or SIGTERM (``ray job stop``) stops the run as ``Run.stop()`` does: the
         step in flight completes and is saved, and the run ends STOPPED. A second one ends it at
         once, says what was kept and raises ``KeyboardInterrupt``."""
-        return hold_to_the_end(self.start(return_model_state, resume, accept_change))
+        return hold_to_the_end(self.start(return_model_state, resume, accept_change, _follow=False))
 
     def _report(self, cfg: TrainerConfig, run_name: str, history: list[dict], events: list[dict],
                 goodput: dict | None = None) -> None:
@@ -174,7 +174,7 @@ class Trainer:
         return True
 
     def _start(self, cfg: TrainerConfig, run_name: str, return_model_state: bool, resume: bool,
-               shape: ModelShape | None, started_ray: bool) -> Run:
+               shape: ModelShape | None, started_ray: bool, follow: bool = True) -> Run:
         node_id = ray.get_runtime_context().get_node_id()
         # What the driver writes while the run goes: made before the controller, so a report
         # folder that cannot be made or a tracker's start leaves no run behind.
@@ -209,7 +209,7 @@ class Trainer:
             return self._finish(cfg, run_name, out, history, events, error, printer)
 
         return Run(run_name, controller, done_ref, printer=printer, on_step=self.on_step, ranks=ranks,
-                   trackers=trackers, finish=finish, shutdown_ray=started_ray)
+                   trackers=trackers, finish=finish, shutdown_ray=started_ray, follow=follow)
 
     def _finish(self, cfg: TrainerConfig, run_name: str, out: dict | None, history: list[dict],
                 events: list[dict], error: BaseException | None, printer: ProgressPrinter | None) -> Result:
