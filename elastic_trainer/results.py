@@ -121,7 +121,7 @@ class _Rows(list):
         return [r.to_dict() for r in self]
 
     def to_pandas(self):
-        """A pandas DataFrame, a column per field (nested values as text)."""
+        """A pandas DataFrame, a column per field (nested values as text); needs pandas installed."""
         import pandas as pd
 
         return pd.DataFrame(_table(self.to_dicts()))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,16 +21,10 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """Ray on loopback with two CPUs; a session some other test already started is used as it is."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    started = not ray.is_initialized()
-    if started:
-        # address="local": a fresh instance, never a cluster that other tests on this machine started.
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+def local_ray(cluster):
+    """The shared cluster, handed over settled: a node an earlier test killed is gone from it
+    (a shard placed there would die with the node Ray had not yet declared dead)."""
     yield
-    if started:
-        ray.shutdown()
 
 
 def _model() -> nn.ModuleList:
