@@ -1,6 +1,6 @@
 """The run in the user's hands: ``Trainer.start()`` gives a ``Run`` to ask, wait on and stop;
-``stop(save=True)`` ends it STOPPED with its weights and durable checkpoint, which a resume
-continues from; the result's records and events are typed; Ctrl-C in a driver process stops the
+``stop(save=True)`` (or ``elastic-trainer stop RUN`` from another process) ends it STOPPED at its
+step, not FINISHED, with its weights and durable checkpoint, which a resume continues from; the result's records and events are typed; Ctrl-C in a driver process stops the
 same way (as does SIGTERM, which `ray job stop` sends), and a second one ends it at once, saying
 what was kept."""
 
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _MANY = 100000   # steps no test runs to: a run ends on its stop
 
 
-def test_start_status_stop_and_resume_from_the_stop(cluster, corpus_dir, tmp_path, monkeypatch):
+def test_start_status_stop_and_resume_from_the_stop(cluster, corpus_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)   # MLflow keeps a new experiment's artifacts under ./mlruns
     storage = str(tmp_path / "ck")
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -36,7 +36,7 @@ def test_start_status_stop_and_resume_from_the_stop(cluster, corpus_dir, tmp_pat
                  run={"output_dir": str(tmp_path / "out"), "trackers": ["tensorboard", "mlflow"],
                       "tensorboard_dir": str(tmp_path / "tb"), "mlflow_tracking_uri": mlflow_uri})
     third = threading.Event()
-    run = Trainer(cfg, verbose=False, on_step=lambda rec: rec["step"] >= 3 and third.set()).start()
+    run = Trainer(cfg, on_step=lambda rec: rec["step"] >= 3 and third.set()).start()
     assert third.wait(120), run.status()
     st = run.status()
     assert st["state"] == "RUNNING" and st["step"] >= 3 and st["plan"] is not None and "goodput" in st
@@ -44,16 +44,27 @@ def test_start_status_stop_and_resume_from_the_stop(cluster, corpus_dir, tmp_pat
     with pytest.raises(TimeoutError, match="still running"):
         run.result(timeout=0.01)
 
+    # Asked first as a user does from another process (`elastic-trainer stop RUN`), then through
+    # the handle, whose request is not taken again: one stop, the CLI's.
+    cli = subprocess.run([sys.executable, "-m", "elastic_trainer", "stop", "handle", "--address",
+                          ray.get_runtime_context().gcs_address, "--reason", "from the test"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0 and "stopping after the steps in flight" in cli.stdout, cli.stderr
     result = run.stop(save=True)
     assert run.done and result.state == "STOPPED" and result.stopped and 3 <= result.step < _MANY
-    assert run.status()["state"] == "STOPPED"
+    assert run.status()["state"] == "STOPPED" and not result.finished
+    states = [e["to"] for e in result.events.of("state")]
+    assert states[-1] == "STOPPED" and "FINISHED" not in states
+    (stop,) = result.events.of("stop_requested")
+    assert stop["reason"] == "from the test" and stop.step <= result.step
+    out = capsys.readouterr().out
+    assert f"!! stop requested at step {stop.step}" in out
+    assert f"stopped at step {result.step} of {_MANY} (not finished)" in out and "\ndone:" not in out
     # Typed, and still the dicts they were.
     last = result.history[-1]
     assert isinstance(last, StepRecord) and last.step == result.step == last["step"] and last.loss > 0
     assert dict(last)["loss"] == last.loss and last.comm_share is not None
     assert all(isinstance(e, Event) for e in result.events)
-    assert [e["to"] for e in result.events.of("state")][-1] == "STOPPED"
-    assert "stop_requested" in result.events.kinds
     table = result.history.to_arrow()
     assert table.num_rows == len(result.history) and table.column("loss").to_pylist()[-1] == last.loss
     assert list(result.history.to_pandas()["step"]) == [r.step for r in result.history]
