@@ -86,8 +86,14 @@ def test_nothing_is_left_when_the_code_inside_fails():
 def test_nothing_is_left_when_the_process_is_told_to_stop():
     # A lab in another process, stopped by SIGTERM (as a CI runner or pytest-timeout's kill
     # would stop it) and by Ctrl-C (SIGINT), while its hosts run.
+    # The child starts from the signals' defaults: it inherits an ignored or blocked signal from
+    # the suite's process, where one of the earlier tests may have left one (this test timed out
+    # in two full runs and never alone).
     code = textwrap.dedent("""
-        import sys, time
+        import signal, sys, time
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, sys.argv[1])
         from lab import Lab
         with Lab(hosts=2, cpus_per_host=0.2) as lab:
@@ -102,7 +108,13 @@ def test_nothing_is_left_when_the_process_is_told_to_stop():
         lab_id = p.stdout.readline().strip()
         assert lab_id and any(leftovers(lab_id).values())
         p.send_signal(sig)
-        p.wait(timeout=60)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"the lab process outlived {sig.name} by 60 s; this process: SIGTERM "
+                                 f"{signal.getsignal(signal.SIGTERM)}, SIGINT {signal.getsignal(signal.SIGINT)}, "
+                                 f"blocked {signal.pthread_sigmask(signal.SIG_BLOCK, [])}") from None
         assert leftovers(lab_id) == {"netns": [], "links": [], "cgroups": [], "processes": []}, sig
 
 
