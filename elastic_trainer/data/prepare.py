@@ -204,6 +204,9 @@ def prepare_tokenized(input_path: str, out_dir: str | Path, tokenizer: str | Pat
         raise DataError(f"out_dir({str(out_dir)!r}) already exists; remove it or choose another")
     if train is not None:
         tok = train_tokenizer(train, vocab_size, iter_texts(str(input_path), column, batch_rows, max_bytes))
+        # Encode with the tokenizer as saved, not as trained: a Unigram's scores round through its
+        # JSON, and the rows must be what anyone loading _tokenizer.json gets (CI saw them differ).
+        tok = type(tok).from_str(tok.to_str())
         source = f"{train.lower()} trained on {mask(str(input_path))} (vocab_size {vocab_size})"
     else:
         tok = load_tokenizer(tokenizer)
