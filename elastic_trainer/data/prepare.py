@@ -56,7 +56,7 @@ def iter_texts(input_path: str, column: str, batch_rows: int, max_bytes: int | N
     URI; ``column`` holds the text), ``.txt`` (one document per line), ``.jsonl`` (``column`` key),
     or ``stdlib`` (this Python's standard library source files, at most ``max_bytes`` of them)."""
     if input_path == STDLIB:
-        yield from _iter_stdlib(batch_rows, 8 << 20 if max_bytes is None else max_bytes)
+        yield from _batched(_stdlib_texts(8 << 20 if max_bytes is None else max_bytes), batch_rows)
         return
     fs, where = open_fs(input_path, "input")
     info = fs.get_file_info(where)
@@ -64,7 +64,7 @@ def iter_texts(input_path: str, column: str, batch_rows: int, max_bytes: int | N
         raise DataError(f"input({input_path!r}) does not exist")
     suffix = where.rsplit(".", 1)[-1].lower() if info.type == pafs.FileType.File else ""
     if suffix in ("txt", "jsonl"):
-        yield from _iter_lines(fs, where, input_path, column, batch_rows, suffix == "jsonl")
+        yield from _batched(_line_texts(fs, where, input_path, column, suffix == "jsonl"), batch_rows)
         return
     try:
         data = pads.dataset(where, filesystem=fs, format="parquet")
@@ -79,8 +79,20 @@ def iter_texts(input_path: str, column: str, batch_rows: int, max_bytes: int | N
         yield [s for s in batch.column(0).to_pylist() if s]
 
 
-def _iter_lines(fs, where, input_path, column, batch_rows, is_json) -> Iterator[list[str]]:
+def _batched(texts: Iterator[str], batch_rows: int) -> Iterator[list[str]]:
+    """The non-empty ``texts`` in lists of at most ``batch_rows``."""
     batch: list[str] = []
+    for text in texts:
+        if text:
+            batch.append(text)
+        if len(batch) >= batch_rows:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _line_texts(fs, where, input_path, column, is_json) -> Iterator[str]:
     with fs.open_input_stream(where) as raw:
         for lineno, line in enumerate(io.TextIOWrapper(raw, encoding="utf-8"), 1):
             if is_json:
@@ -97,17 +109,10 @@ def _iter_lines(fs, where, input_path, column, batch_rows, is_json) -> Iterator[
                 text = doc[column]
             else:
                 text = line.rstrip("\r\n")
-            if text:
-                batch.append(text)
-            if len(batch) >= batch_rows:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+            yield text
 
 
-def _iter_stdlib(batch_rows: int, max_bytes: int) -> Iterator[list[str]]:
-    batch: list[str] = []
+def _stdlib_texts(max_bytes: int) -> Iterator[str]:
     total = 0
     for path in stdlib_source_files():   # sorted: the same documents on every node of one Python
         if total >= max_bytes:
@@ -117,13 +122,7 @@ def _iter_stdlib(batch_rows: int, max_bytes: int) -> Iterator[list[str]]:
         except OSError:
             continue
         total += len(text)
-        if text:
-            batch.append(text)
-        if len(batch) >= batch_rows:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        yield text
 
 
 class _ShardWriter:
