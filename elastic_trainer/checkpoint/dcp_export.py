@@ -39,7 +39,6 @@ import warnings
 from typing import Iterator
 
 import numpy as np
-import pyarrow.fs as pafs
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -50,12 +49,10 @@ from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorW
                                                   WriteItemType)
 
 from ..config import ModelSection, TrainSection
-from ..storage.filesystems import open_fs
-from ..storage.uris import is_uri, split_last
-from .durable import MANIFEST, DurableStore
-from .hf_export import ExportError
+from ..storage.uris import is_uri
+from .hf_export import ExportError, export_source
 from .slices import range_of
-from .weights import WeightsError, iter_weights, read_metadata, weight_files
+from .weights import iter_weights
 
 OPTIMIZER = "optimizer"
 
@@ -206,29 +203,16 @@ def _plan_weights(state: dict[str, torch.Tensor]) -> _PartPlanner:
 def _parts(source: str) -> tuple[ModelSection, int, Iterator[_PartPlanner]]:
     """(model, number of parts, each part's planner in turn) of a durable checkpoint directory or
     a run's weights."""
-    fs, path = open_fs(source, "weights")
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise ExportError(f"{source!r} does not exist: give a durable checkpoint directory (step-N-<run id>), "
-                          "a run's output folder or its weights file")
-    if info.type == pafs.FileType.Directory and fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File:
-        parent, name = split_last(source)
-        store = DurableStore(parent or ".")
-        manifest = store.read_manifest(name)
+    src = export_source(source)
+    if src.manifest is not None:
+        store, name, manifest = src.store, src.name, src.manifest
         cfg = manifest["config"]
         train = TrainSection.model_validate(cfg["train"])
         files = manifest["files"]
         parts = (_plan_shard(store.read_part(name, entry, manifest["step"]), train) for entry in files)
         return ModelSection.model_validate(cfg["model"]), len(files), parts
-    try:
-        _, wfiles, _ = weight_files(source)
-        meta = read_metadata(source)
-    except WeightsError as e:
-        raise ExportError(f"{source!r}: {e} (give a durable checkpoint directory holding {MANIFEST}, a run's "
-                          "output folder or its weights file)") from None
-    if "model" not in meta:
-        raise ExportError(f"{source!r} records no model: not weights this project wrote")
-    return ModelSection.model_validate(meta["model"]), len(wfiles), (_plan_weights(s) for s in iter_weights(source))
+    return (ModelSection.model_validate(src.meta["model"]), src.n_files,
+            (_plan_weights(s) for s in iter_weights(source)))
 
 
 def _check_whole(metadata) -> None:

@@ -18,6 +18,8 @@ nothing else. Runs of ``kind: hf`` write the folder at their end too
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Iterator
 
 import pyarrow.fs as pafs
@@ -38,10 +40,22 @@ class ExportError(ElasticTrainerError):
     """The source cannot be exported as asked."""
 
 
-def trained_parts(source: str) -> tuple[ModelSection, dict | None, int, Iterator[dict[str, torch.Tensor]]]:
-    """``(model section, resolved HF config or None, number of parts, the parts)`` of a run's
-    weights (its output folder, sharded or one file, or a weights file) or a durable checkpoint
-    directory: each part's tensors by global name, read one part at a time."""
+@dataclass
+class ExportSource:
+    """What an export reads: a durable checkpoint (``store``, its ``name``, its ``manifest``) or
+    a run's weights (``meta``, their metadata, in ``n_files`` files)."""
+
+    store: DurableStore | None = None
+    name: str | None = None
+    manifest: dict | None = None
+    meta: dict | None = None
+    n_files: int = 0
+
+
+def export_source(source: str) -> ExportSource:
+    """``source`` found: a durable checkpoint directory (holding its manifest), else a run's
+    weights (its output folder, sharded or one file, or a weights file); an ``ExportError`` naming
+    what would fit where it is neither."""
     fs, path = open_fs(source, "weights")
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
@@ -50,11 +64,7 @@ def trained_parts(source: str) -> tuple[ModelSection, dict | None, int, Iterator
     if info.type == pafs.FileType.Directory and fs.get_file_info(f"{path}/{MANIFEST}").type == pafs.FileType.File:
         parent, name = split_last(source)
         store = DurableStore(parent or ".")
-        manifest = store.read_manifest(name)
-        model = ModelSection.model_validate(manifest["config"]["model"])
-        files, groups = manifest["files"], DurableStore.file_groups(manifest["files"])
-        parts = (weights_from_shards([store.read_part(name, files[i], manifest["step"]) for i in g]) for g in groups)
-        return model, manifest.get("hf_config"), len(groups), parts
+        return ExportSource(store=store, name=name, manifest=store.read_manifest(name))
     try:
         _, files, _ = weight_files(source)
         meta = read_metadata(source)
@@ -63,7 +73,22 @@ def trained_parts(source: str) -> tuple[ModelSection, dict | None, int, Iterator
                           f"checkpoint directory holding {MANIFEST})") from None
     if "model" not in meta:
         raise ExportError(f"{source!r} records no model: not weights this project wrote")
-    return ModelSection.model_validate(meta["model"]), meta.get("hf_config"), len(files), iter_weights(source)
+    return ExportSource(meta=meta, n_files=len(files))
+
+
+def trained_parts(source: str) -> tuple[ModelSection, dict | None, int, Iterator[dict[str, torch.Tensor]]]:
+    """``(model section, resolved HF config or None, number of parts, the parts)`` of a run's
+    weights (its output folder, sharded or one file, or a weights file) or a durable checkpoint
+    directory: each part's tensors by global name, read one part at a time."""
+    src = export_source(source)
+    if src.manifest is not None:
+        store, name, manifest = src.store, src.name, src.manifest
+        model = ModelSection.model_validate(manifest["config"]["model"])
+        files, groups = manifest["files"], DurableStore.file_groups(manifest["files"])
+        parts = (weights_from_shards([store.read_part(name, files[i], manifest["step"]) for i in g]) for g in groups)
+        return model, manifest.get("hf_config"), len(groups), parts
+    meta = src.meta
+    return ModelSection.model_validate(meta["model"]), meta.get("hf_config"), src.n_files, iter_weights(source)
 
 
 def hf_state(state: dict[str, torch.Tensor], model: ModelSection, hf_config: dict | None = None
