@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from .base import Strict as _Strict
 from .parsing import apply_overrides, format_validation_error
+from .integrity import IntegritySection  # noqa: F401
 from .runtime import (BalanceSection, CheckpointSection, CommSection, ControlSection,  # noqa: F401
                              FailureSection, ScalingSection)
 from .training import (DataSection, EvalSection, ModelSection, ParallelSection,  # noqa: F401
@@ -57,6 +58,7 @@ class TrainerConfig(_Strict):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     failure: FailureSection = Field(default_factory=FailureSection)
     control: ControlSection = Field(default_factory=ControlSection)
+    integrity: IntegritySection = Field(default_factory=IntegritySection)
 
     @model_validator(mode="before")
     @classmethod
@@ -125,6 +127,11 @@ class TrainerConfig(_Strict):
                     f"of max(1, micro-batches // pp({p.pp})) = {rounds}; try a multiple of pp"
                 )
         _check_prepared_vocab(self.model, self.data)
+        if self.data.skip_samples:
+            from .sample_ranges import check_ranges
+
+            object.__setattr__(self.data, "skip_samples", [list(r) for r in check_ranges(
+                self.data.skip_samples, t.global_batch_size)])
         if self.model.kind == "gpt":
             if self.model.seq_len is None:
                 object.__setattr__(self.model, "seq_len", self.data.seq_len)

@@ -161,6 +161,10 @@ class DataSection(_Strict):
     read_ahead_mb: float = Field(
         256.0, gt=0, description="Decoded row groups a reading rank keeps (and reads ahead into), MiB: "
                                  "its memory for data is bounded by this, not by the corpus.")
+    skip_samples: list[list[int]] = Field(
+        default_factory=list, description="[start, end) ranges of the global sample order never read (whole "
+                                          "batches: multiples of train.global_batch_size); the run adds the "
+                                          "batches it leaves out after an anomaly (integrity.on_anomaly).")
 
 
 class EvalSection(_Strict):

@@ -57,6 +57,8 @@ from .balance.benching import Bench
 from .state.durable_writer import DurableWriter
 from .stepping.evaluation import Evaluator
 from .failures.fences import Fences
+from .integrity.anomalies import Anomalies
+from .integrity.corruption import Corruption
 from .replanning.first_placement import place_first
 from .run.fault_points import FaultPoints
 from .run.goodput import GoodputClock
@@ -130,6 +132,10 @@ class Controller:
         self.growth.drains.estimate = self._move_estimate
         self.replanner = Replanner(cfg, run, self.pool, self.bench, self.setup, self.points, budget, self.fences,
                                    self.memory)
+        self.corruption = Corruption(cfg, run, self.pool, self.growth.request_replan, self.driver.median_step_s)
+        self.anomalies = Anomalies(cfg, run, lambda: {r: (w, self.pool[w].node if w in self.pool else None)
+                                                      for r, w in run.ranks.items()}, self.corruption)
+        self.replanner.on_rollback = self.anomalies.record
         self.queries = ControllerQueries(run, self.pool, self.schedule, self.balance, self.bench,
                                          lambda: dict(self.setup.setup_memory))
         self._run_called = False
@@ -226,9 +232,10 @@ class Controller:
                 self.writer = DurableWriter(self.durable, cfg, self.cfg_json, self.snapshots, len(run.counts),
                                             run.event, self.run_name, self.data, self._live_actor)
                 self.writer.points = run.points
+                self.writer.data_skips = lambda: list(run.data_skips)
             self.step_loop = StepLoop(cfg, run, self.pool, self.driver, self.balance, self.bench, self.snapshots,
                                       self.schedule, self.recovery, self.growth, self.replanner, self.evaluator,
-                                      self.writer, lambda: self.ps, self.memory)
+                                      self.writer, lambda: self.ps, self.memory, self.anomalies, self.corruption)
             self._start(resume)
             self.step_loop.loop()
             # A worker lost after the last step whose state no survivor holds (a sharded slice, a
@@ -244,6 +251,11 @@ class Controller:
                 state = self.saver.gather_state() if return_model_state else None
                 saved = self.saver.final()
             run.goodput.end()
+            if run.halt:   # an anomaly stopped it (integrity): saved as a stop is, and failed
+                msg = (f"{run.halt}. The last good step, {run.step}, is saved: weights {saved['model_path']}"
+                       + (f", durable checkpoint {saved['durable_path']}" if saved.get("durable_path") else ""))
+                run.transition(RunState.FAILED, error=f"RunError: {msg}")
+                raise RunError(msg)
             # A stop that came after the last step leaves nothing undone: that run finished.
             end = RunState.STOPPED if run.stopping and run.step < cfg.train.steps else RunState.FINISHED
             run.transition(end, step=run.step, model_path=saved["model_path"])
@@ -312,7 +324,7 @@ class Controller:
             resumed = self.points.resume_source(resume)
             if resumed is not None:
                 # The run continues as the run it resumes (its id, its pruning), or as a branch.
-                run.adopt(resumed.run_id, resumed.history)
+                run.adopt(resumed.run_id, resumed.history, resumed.data_skips)
                 if resumed.run_id and self.durable:
                     self.durable.run_id = resumed.run_id
                 self.points.resume_point = resumed.point

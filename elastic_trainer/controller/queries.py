@@ -73,6 +73,10 @@ class ControllerQueries:
                     "stragglers": self.balance.tracker.stragglers,
                     "shares": list(self.balance.shares) if self.balance.shares else self.balance.shares,
                     "benched": self.bench.describe(),
+                    # Integrity: nodes proven to corrupt data, which no plan uses again; the anomalies.
+                    "quarantined": dict(self.pool.quarantined),
+                    "quarantined_workers": sorted(self.pool.quarantined_workers),
+                    "anomalies": sum(1 for e in run.events if e["kind"] == "anomaly"),
                     "goodput": run.goodput.report()}
 
 

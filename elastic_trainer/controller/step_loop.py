@@ -26,6 +26,8 @@ from .state.durable_writer import DurableWriter
 from .stepping.evaluation import Evaluator
 from .stepping.leases import lease_length, schedule_after
 from .failures.memory_kills import MemoryKills
+from .integrity.anomalies import Anomalies
+from .integrity.corruption import Corruption
 from .run.ps_group import ParameterServers
 from .run.rank_figures import split_rank_figures
 from .replanning.growth import Growth
@@ -33,6 +35,7 @@ from .failures.recovery import Recovery
 from .replanning.replan import Replanner
 from .run.orders import ReplanOrder
 from .run.run_record import RunRecord
+from .run.run_state import RunState
 from .state.snapshot_schedule import SnapshotSchedule
 from .state.snapshots import SnapshotStore
 from .stepping.one_step import StepDriver, StepOutcome
@@ -53,8 +56,12 @@ class StepLoop:
                  balance: Balance, bench: Bench, snapshots: SnapshotStore, schedule: SnapshotSchedule,
                  recovery: Recovery, growth: Growth, replanner: Replanner, evaluator: Evaluator,
                  writer: DurableWriter | None, ps: Callable[[], ParameterServers | None],
-                 memory: MemoryKills | None = None):
+                 memory: MemoryKills | None = None, anomalies: Anomalies | None = None,
+                 corruption: Corruption | None = None):
         self.cfg, self.run, self.pool, self.driver = cfg, run, pool, driver
+        self.anomalies = anomalies or Anomalies(cfg, run)
+        self.corruption = corruption or Corruption(cfg, run, pool, growth.request_replan, driver.median_step_s)
+        self._replay: ReplanOrder | None = None   # a mismatch's replay, carried out before the next step
         self.balance, self.bench, self.snapshots, self.schedule = balance, bench, snapshots, schedule
         self.recovery, self.growth, self.replanner = recovery, growth, replanner
         self.evaluator, self.writer, self._ps, self.memory = evaluator, writer, ps, memory
@@ -75,6 +82,12 @@ class StepLoop:
                 if run.step >= self.cfg.train.steps:
                     break
                 run.points.reach("between_steps", step=run.step)
+                if self._replay is not None:   # silent corruption found: replay to prove who (integrity)
+                    order, self._replay = self._replay, None
+                    run.transition(RunState.RECOVERING, step=order.failed.step)
+                    run.goodput.enter("replan")
+                    self.replan(order)
+                    continue
                 order = self.growth.maybe_grow()
                 if order is not None:
                     self.replan(order)
@@ -105,15 +118,30 @@ class StepLoop:
                 self.replan(self.recovery.recover(out))
                 continue
             last_done = time.perf_counter()
-            steps = driver.split(out)
+            mark = self.anomalies.take(out)
+            if mark is not None:
+                # Every rank judged a step alike and applied it nowhere, and ended its lease there:
+                # what was asked after it (the lease's snapshot, a lease queued behind) never runs.
+                self.recovery.abandon([r for r in out.shard_refs.values() if r is not None]
+                                      + [ref for q in granted for ref in q.calls[0]])
+                out.shard_refs = {}
+                granted.clear()
+            steps = driver.split(out) if out.count else []
             if granted:
                 driver.running(granted[0])
-            else:
+            elif mark is None:
                 renewal = self._renew(out, running=False)
                 if renewal is not None:
                     granted.append(renewal)
             for one in steps:
-                self.commit(one)
+                replay = self.commit(one)
+                if replay is not None:
+                    self._replay = replay   # carried out before the next step is issued
+            if mark is not None:
+                order = self.anomalies.order(mark, out)
+                if order is not None:
+                    run.goodput.enter("replan")
+                    self.replan(order)
         # A death's cause still being asked of its node is worth a short wait: the run's record
         # should say why it lost a worker (a fenced one's death too, read here at the latest).
         self.growth.poll_fences()
@@ -144,7 +172,8 @@ class StepLoop:
         writers = self.snapshots.writers(snapshots_pending)
         return self.driver.start(step, {w: self.pool[w].actor for w in ranks.values()}, snap,
                                  {w: writers[r] for r, w in ranks.items()} if snap else None,
-                                 self.balance.shares, count=count, after=after)
+                                 self.balance.shares, count=count, after=after,
+                                 checks=self.corruption.checks(step, count, snap))
 
     def _renew(self, lease: StepOutcome, running: bool) -> StepOutcome | None:
         """The lease after ``lease``, granted before ``lease``'s steps are recorded: with
@@ -157,7 +186,7 @@ class StepLoop:
         lease of one keeps today's driving). What the steps before it decide (shares, a re-plan)
         takes effect a lease later."""
         first = lease.step + lease.count
-        if (lease.count <= 1 or first > self.cfg.train.steps or self.run.stopping
+        if (lease.count <= 1 or first > self.cfg.train.steps or self.run.stopping or self._replay is not None
                 or self.evaluator.due_after(first - 1)
                 or self.one_step_at_a_time() or not self.growth.quiet() or self.schedule.requested):
             return None
@@ -207,10 +236,12 @@ class StepLoop:
                     exc_info=True)
         self.run.event("balance_problem", step=step, detail=f"{type(e).__name__}: {e}")
 
-    def commit(self, out: StepOutcome) -> None:
+    def commit(self, out: StepOutcome) -> ReplanOrder | None:
         """Record a step that completed on every rank: its record, pace and balancing, metrics,
-        snapshot and durable checkpoint."""
+        snapshot and durable checkpoint; and its replicas' check (``Corruption.observe``), whose
+        mismatch's replay comes back."""
         run, cfg, step, pool = self.run, self.cfg, out.step, self.pool
+        self.anomalies.committed(out)
         record = self.driver.record(out, run.plan.topology, len(run.plans) - 1)
         where = {r: (w, pool[w].node if w in pool else None) for r, w in run.ranks.items()}
         named = False
@@ -241,6 +272,9 @@ class StepLoop:
         record["heartbeats"] = self.driver.heartbeats
         run.commit_step(record, split_rank_figures(record))
         self._charge_step(record)
+        check_s = max((o.get("check_s") or 0.0 for o in out.results.values()), default=0.0)
+        run.goodput.move("training", "integrity", min(record.get("step_time_s") or 0.0, check_s))
+        replay = self.corruption.observe(out)
         run.metrics.record_goodput(run.goodput.report())
         self.recovery.step_committed()
         self.replanner.step_committed()
@@ -267,10 +301,11 @@ class StepLoop:
         if ps:
             ps.retain(self.snapshots.steps())
         if self.writer and cfg.checkpoint.durable_every and step % cfg.checkpoint.durable_every == 0 \
-                and step < cfg.train.steps:
+                and step < cfg.train.steps and self.corruption.durable_ok(step):
             # On the step path only where no step runs meanwhile (else the workers run on).
             with run.goodput.phase("checkpointing", only_from="controller"):
                 self.writer.start(step, list(run.history), run.plan.describe())
+        return replay
 
     def _charge_step(self, record: dict) -> None:
         """Of a step's time, what was not training (``goodput``): its update's wait for a snapshot

@@ -50,6 +50,8 @@ REBALANCE_ACTIONS = ("shares", "equal shares", "balanced cut", "recut", "spare",
 DURABLE_ROLES = ("periodic", "final", "emergency")
 # controller/replanning/drains.py's outcomes of a preemption notice.
 DRAIN_OUTCOMES = ("moved", "loss", "idle")
+# integrity/anomaly.py's anomalies, and controller/integrity's actions on them.
+ANOMALY_KINDS = ("nonfinite", "spike", "corruption")
 
 # Dashboard rows, in display order.
 GROUPS = ("progress", "goodput", "throughput", "communication", "elasticity", "checkpoints")
@@ -130,6 +132,15 @@ METRICS: tuple[MetricSpec, ...] = (
     _step("eval_loss", "Validation loss of the last evaluation (eval.every), on the held-out windows.", "loss",
           "progress"),
     _step("lr", "Learning rate of the last step's update (train.lr_schedule).", "rate", "progress"),
+    _step("grad_norm", "Global gradient norm of the last step (before clipping), agreed over every rank.", "norm",
+          "progress"),
+    MetricSpec(PREFIX + "anomalies", COUNTER,
+               "Steps judged anomalous (integrity: a non-finite or spiking loss or gradient norm), applied nowhere, "
+               "by kind.", "steps", "progress", "anomaly", tag_keys=("run", "kind"),
+               tag_values=(("kind", ANOMALY_KINDS),)),
+    MetricSpec(PREFIX + "corruptions", COUNTER,
+               "Silent data corruption proven (a replica's state disagreed, a replay or its checksum named the "
+               "rank); each quarantines the rank's node.", "proofs", "progress", "corruption"),
     MetricSpec(PREFIX + "controller_state", GAUGE,
                "1 for the state the run's controller is in, 0 for the others.", "bool", "progress", "state",
                tag_keys=("run", "state")),
@@ -139,7 +150,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "goodput", "goodput"),
     MetricSpec(PREFIX + "goodput_seconds", GAUGE,
                "The run's wall time so far by where it went: training, startup, waiting_for_nodes, detection, "
-               "replan, restore, redone, checkpointing, drains, resizing, stragglers, evaluation, controller.",
+               "replan, restore, redone, checkpointing, drains, resizing, stragglers, evaluation, integrity, controller.",
                "s", "goodput", "goodput", tag_keys=("run", "bucket")),
     # throughput
     _step("tokens_per_s", "Tokens of the global batch divided by the last step's wall time.", "tokens/s",

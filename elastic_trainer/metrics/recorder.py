@@ -42,6 +42,8 @@ _REBALANCES = metric("rebalances").name
 _DURABLE_FAILURES = metric("durable_failures").name
 _GOODPUT = metric("goodput_ratio").name
 _DRAINS = metric("drains").name
+_ANOMALIES = metric("anomalies").name
+_CORRUPTIONS = metric("corruptions").name
 _GOODPUT_SECONDS = metric("goodput_seconds").name
 
 
@@ -193,6 +195,10 @@ class RunMetrics:
             self._call(_STRAGGLERS, "inc", 1.0, {})
         elif kind == "rebalance":
             self._call(_REBALANCES, "inc", 1.0, {"action": str(event.get("action") or "unknown")})
+        elif kind == "corruption" and event.get("suspects"):
+            self._call(_CORRUPTIONS, "inc", 1.0, {})
+        elif kind == "anomaly":
+            self._call(_ANOMALIES, "inc", 1.0, {"kind": str(event.get("anomaly") or "unknown")})
         elif kind == "drain" and event.get("outcome"):
             self._call(_DRAINS, "inc", 1.0, {"outcome": str(event["outcome"])})
         elif kind == "durable_failed":

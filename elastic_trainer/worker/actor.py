@@ -23,11 +23,13 @@ from ..checkpoint.flat import ShardExporter
 from ..checkpoint.host_arena import HostArena
 from ..config import TrainerConfig
 from ..errors import error_line
+from ..integrity.anomaly import StepAnomaly
 from ..logs import configure_actor_logging
 from ..secrets import install
 from ..parallel.topology import Topology
 from .device import bind, current_visible, worker_device
 from .faults import FaultHooks
+from .integrity_faults import KINDS as INTEGRITY_KINDS
 from .group_address import bind_groups_to
 from .group_control import GroupControl
 from .group_keeper import GroupKeeper
@@ -37,7 +39,7 @@ from .memory_use import cuda_peak_bytes, peak_rss_bytes, reset_peaks, rss_bytes
 from .node_fate import watch_raylet
 from .restore_fetch import fetch_sources
 from .setup_progress import PROGRESS
-from .step_answer import step_answer
+from .step_answer import anomaly_answer, step_answer
 from .weights_writer import write_stage
 from .snapshot_serving import SnapshotServing
 from .worker_questions import WorkerQuestions
@@ -219,6 +221,7 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         t.append(time.perf_counter())
         self._build_key = _build_key(cfg, device)
         trainer.clock.slow_factor = self.faults.slow_factor(rank)
+        trainer.faults = trainer.inputs.faults = self.faults.integrity
         self.trainer, self.rank = trainer, rank
         log.info("[%s] worker %d: rank %d of dp=%d x pp=%d, blocks %s, at step %d (%s)", self.run_name,
                  self.worker_id, rank, dp, pp, trainer.blocks, step, "restored" if sources else "from the seed")
@@ -294,20 +297,26 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
 
     @ray.method(concurrency_group="train")
     def train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None,
-                   timeout_s: float | None = None, shares: list[int] | None = None) -> dict:
-        """Run ``step`` (``_train_step``), one step or lease at a time."""
+                   timeout_s: float | None = None, shares: list[int] | None = None,
+                   checks: list[int] | None = None) -> dict:
+        """Run ``step`` (``_train_step``), one step or lease at a time; a step judged anomalous
+        (``integrity``) and not skipped answers ``anomaly_answer``'s mark instead."""
         with self._train_lock:
-            return self._train_step(step, snapshot, put_blocks, timeout_s, shares)
+            try:
+                return self._train_step(step, snapshot, put_blocks, timeout_s, shares, step in (checks or ()))
+            except StepAnomaly as e:
+                return anomaly_answer(self.rank, e)
 
     def _train_step(self, step: int, snapshot: bool, put_blocks: list[int] | None = None,
-                    timeout_s: float | None = None, shares: list[int] | None = None) -> dict:
+                    timeout_s: float | None = None, shares: list[int] | None = None, check: bool = False) -> dict:
         """Run ``step``. With ``snapshot``, start taking this rank's state after it; the copy
         overlaps the next step (``checkpoint.overlap``), and ``snapshot_part`` hands over the
         part holding ``put_blocks``. Other ranks keep it as a local copy; a rank that writes
         all its blocks lends its live state for the object store to copy, and keeps no other
         copy: the part written is it. ``timeout_s``: the controller's step timeout, which bounds
         the step on backends whose collectives do not fail by themselves (``step_guard``).
-        ``shares``: micro-batches per replica, where balancing moved some off a slow one."""
+        ``shares``: micro-batches per replica, where balancing moved some off a slow one.
+        ``check``: fingerprint the state after it (``state_checks``), for the controller to compare."""
         t0 = time.perf_counter()
         job = None
         bind(self.gpu)
@@ -321,6 +330,8 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
             self.trainer.clock.slow_factor = self.faults.compute_factor(step)
             with self.groups.guarded(f"step {step}", timeout_s):
                 r = self.trainer.train_step(step, shares)
+            if check:
+                r.fingerprints, r.check_s = self.trainer.state_checks.fingerprint()
             copied = self._copy_made()   # before this step's snapshot may let that copy go
             if snapshot:
                 delay = self.faults.snapshot_delay()
@@ -329,6 +340,8 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
                 job = self._begin_snapshot(step, put_blocks)
                 if not self._overlap:
                     self.trainer.snapshots.wait()  # synchronous: the step ends once the state is out
+        except StepAnomaly:
+            raise   # applied nowhere, on any rank: the stage and its groups are as after the last step
         except BaseException as e:
             self._abandon(e, f"step {step}")
             raise
@@ -343,7 +356,8 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
     @ray.method(concurrency_group="train")
     def train_lease(self, first: int, count: int, snapshot_last: bool, put_blocks: list[int] | None = None,
                     timeout_s: float | None = None, shares: list[int] | None = None,
-                    grant: int | None = None, after: int | None = None) -> list[dict]:
+                    grant: int | None = None, after: int | None = None,
+                    checks: list[int] | None = None) -> list[dict]:
         """Steps ``first`` .. ``first + count - 1`` on this rank's own (a lease the controller
         granted), each as ``train_step``; with ``snapshot_last`` the last takes the snapshot. The
         results of every step, in order. A step that fails ends the lease with its error, and
@@ -365,11 +379,18 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
             try:
                 for step in range(first, first + count):
                     snap = snapshot_last and step == first + count - 1
-                    out.append(self._train_step(step, snap, put_blocks if snap else None, timeout_s, shares))
+                    try:
+                        out.append(self._train_step(step, snap, put_blocks if snap else None, timeout_s, shares,
+                                                    step in (checks or ())))
+                    except StepAnomaly as e:
+                        # Every rank ends its lease here alike: the steps before it stand, this
+                        # one's mark last; the lease queued behind is refused (not all ran).
+                        out.append(anomaly_answer(self.rank, e))
+                        break
             finally:
                 self._busy -= 1
                 if grant is not None:
-                    self._lease_order.ended(grant, len(out) == count)
+                    self._lease_order.ended(grant, len(out) == count and "anomaly_mark" not in out[-1])
         out[0]["gap_s"] = gap
         return out
 
@@ -410,7 +431,7 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         return self.trainer.state_dict()
 
     # -- fault injection, for chaos tests and demos --------------------------------
-    def inject_fault(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
+    def inject_fault(self, kind: str, step: int | None = None, seconds: float = 0.0, **spec) -> None:
         """Chaos hooks: ``raise`` an exception inside ``step`` (without one: the next step), or
         ``raise_eval`` inside the evaluation after it; hold the next ``setup``
         for ``seconds``; hold pinning the snapshot of ``step`` for ``seconds``; make every
@@ -418,8 +439,14 @@ class TrainWorker(SnapshotServing, GroupControl, WorkerQuestions):
         worker's compute ``seconds`` times slower (``slow_compute``, a straggler; 1 ends it;
         with a step, that step alone); grow past this worker's memory limit in ``step`` until the
         kernel kills it (``grow_memory``: a memory kill; refused without a limit).
-        ``slow_pin`` without a step holds every pin. Only where the run's config sets
+        ``slow_pin`` without a step holds every pin. The integrity faults ``nan``, ``poison`` and
+        ``flip`` (``worker.integrity_faults``; ``spec``: their other fields) hit the rank this worker
+        is now unless ``spec`` names one. Only where the run's config sets
         ``failure.allow_fault_injection``."""
+        if kind in INTEGRITY_KINDS:
+            self.faults.check_allowed()
+            self.faults.integrity.add({"kind": kind, "step": step, "rank": self.rank, **spec})
+            return
         self.faults.inject(kind, step, seconds)
         if kind == "slow_compute" and self.trainer is not None:
             self.trainer.clock.slow_factor = self.faults.slow

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from .integrity_faults import IntegrityFaults
+
 # Seconds every snapshot holds its step, in all of a run's workers (set through scaling.env_vars).
 SNAPSHOT_DELAY_ENV = "ELASTIC_TRAINER_SNAPSHOT_DELAY_S"
 # Seconds a worker's first set-up holds (a start-up long enough for a chaos test to hit).
@@ -36,6 +38,8 @@ class FaultHooks:
         self._slow_steps: dict[int, float] = {}   # step -> its own factor (a one-step slow_compute)
         self._slow_rank = None     # (rank, factor) from the environment, until the first set-up
         self._grow_rank = None     # (rank, step) from the environment, until the first set-up
+        # Faults that poison training (worker.integrity_faults); None where injection is off.
+        self.integrity = IntegrityFaults(env) if allowed else None
         if not allowed:
             return
         if env.get(SNAPSHOT_DELAY_ENV):  # holds from the first step on
@@ -49,11 +53,14 @@ class FaultHooks:
         if env.get(GROW_MEMORY_RANK_ENV):
             self._grow_rank = (int(env[GROW_MEMORY_RANK_ENV]), int(env.get(GROW_MEMORY_STEP_ENV) or 0) or None)
 
-    def inject(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
-        """See ``TrainWorker.inject_fault``."""
+    def check_allowed(self) -> None:
         if not self.allowed:
             raise PermissionError(f"fault injection is off in {self.who}: set failure.allow_fault_injection true "
                                   "in its config to inject faults")
+
+    def inject(self, kind: str, step: int | None = None, seconds: float = 0.0) -> None:
+        """See ``TrainWorker.inject_fault``."""
+        self.check_allowed()
         if kind == "slow_snapshot":
             self._faults["slow_snapshot"] = seconds
         elif kind in ("raise", "raise_eval", "grow_memory"):

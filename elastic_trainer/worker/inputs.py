@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainerConfig
+from ..data.skips import add_range, cursor
 from ..data.splits import make_sampler, open_datasets
 from ..errors import DataError
 from ..parallel.topology import Topology
@@ -38,11 +39,26 @@ class StageInputs:
         self.sampler = make_sampler(cfg, self.train) if self.train is not None else None
         self.first_rank = topo.rank(replica, 0)
         self.last_rank = topo.rank(replica, topo.pp - 1)
+        # The sample ranges never read (data.skip_samples: the config's and the run's so far), to
+        # which a skipped step adds its batch.
+        self.skips = [tuple(r) for r in cfg.data.skip_samples]
+        self.faults = None   # integrity faults (worker.integrity_faults), where injection is allowed
+
+    def cursor(self, step: int) -> int:
+        """The first sample of ``step``, past the skipped ranges."""
+        return cursor(step, self.cfg.train.global_batch_size, self.skips)
+
+    def skip(self, step: int) -> list[int]:
+        """Leave out ``step``'s batch (its run again reads the next one); the range left out."""
+        start = self.cursor(step)
+        end = start + self.cfg.train.global_batch_size
+        self.skips = add_range(self.skips, start, end)
+        return [start, end]
 
     def _rows(self, step: int, shares: list[int] | None = None) -> np.ndarray:
         gb, mb = self.cfg.train.global_batch_size, self.cfg.train.micro_batch_size
         samples = [n * mb for n in shares] if shares is not None else None
-        return self.sampler.replica_rows((step - 1) * gb, gb, self.topo.dp, self.replica, samples)
+        return self.sampler.replica_rows(self.cursor(step), gb, self.topo.dp, self.replica, samples)
 
     def _eval_rows(self, batch: int) -> np.ndarray:
         gb = self.cfg.train.global_batch_size
@@ -55,7 +71,10 @@ class StageInputs:
         if self.train is None:
             return None, None
         rows = self._rows(step, shares)
-        out = self._get(self.train, rows, (_TRAIN, step, 0))
+        at = self.cursor(step)
+        poison = (self.faults is not None and self.has_first
+                  and self.faults.poisoned(at, self.cfg.train.global_batch_size))
+        out = self._get(self.train, rows, (_TRAIN, step, 0), poison_seed=at if poison else None)
         if self.has_first and step < self.cfg.train.steps:
             self.train.prefetch(self._rows(step + 1, shares))
         return out
@@ -66,11 +85,14 @@ class StageInputs:
             return None, None
         return self._get(self.eval, self._eval_rows(batch), (_EVAL, step, batch))
 
-    def _get(self, ds, rows: np.ndarray, tag: tuple[int, int, int]):
+    def _get(self, ds, rows: np.ndarray, tag: tuple[int, int, int], poison_seed: int | None = None):
         fp = ds.windows_fingerprint(rows)
         n, seq = len(rows), self.cfg.data.seq_len
         if self.has_first:
             x, y = ds.sample(rows)
+            if poison_seed is not None:   # an injected fault: every target the batch's rarest token, junk
+                values, counts = np.unique(y, return_counts=True)
+                y = np.full_like(y, values[np.argmin(counts)])
             x, y = torch.from_numpy(x), torch.from_numpy(y)
             if self.has_last:
                 return x.to(self.device), y.to(self.device)

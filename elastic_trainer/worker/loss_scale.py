@@ -15,7 +15,6 @@ at any dp x pp continues with the same scale.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
@@ -26,17 +25,6 @@ class LossScaler:
         self.scale = float(init_scale)
         self.growth_interval = growth_interval
         self.growth_tracker = 0  # good steps in a row since the scale last changed
-
-    def found_inf(self, grads: list[torch.Tensor], device: torch.device, group=None) -> bool:
-        """Whether any rank of ``group`` (the plan's world; None: the default group) has a non-finite
-        gradient (every rank must call it)."""
-        # On the device, with no host sync per gradient: one for the whole check, at .item().
-        finite = [torch.isfinite(g).all() for g in grads]
-        flag = (~torch.stack(finite).all()).float() if finite else torch.zeros((), device=device)
-        flag = flag.to(device=device, dtype=torch.float32)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
 
     def unscale_(self, grads: list[torch.Tensor]) -> None:
         inv = torch.tensor(self.scale, dtype=torch.float64).reciprocal().float().item()

@@ -81,9 +81,13 @@ class ShardedOptimizer:
         """Sum of squares of the owned gradients (tied second copies left out): summed over the
         world, the whole model's."""
         sq = torch.zeros((), dtype=torch.float32, device=self.owned[0].view.device if self.owned else "cpu")
-        for o in self._in_norm:
-            sq += o.view.grad.detach().float().pow(2).sum()
+        for g in self.norm_grads():
+            sq += g.detach().float().pow(2).sum()
         return sq
+
+    def norm_grads(self) -> list[torch.Tensor]:
+        """The owned gradients the norm sums (tied second copies left out)."""
+        return [o.view.grad for o in self._in_norm]
 
     def gather(self, stats: CommStats) -> None:
         """All-gather every bucket's updated shards into the live parameters."""

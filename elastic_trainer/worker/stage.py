@@ -25,6 +25,7 @@ from ..comm.parameter_server import PSClient
 from ..config import TrainerConfig
 from ..config.runtime import MEETING_SYNCS
 from ..data.dataset import ensure_prepared
+from ..integrity.anomaly import StepAnomaly
 from ..lr_schedule import lr_at, set_lr
 from ..optim.build import build_optimizer  # noqa: F401 - also this module's, for older callers
 from ..parallel.partition import stage_indices_for_rank
@@ -36,6 +37,8 @@ from .inputs import StageInputs
 from .loss_scale import LossScaler
 from .process_group import Groups
 from .sharded_optimizer import ShardedOptimizer
+from .state_checks import StateChecks
+from .step_check import StepCheck
 from .snapshot_taker import SnapshotTaker
 from .stage_state import StageState
 from .step_result import StepResult
@@ -83,7 +86,10 @@ class StageTrainer(StageState):
         # A pipeline also divides by the micro-batches there (not after, as in fp32), so fp16's
         # gradients stay as small as a single process's and overflow where its would.
         self._loss_mult = 1.0
-        self.loss_fn = loss_fn if self.scaler is None else (lambda out, tgt: loss_fn(out, tgt) * self._loss_mult)
+        self._base_loss = loss_fn
+        self._nan_micro: int | None = None   # an injected fault: this micro-batch's loss turns NaN
+        self._micro = 0
+        self.faults = None                   # integrity faults (worker.integrity_faults), where allowed
         self.modules = {
             s: nn.Sequential(*(blocks[i] for i in range(a, b))) for s, (a, b) in self.stage_bounds.items()
         }
@@ -105,6 +111,8 @@ class StageTrainer(StageState):
                              grad_scale=1.0 if topo.pp == 1 or self.scaler is not None else 1.0 / cfg.micro_batches,
                              seed=cfg.train.seed, exchange=exchange, free_grads=p.shard_optimizer == "gradients",
                              hold={n for n, _ in named if n in tied})
+        self.check = StepCheck(cfg, topo, rank, groups.world, device, sharded)
+        self.state_checks = StateChecks(self)
         self.zero = (ShardedOptimizer(named, self.sync, exchange, dist.get_rank(groups.dp), cfg.train,
                                       build_optimizer, skip_in_norm=self.ties.followers) if sharded else None)
         self.optimizer = self.zero.optimizer if self.zero is not None else build_optimizer(named, cfg.train)
@@ -130,6 +138,18 @@ class StageTrainer(StageState):
         # that evaluation keeps using.
         self._schedules: dict[int, object] = {}
         self.schedule = self._schedule_for(cfg.micro_batches) if topo.pp > 1 else None
+
+    def loss_fn(self, out, tgt):
+        """A micro-batch's loss as backward takes it: times fp16's scale (and the pipeline's
+        1 / micro-batches with it), NaN where a fault was injected into it."""
+        loss = self._base_loss(out, tgt)
+        if self.scaler is not None:
+            loss = loss * self._loss_mult
+        if self._nan_micro is not None:
+            if self._micro == self._nan_micro:
+                loss = loss * float("nan")
+            self._micro += 1
+        return loss
 
     def _schedule_for(self, n_micro: int):
         if n_micro not in self._schedules:
@@ -180,14 +200,35 @@ class StageTrainer(StageState):
 
     # -- one step -------------------------------------------------------------
     def train_step(self, step: int, shares: list[int] | None = None) -> StepResult:
-        """Forward and backward over the micro-batches, average grads over DP, clip, apply.
+        """Forward and backward over the micro-batches, average grads over DP, judge, clip, apply.
 
-        ``step`` counts from 1; step s reads global samples [(s-1)*B, s*B).
+        ``step`` counts from 1; step s reads the global batch at ``inputs.cursor(s)`` (samples
+        [(s-1)*B, s*B) where nothing was skipped).
         ``shares``: micro-batches per replica (balancing; None: equal shares). A
         replica's gradient is then weighted by its samples, so the update is the
         equal shares' one: every micro-batch's loss is divided by the equal
         count, whatever this replica runs, and the DP average divides by dp.
+
+        A step judged anomalous (``integrity``) is applied nowhere. With ``on_anomaly: skip`` its
+        batch is left out and the step runs again on the next one (the result lists what was
+        skipped); otherwise, or past ``max_anomalies``, ``StepAnomaly`` is raised, alike on every rank.
         """
+        skipped: list[dict] = []
+        while True:
+            r = self._attempt(step, shares)
+            if r.anomaly is None:
+                r.anomalies = skipped
+                return r
+            a = r.anomaly
+            # Corruption is the hardware's, not the data's: its rank's node is quarantined.
+            a["action"] = "quarantine" if a["anomaly"] == "corruption" else self.check.judge.action(step)
+            if a["action"] != "skip":
+                raise StepAnomaly(step, a, r.cursor)
+            a["samples"] = self.inputs.skip(step)
+            skipped.append(a)
+
+    def _attempt(self, step: int, shares: list[int] | None) -> StepResult:
+        """One attempt at ``step`` (see ``train_step``)."""
         if shares is not None and (len(shares) != self.topo.dp or sum(shares) != self.topo.dp * self.cfg.micro_batches):
             raise ValueError(f"shares {shares} must give {self.topo.dp} replicas "
                              f"{self.topo.dp * self.cfg.micro_batches} micro-batches in all")
@@ -205,6 +246,10 @@ class StageTrainer(StageState):
             for p in self.params:
                 p.grad = None
         losses: list[torch.Tensor] = []
+        if self.faults is not None:
+            if self.has_last:
+                self._nan_micro, self._micro = self.faults.nan_micro(step, self.rank), 0
+            self.state_checks.flip(step, "optimizer")   # held since the last update, as memory corrupts it
         self.sync.begin_step(step)
         clock = self.clock
         clock.begin_step()
@@ -236,16 +281,30 @@ class StageTrainer(StageState):
         except BaseException:
             self.sync.abort()
             raise
-        skipped = False
+        finally:
+            self._nan_micro = None
+        self.state_checks.flip(step, "gradient")
+        grads = shard_grads if self.zero is not None else [p.grad for p in self.params if p.grad is not None]
+        changed = self.state_checks.changed_at_rest()
+        # Every rank's verdict over the plan's world by its handle (after an abort or a shrink it
+        # raises, never reaching the world the next plan keeps): the step's loss, its gradient
+        # norm, and where a value was not finite.
+        verdict, dt = self.check.agree(
+            losses if self.has_last else [], self._loss_mult if scale is not None else 1.0,
+            self.zero.norm_grads() if self.zero is not None else [p.grad for p in self._norm_params
+                                                                 if p.grad is not None],
+            self.replica, scale, stats, changed=bool(changed))
+        exposed += dt if self.topo.world_size > 1 else 0.0
+        decision, anomaly = self.check.judge.judge(step, verdict)
+        gb = self.cfg.train.global_batch_size
+        if anomaly is not None:   # applied nowhere: the scale, the state, the snapshot all stay
+            return StepResult(step, verdict.loss, time.perf_counter() - t0 - exposed, stats.seconds, stats.bytes,
+                              self.inputs.cursor(step), exposed_comm_s=exposed, loss_scale=scale, lr=lr_at(self.cfg.train, step),
+                              micro_batches=n_micro, grad_norm=None, anomaly=anomaly)
+        skipped = decision == "overflow"
+        if not skipped:
+            self.check.judge.accept(verdict)
         if self.scaler is not None:
-            timer = start_timer(self.device)
-            grads = shard_grads if self.zero is not None else [p.grad for p in self.params if p.grad is not None]
-            # The plan's world by its handle: after an abort or a shrink it raises, never reaching
-            # the world the next plan keeps.
-            skipped = self.scaler.found_inf(grads, self.device, self.groups.world)
-            dt = timer.stop().seconds()
-            exposed += dt
-            stats.add("all_reduce", ring_allreduce_bytes(4, self.topo.world_size), dt)
             if not skipped:
                 self.scaler.unscale_(grads)  # by this step's scale, before update() may change it
             self.scaler.update(skipped)
@@ -256,9 +315,7 @@ class StageTrainer(StageState):
         # On an overflow every rank found it alike (found_inf agrees over the world): none clips or steps.
         if not skipped:
             if self.cfg.train.grad_clip is not None:
-                t_clip = time.perf_counter()
-                self._clip(self.cfg.train.grad_clip, stats)
-                exposed += (time.perf_counter() - t_clip) if self.topo.pp > 1 else 0.0
+                self.check.clip(grads, verdict, self.cfg.train.grad_clip)
             if self.ps is not None:
                 t_ps = time.perf_counter()
                 self.ps.push_pull(step, stats)
@@ -273,6 +330,7 @@ class StageTrainer(StageState):
                     exposed += timer.stop().seconds()
         if self.model_avg is not None:
             exposed += self.model_avg.maybe_sync(step, stats)
+        self.state_checks.flip(step, "parameter")   # as a faulty update writes it
         exposed += waited_comm.seconds()
         wall = time.perf_counter() - t0
         compute_s = wall - exposed - waited
@@ -280,12 +338,12 @@ class StageTrainer(StageState):
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if self.has_last and losses else None
         if loss is not None and scale is not None:
             loss /= self._loss_mult
-        gb = self.cfg.train.global_batch_size
-        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, (step - 1) * gb,
+        return StepResult(step, loss, compute_s, stats.seconds, stats.bytes, self.inputs.cursor(step),
                           exposed_comm_s=exposed, dense_bytes=self.dense_bytes, loss_scale=scale, skipped=skipped,
                           snapshot_wait_s=waited, lr=lr, forward_s=own["forward"], backward_s=own["backward"],
                           optimizer_s=own["optimizer"], wait_s=max(0.0, wall - waited - sum(own.values())),
-                          micro_batches=n_micro, passes_steady_s=shape["steady_s"], passes_shape=shape)
+                          micro_batches=n_micro, passes_steady_s=shape["steady_s"], passes_shape=shape,
+                          grad_norm=verdict.grad_norm if not skipped else None)
 
     def evaluate(self, step: int) -> float | None:
         """Mean loss of ``eval.batches`` held-out batches, forward only, in eval mode (no dropout),
@@ -314,28 +372,3 @@ class StageTrainer(StageState):
             for m in self.modules.values():
                 m.train()
         return float(torch.stack([l.detach().float() for l in losses]).mean()) if self.has_last and losses else None
-
-    def _clip(self, max_norm: float, stats: CommStats) -> None:
-        """Clip by the norm over the whole model: after DP averaging every replica holds
-        the same grads, so summing squares over the PP group gives the global norm.
-        (With local SGD / DiLoCo each replica clips its own gradients.)"""
-        if self.zero is not None:
-            # Each rank holds its own shard of every gradient: the world's sum is the model's.
-            grads = [o.view.grad for o in self.zero.owned]
-            sq = self.zero.norm_sq().to(self.device)
-            group, n = self.groups.world, self.topo.world_size
-        else:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            sq = torch.zeros((), device=self.device, dtype=torch.float32)
-            for p in self._norm_params:
-                if p.grad is not None:
-                    sq += p.grad.detach().float().pow(2).sum()
-            group, n = self.groups.pp, self.topo.pp
-        if n > 1:
-            timer = start_timer(sq.device)
-            dist.all_reduce(sq, group=group)
-            stats.add("all_reduce", sq.element_size(), timer.stop())
-        total = sq.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))

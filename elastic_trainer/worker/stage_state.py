@@ -51,8 +51,12 @@ class StageState:
         return job.copied()
 
     def _extra(self) -> dict:
-        """Training state beside parameters and optimizer: fp16's loss scale (the same on every rank)."""
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        """Training state beside parameters and optimizer, the same on every rank: fp16's loss scale,
+        and the integrity judge's history (the recent losses and norms, the recent anomalies)."""
+        extra = {"integrity": self.check.judge.state()}
+        if self.scaler is not None:
+            extra.update(self.scaler.state_dict())
+        return extra
 
     def restore_want(self) -> tuple[list[int], dict | None]:
         """What a restore must bring this rank: its blocks, and the ranges of the moments it owns
@@ -81,8 +85,10 @@ class StageState:
         load_into(self.named_parameters(), self.optimizer, params, optim if self.zero is None else {})
         if self.zero is not None:
             self.zero.load_state(optim)
+        extra = shards[0].get("extra") or {}
         if self.scaler is not None:
-            self.scaler.load_state_dict(shards[0].get("extra") or {})
+            self.scaler.load_state_dict(extra)
+        self.check.judge.load(extra.get("integrity"))
 
         def own(meta: dict) -> bool:
             return (meta.get("replica"), meta.get("dp"), meta.get("codec")) == (

@@ -9,6 +9,12 @@ import torch
 from .memory_use import cuda_peak_bytes, peak_rss_bytes, reset_peaks
 
 
+def anomaly_answer(rank: int, e) -> dict:
+    """What a rank answers for a step judged anomalous and not skipped (``integrity.anomaly``'s
+    ``StepAnomaly``): applied nowhere, its lease ended after it."""
+    return {"rank": rank, "anomaly_mark": True, "step": e.step, "anomaly": e.anomaly, "cursor": e.cursor}
+
+
 def step_answer(rank: int, r, snapshot_bytes: int, buffer_bytes: int, copied, t0: float,
                 device: torch.device) -> dict:
     """The answer of a step call (``r``: the ``StepResult``; ``t0``: when the call began). Reads
@@ -21,7 +27,8 @@ def step_answer(rank: int, r, snapshot_bytes: int, buffer_bytes: int, copied, t0
             "snapshot_wait_s": r.snapshot_wait_s, "lr": r.lr, "forward_s": r.forward_s,
             "backward_s": r.backward_s, "optimizer_s": r.optimizer_s, "wait_s": r.wait_s,
             "micro_batches": r.micro_batches, "passes_steady_s": r.passes_steady_s,
-            "passes_shape": r.passes_shape,
+            "passes_shape": r.passes_shape, "grad_norm": r.grad_norm, "anomalies": r.anomalies or [],
+            "fingerprints": r.fingerprints, "check_s": r.check_s,
             "snapshot_bytes": snapshot_bytes, "snapshot_buffer_bytes": buffer_bytes, "copied": copied,
             # The whole call here (what the controller's driving cannot save, the rank's own
             # Python between its passes included).

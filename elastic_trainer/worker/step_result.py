@@ -27,3 +27,8 @@ class StepResult:
     micro_batches: int = 0        # this replica's share of the step's micro-batches
     passes_steady_s: float = 0.0  # forward + backward at each pass's steady cost (compute_clock)
     passes_shape: dict | None = None  # what pricing them at another count needs (compute_clock.pass_shape)
+    grad_norm: float | None = None    # the global gradient norm, agreed over every rank (None: not applied)
+    anomaly: dict | None = None       # this attempt was judged anomalous (integrity): applied nowhere
+    anomalies: list | None = None     # the attempts at this step skipped before it (on_anomaly: skip)
+    fingerprints: dict | None = None  # a check step's: what this rank holds after it (worker.state_checks)
+    check_s: float = 0.0              # and what taking them cost

@@ -98,9 +98,6 @@ def test_the_loss_scale_backs_off_on_an_overflow_grows_after_good_steps_and_roun
     from elastic_trainer.worker.loss_scale import LossScaler
 
     s = LossScaler(1024.0, growth_interval=2)
-    grads = [torch.ones(3), torch.tensor([1.0, float("inf")])]
-    assert s.found_inf(grads, torch.device("cpu"))  # no process group: this rank alone
-    assert not s.found_inf([torch.ones(3)], torch.device("cpu"))
     s.update(True)
     assert s.scale == 512.0
     s.update(False)

@@ -22,6 +22,7 @@ import ray
 from ...checkpoint.durable import CheckpointError, DurableStore
 from ...checkpoint.history_log import manifest_history
 from ...config import TrainerConfig
+from ...data.skips import add_range
 from ...storage.uris import split_last
 from ...worker.allocator import nodes_start_on
 from .checker import (Violation, check_checkpoint, check_counts, check_drains, check_end, check_goodput,
@@ -213,7 +214,11 @@ class Campaign:
         v += check_goodput(out.goodput, out.events, out.state in ("FINISHED", "STOPPED"))
         if out.state not in ("FINISHED", "STOPPED"):
             return v
-        v += check_history(out.history, s.steps, cfg.train.global_batch_size)
+        skips = [tuple(r) for r in cfg.data.skip_samples]
+        for e in out.events:
+            if e["kind"] == "anomaly" and e.get("samples"):
+                skips = add_range(skips, *e["samples"])
+        v += check_history(out.history, s.steps, cfg.train.global_batch_size, skips)
         reference_layout = layout_of(ref.plans[-1]) if ref.plans else None
         off = steps_off_layout(out.history, out.plans, reference_layout)
         v += check_state(out.model_state, ref.model_state, off, cfg.train.lr)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...checkpoint.cover import cover_problems
+from ...data.skips import cursor
 from ...worker.copies import on_timeline
 from .schedule import KILLS, LETHAL
 
@@ -64,7 +65,7 @@ def check_end(state: str, error: str | None, lethal: int, max_failures: int) -> 
                       + f" after {lethal} lethal fault(s), max_failures {max_failures}")]
 
 
-def check_history(history: list[dict], steps: int, global_batch: int) -> list[Violation]:
+def check_history(history: list[dict], steps: int, global_batch: int, skips=()) -> list[Violation]:
     got = [r["step"] for r in history]
     out = []
     if got != list(range(1, steps + 1)):
@@ -76,7 +77,9 @@ def check_history(history: list[dict], steps: int, global_batch: int) -> list[Vi
         out.append(Violation("steps_once", f"history steps {_runs(got)}"
                              + (f"; twice: {twice[:10]}" if twice else "") + (f"; missing: {missing[:10]}" if missing else "")
                              + ("" if twice or missing else "; out of order")))
-    bad = [(r["step"], r.get("cursor")) for r in history if r.get("cursor") != (r["step"] - 1) * global_batch]
+    # ``skips``: the sample ranges the run left out (the config's, its anomalies'): the batches after
+    # one move past it.
+    bad = [(r["step"], r.get("cursor")) for r in history if r.get("cursor") != cursor(r["step"], global_batch, skips)]
     if bad:
         out.append(Violation("data_cursor", f"steps whose batch is not the one after the last (step, cursor): {bad[:5]}"))
     return out

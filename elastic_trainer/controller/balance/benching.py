@@ -68,11 +68,12 @@ class Bench:
         self._probed_at = 0
 
     def usable(self) -> list[int]:
-        """The live workers a plan may use: all but the benched, and those on a draining node."""
+        """The live workers a plan may use: all but the benched, and those on a draining or a
+        quarantined node."""
         with self._lock:
             benched = set(self.benched)
-        draining = self.pool.draining
-        return sorted(w for w, h in list(self.pool.workers.items()) if w not in benched and h.node not in draining)
+        return sorted(w for w, h in list(self.pool.workers.items())
+                      if w not in benched and not self.pool.leaving(h.node, w))
 
     def bench(self, rank: int, pace: float, step: int) -> int | None:
         """Leave out the worker of ``rank``; its id, for the caller to re-plan without it (a

@@ -169,6 +169,11 @@ class Recovery:
         pool.spawn_on_free_nodes()   # replacements where the cluster has room; they join by growth
         return ReplanOrder("startup", detected, abort_setups=True, failure=self._failures)
 
+    def abandon(self, refs) -> None:
+        """Calls of a step given up without a failure (an anomaly's queued lease, refused): read
+        once they end, quietly."""
+        self._abandoned += list(refs)
+
     def step_committed(self) -> None:
         """A step completed: its retries are back, and the failed steps' calls that have ended
         since are read."""

@@ -96,6 +96,12 @@ class Drains:
             return
         self._last = now
         notices = self._read()
+        quarantined = [h.wid for h in self.pool.handles() if h.rank is None
+                       and (h.node in self.pool.quarantined or h.wid in self.pool.quarantined_workers)]
+        if quarantined:   # moved off a quarantined node: let go
+            self.pool.drop(quarantined)
+            self.run.event("quarantine", step=self.run.step, action="moved off", let_go=quarantined,
+                           nodes=sorted(self.pool.quarantined))
         if not notices and not self.pool.draining:
             return
         for node, deadline in notices.items():

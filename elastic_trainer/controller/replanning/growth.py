@@ -24,6 +24,10 @@ from .drains import Drains
 from .replacements import Replacements
 
 
+# How long a quarantine's re-plan waits for the replacement started for it (then it shrinks).
+QUARANTINE_WAIT_S = 60.0
+
+
 class Growth:
     def __init__(self, cfg: TrainerConfig, run: RunRecord, pool: WorkerPool, bench: Bench,
                  schedule: SnapshotSchedule, fences: Fences):
@@ -89,6 +93,11 @@ class Growth:
         self.drains.poll()
         if self._reason is None and not self._grow_wanted and not self._look():
             return None
+        if self._reason == "quarantine" and self.pool.joining:
+            # A worker proven to corrupt data trains no more: the run waits for its replacement
+            # (a spare keeps the layout) rather than step on with it or shrink.
+            with run.goodput.phase("integrity"):
+                self.pool.await_joining(QUARANTINE_WAIT_S, required=False)
         if self._reason == "drain" and not self.drains.ready():
             return None   # a replacement is starting, and the deadline leaves time to take it in
         if self.schedule.last_taken != run.step:

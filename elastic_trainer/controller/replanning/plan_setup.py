@@ -63,6 +63,7 @@ class PlanSetup:
         raw["scaling"]["num_workers"] = None
         raw["scaling"]["min_workers"] = 1
         raw["scaling"]["max_workers"] = None
+        raw["data"]["skip_samples"] = [list(r) for r in self.run.data_skips]   # the config's and the run's since
         return raw
 
     def apply(self, plan: Plan, restore: tuple | None, sources: Sources, durable_refs: DurableRefs,

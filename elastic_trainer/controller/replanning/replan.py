@@ -43,6 +43,7 @@ class Replanner:
         self.pending_event: dict | None = None   # the recovery event, completed at the next step
         # Layouts (policy.layout_key) whose set-up ran out of memory: not chosen again, not retried.
         self.unfit: dict[tuple, str] = {}
+        self.on_rollback = None   # records an anomaly's rollback once it is set up (integrity.anomalies)
 
     def carry_out(self, order: ReplanOrder) -> None:
         """Re-plan on the usable workers and restore, as ``order`` says; a set-up that fails counts
@@ -52,7 +53,9 @@ class Replanner:
         step = out.step if out else run.step + 1   # the step that failed, or the next one
         attempts, retry_s = 0, 0.0
         shrunk, whole = order.shrunk, (order.whole if order.after_failure else None)
-        if order.reason == "drain":
+        if order.reason in ("anomaly", "corruption"):
+            whole = None   # no worker failed: their groups are whole, asked of them as between steps
+        if order.reason in ("drain", "quarantine"):
             # Groups are built anew: carrying those without the moved ranks (asked of the workers,
             # as a grow does) left the new worker and the survivors naming the new groups apart,
             # and the set-up waited out the rendezvous timeout before its retry built them all.
@@ -70,7 +73,8 @@ class Replanner:
             pool.await_joining(0, required=False)
             with run.goodput.phase("waiting_for_nodes"):
                 self._wait_for_min_workers()
-            plan, ranks, why = self._next_plan(keep=order.after_failure, cut=order.cut, move=order.reason == "drain")
+            plan, ranks, why = self._next_plan(keep=order.after_failure, cut=order.cut,
+                                               move=order.reason in ("drain", "quarantine"))
             reuse = None
             kept = shrunk_ranks(shrunk, plan, pool) if ranks is None else None
             if kept is not None and any(w in self.bench.benched for w in kept.values()):
@@ -80,7 +84,12 @@ class Replanner:
                 why += "; the survivors keep their shrunk world (no rendezvous)"
             t1 = time.perf_counter()
             run.goodput.enter(restore_bucket)
-            restore = self.points.restore_point(between_steps=not order.after_failure and attempts == 1)
+            restore = self.points.restore_point(between_steps=not order.after_failure and attempts == 1,
+                                                at_most=order.restore_at_most)
+            if order.rollback is not None:
+                # The batches from the one after the restored step to the anomalous one's are left out
+                # (a retry restoring an earlier step widens the window).
+                order.rollback["samples"] = run.skip_since(restore[0] if restore else 0, order.rollback["cursor"])
             try:
                 desc = self.setup.apply(plan, restore, self.points.sources, self.points.durable_refs, ranks,
                                         reuse_world=reuse, whole=whole)
@@ -109,6 +118,9 @@ class Replanner:
                 continue
             cause = self._memory_kills(order, cause)
             self._record(order, cause, restore, desc, why, attempts, retry_s, t1, time.perf_counter())
+            if order.rollback is not None and self.on_rollback is not None:
+                self.on_rollback(order.rollback["anomaly"], samples=order.rollback["samples"],
+                                 restored_step=restore[0] if restore else 0)
             self.bench.after_replan(run.step, self.setup.reset_refs)
             log.info("[%s] re-planned (%s) to dp=%d x pp=%d on %d of %d workers, restored step %d from %s",
                      run.name, order.reason, plan.topology.dp, plan.topology.pp, plan.topology.world_size,
@@ -260,7 +272,8 @@ class Replanner:
 
 # Where a re-plan's time goes (``goodput``), by the order's reason: (choosing and setting up, restoring).
 _PLANNED = {"startup": ("startup", "startup"), "drain": ("drains", "drains"), "grow": ("resizing", "resizing"),
-            "straggler": ("stragglers", "stragglers"), "recut": ("stragglers", "stragglers")}
+            "straggler": ("stragglers", "stragglers"), "recut": ("stragglers", "stragglers"),
+            "quarantine": ("integrity", "integrity")}
 
 
 def _buckets(order: ReplanOrder) -> tuple[str, str]:

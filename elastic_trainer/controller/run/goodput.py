@@ -21,7 +21,7 @@ import time
 
 # Every bucket, in the order reports list them; ``training`` is the good one.
 BUCKETS = ("training", "startup", "waiting_for_nodes", "detection", "replan", "restore", "redone",
-           "checkpointing", "drains", "resizing", "stragglers", "evaluation", "controller")
+           "checkpointing", "drains", "resizing", "stragglers", "evaluation", "integrity", "controller")
 
 WHAT = {
     "training": "steps that count (each step once, however often it ran)",
@@ -36,6 +36,7 @@ WHAT = {
     "resizing": "re-plans onto workers that joined",
     "stragglers": "a slow rank's share of the steps it slowed, and the re-plans that left it out or re-cut",
     "evaluation": "validation passes (eval.every)",
+    "integrity": "the replicas' state fingerprinted on check steps (integrity.check_every)",
     "controller": "driving between steps while no step ran: recording, deciding, holds",
 }
 

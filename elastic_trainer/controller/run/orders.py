@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 class ReplanOrder:
     """A re-plan decided: why, since when, and what the failure (if any) left to keep."""
 
-    reason: str                       # death | silent | hang | exception | collective | startup | grow | straggler | recut
+    reason: str                       # death | silent | hang | exception | collective | startup | grow | straggler | recut | drain | anomaly
     detected: float                   # perf_counter when the need was found
     failed: StepOutcome | None = None  # the failed step; None for a re-plan between steps or at start-up
     plan_before: dict | None = None   # the plan's description before it, for the event
@@ -25,6 +25,8 @@ class ReplanOrder:
     abort_setups: bool = False        # set-ups of a failed attempt may still wait: abort them first
     cause: str | None = None          # what the failure is known to be due to ("memory")
     failure: int | None = None        # the run's failure number (``Recovery``); None between steps
+    rollback: dict | None = None      # an anomaly's rollback: {"anomaly": its fields, "cursor": its batch's start}
+    restore_at_most: int | None = None   # restore no later step (corruption: the last every replica agreed on)
 
     @property
     def after_failure(self) -> bool:

@@ -3,7 +3,8 @@
 What every part of the controller reads (the step, the plan and which worker
 holds each rank, the history, the events, the run's id, a stop asked for) is
 here, and only the operations below change it: ``transition``, ``event``,
-``commit_step``, ``record_eval``, ``apply_plan``, ``adopt``, ``request_stop``.
+``commit_step``, ``record_eval``, ``apply_plan``, ``adopt``, ``add_skip``, ``skip_since``,
+``request_stop``.
 Each takes the lock the read-only queries take (``queries``), so a caller on
 another thread of the actor never sees half of a change. The parts that decide
 (recovery, balancing, the step loop) hold this object, never the controller.
@@ -17,6 +18,7 @@ import time
 import uuid
 
 from ...config import TrainerConfig
+from ...data.skips import add_range, cursor
 from ...metrics import RunMetrics
 from ...planning.plan import Plan
 from ...secrets import mask
@@ -62,6 +64,10 @@ class RunRecord:
         self.points = NO_POINTS               # where a fault campaign may hold the run (fault_points)
         self.error_at: int | None = None      # inject_fault("controller_error"): the step to raise before
         self.goodput = GoodputClock()         # where the wall time goes (restarted when the run starts)
+        # The sample ranges the run never reads: the config's, and the batches it left out after
+        # anomalies (integrity); the workers take them at each set-up (data.skips).
+        self.data_skips: list[tuple[int, int]] = [tuple(r) for r in cfg.data.skip_samples]
+        self.halt: str | None = None          # why the run, once its last good step is saved, ends FAILED
         self.lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -187,13 +193,29 @@ class RunRecord:
         self.goodput.move("training", "redone", sum(h.get("step_time_s") or 0.0 for h in lost))
         return desc
 
-    def adopt(self, run_id: str | None, history: list[dict]) -> None:
+    def add_skip(self, start: int, end: int) -> None:
+        """Samples ``[start, end)`` are never read (merged with the ranges so far)."""
+        with self.lock:
+            self.data_skips = add_range(self.data_skips, int(start), int(end))
+
+    def skip_since(self, restored: int, failed_cursor: int) -> list[int]:
+        """A rollback to step ``restored`` from a step whose batch began at ``failed_cursor``: the
+        batches from the step after ``restored`` to that one's left out; the range."""
+        gb = self.cfg.train.global_batch_size
+        with self.lock:
+            start = cursor(restored + 1, gb, self.data_skips)
+            self.data_skips = add_range(self.data_skips, start, failed_cursor + gb)
+        return [start, failed_cursor + gb]
+
+    def adopt(self, run_id: str | None, history: list[dict], data_skips=None) -> None:
         """A resume: continue as the run ``run_id`` (None: keep this run's id, a branch), with the
         history its checkpoint carried."""
         with self.lock:
             if run_id:
                 self.run_id = run_id
             self.history.extend(history)
+            for start, end in data_skips or ():
+                self.data_skips = add_range(self.data_skips, int(start), int(end))
 
     def request_stop(self, reason: str = "") -> bool:
         """Ask the run to end after the steps in flight; False if asked already or it has ended."""

@@ -145,6 +145,8 @@ class WorkerPool:
         self.bare_nodes: set[str] = set()    # alive (a dropped worker answered there), no worker of ours
         self.avoided: set[str] = set()       # nodes where no worker is started again (a memory kill there)
         self.draining: dict[str, float | None] = {}   # node -> its drain's deadline (epoch s; None: none given)
+        self.quarantined: dict[str, str] = {}   # node -> why no plan may use it again (silent data corruption)
+        self.quarantined_workers: set[int] = set()   # the same for a worker, where its node is all the run has
         self.lock = threading.Lock()
         self._next_wid = 0
         # A preload of the run's own (scaling.env_vars) replaces this one, and is not checked.
@@ -219,8 +221,9 @@ class WorkerPool:
             self.joining[wid] = (actor, actor.info.remote(), node)
 
     def staying(self) -> int:
-        """Live workers not on a draining node (those are leaving: their places are free to fill)."""
-        return sum(1 for w in self.handles() if w.node not in self.draining)
+        """Live workers not on a draining or quarantined node (those are leaving: their places are
+        free to fill)."""
+        return sum(1 for w in self.handles() if not self.leaving(w.node, w.wid))
 
     def spawn_on_free_nodes(self) -> None:
         """Start workers where the cluster has room, up to the run's ``max_workers``."""
@@ -229,7 +232,7 @@ class WorkerPool:
             return
         occupied = collections.Counter(w.node for w in self.workers.values())
         occupied.update(node for _, _, node in self.joining.values())
-        occupied.update({node: 1 << 20 for node in self.avoided | set(self.draining)})   # full, however large
+        occupied.update({node: 1 << 20 for node in self.avoided | set(self.draining) | set(self.quarantined)})   # full, however large
         nodes = pick_nodes(self.cfg.scaling, want, occupied)   # as the start placed them
         if nodes:
             log.info("[%s] starting %d worker(s) on free nodes", self.run_name, len(nodes))
@@ -245,6 +248,17 @@ class WorkerPool:
     def undrain(self, node: str) -> None:
         """``node``'s drain was cancelled (or the node is gone): it may be placed on again."""
         self.draining.pop(node, None)
+
+    def quarantine(self, node: str, why: str) -> list[int]:
+        """No plan uses ``node`` again (proven to corrupt data): as ``avoid``, and its ranked
+        workers are left out of the next plan (``Bench.usable``)."""
+        self.quarantined[node] = why
+        return self.avoid(node)
+
+    def leaving(self, node: str | None, wid: int | None = None) -> bool:
+        """Whether the worker ``wid`` on ``node`` is on its way out of the plan (its node draining
+        or quarantined, or itself quarantined)."""
+        return node in self.draining or node in self.quarantined or wid in self.quarantined_workers
 
     def avoid(self, node: str) -> list[int]:
         """Start no worker on ``node`` again, and let go of the spares there and those still

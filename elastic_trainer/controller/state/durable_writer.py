@@ -43,6 +43,7 @@ class DurableWriter:
                  actor_of: Callable[[int | None], object] = lambda wid: None):
         self.store, self.cfg, self.cfg_json = store, cfg, cfg_json
         self.data = data or {}   # the data fingerprint (path, rows, schema) the manifest records
+        self.data_skips = lambda: []   # the run's sample ranges never read (RunRecord.data_skips), recorded too
         self.snapshots, self.n_blocks, self._event, self.run_name = snapshots, n_blocks, event, run_name
         self.ps = None  # the run's ParameterServers, in that mode: they hold the optimizer state
         self.delay_s = 0.0  # a chaos hook (Controller.inject_fault): each write holds this long first
@@ -94,7 +95,8 @@ class DurableWriter:
             self.points.reach("durable_write", step=step, role="final" if raise_errors else role)
             seq = self.history.write(step, history)
             path = self.store.commit(step, files, {"history_seq": seq, "config": self.cfg_json, "plan": plan,
-                                                   "run_name": self.run_name, "data": self.data},
+                                                   "run_name": self.run_name, "data": self.data,
+                                                   "data_skips": [list(r) for r in self.data_skips()]},
                                      n_blocks=self.n_blocks)
             self.store.prune(self.cfg.checkpoint.keep_durable)
         except Exception as e:  # noqa: BLE001 - reported; the run goes on from memory

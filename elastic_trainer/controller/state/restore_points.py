@@ -52,6 +52,7 @@ class Resume:
     point: tuple
     run_id: str | None
     history: list[dict] = field(default_factory=list)
+    data_skips: list = field(default_factory=list)   # the sample ranges that run left out (data.skips)
 
 
 class RestorePoints:
@@ -66,11 +67,12 @@ class RestorePoints:
         self.resume_point: tuple | None = None   # the durable restore of --resume, until the first set-up took it
 
     # -- restore ---------------------------------------------------------------------------
-    def restore_point(self, between_steps: bool = False) -> tuple[int, dict, dict] | None:
+    def restore_point(self, between_steps: bool = False, at_most: int | None = None) -> tuple[int, dict, dict] | None:
         """(step, block -> Source, where the blocks came from) for the latest step every block has.
         ``between_steps``: a re-plan with every worker of the plan alive (a grow, a re-cut): the
         copies of the step just ended that are still being made are waited for, and its snapshot
-        counts before it commits, so that nothing is redone."""
+        counts before it commits, so that nothing is redone. ``at_most``: no later step (after
+        silent corruption, the last step every replica agreed on)."""
         run, pool = self.run, self.pool
         if run.step == 0 and self.resume_point is not None:
             return self.resume_point   # --resume, before its first set-up took
@@ -92,15 +94,16 @@ class RestorePoints:
         if sealed:
             snaps.setdefault(run.step, {}).update(sealed)
         n_blocks = len(run.counts)
+        top = run.step if at_most is None else min(run.step, at_most)
         # A parameter server's optimizer shards come back only at the steps it kept.
         ps = self._ps()
         allowed = ps.restorable_steps() if ps else None
-        found = choose_restore(n_blocks, live, snaps, {}, max_step=run.step, allowed=allowed)
+        found = choose_restore(n_blocks, live, snaps, {}, max_step=top, allowed=allowed)
         durable: dict = {}
         if found is None or (self.durable and self._durable_step_beyond(found[0])):
             durable = self.load_durable()
             if durable:
-                found = choose_restore(n_blocks, live, snaps, durable, max_step=run.step, allowed=allowed) or found
+                found = choose_restore(n_blocks, live, snaps, durable, max_step=top, allowed=allowed) or found
         if found is None:
             if run.step == 0:
                 return None
@@ -299,4 +302,5 @@ class RestorePoints:
             raise RunError(f"--resume cannot read the history of {got.name} in {storage}: {type(e).__name__}: {e}") \
                 from None
         history = [{k: v for k, v in h.items() if k not in RANK_FIELDS} for h in stored]
-        return Resume((found[0], found[1], {"durable": len(found[1])}), adopt, history)
+        return Resume((found[0], found[1], {"durable": len(found[1])}), adopt, history,
+                      manifest.get("data_skips") or [])

@@ -129,12 +129,13 @@ class StepDriver:
 
     def start(self, step: int, actors: dict[int, object], snapshot: bool,
               put_blocks: dict[int, list[int]] | None, shares: list[int] | None = None,
-              count: int = 1, after: int | None = None) -> StepOutcome:
+              count: int = 1, after: int | None = None, checks: list[int] | None = None) -> StepOutcome:
         """Issue ``run``'s calls and return at once; ``finish`` waits for them. Between the two
         the controller may commit the steps before (``step_loop.StepLoop``). ``after``: the
         number (``StepOutcome.grant``) of a lease still running, which this one is granted
         behind (each rank runs it after that one, and only if that one completed there); it
-        is waited for once ``running`` says so."""
+        is waited for once ``running`` says so. ``checks``: the steps whose state the ranks
+        fingerprint (``integrity``)."""
         started = time.perf_counter()
         self._grants += 1
         out = StepOutcome(step, started, snapshot=snapshot, count=count, shares=shares, granted_at=time.time(),
@@ -144,9 +145,10 @@ class StepDriver:
         for w, actor in actors.items():
             blocks = put_blocks[w] if snapshot else None
             if count == 1:
-                refs[actor.train_step.remote(step, snapshot, blocks, timeout, shares)] = w
+                refs[actor.train_step.remote(step, snapshot, blocks, timeout, shares, checks)] = w
             else:
-                refs[actor.train_lease.remote(step, count, snapshot, blocks, timeout, shares, out.grant, after)] = w
+                refs[actor.train_lease.remote(step, count, snapshot, blocks, timeout, shares, out.grant, after,
+                                              checks)] = w
         self.calls += len(actors)
         out.calls = (refs, actors, started + timeout * count)
         if after is None:
@@ -395,6 +397,8 @@ class StepDriver:
             "compression_ratio": (sum(o["dense_bytes"] for o in results) / max(1, sent)
                                   if cfg.comm.sync == "allreduce" and topo.dp > 1 else None),
             "loss_scale": results[0]["loss_scale"], "skipped": skipped.pop(), "lr": results[0].get("lr"),
+            # Agreed over every rank (integrity.verdict); None on an fp16 overflow.
+            "grad_norm": results[0].get("grad_norm"),
             "snapshot": out.snapshot,
             # The longest any rank's update waited for the previous snapshot's copy or write.
             "snapshot_wait_s": max(o.get("snapshot_wait_s", 0.0) for o in results),
