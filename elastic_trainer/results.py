@@ -74,6 +74,7 @@ class StepRecord(_Fields):
     compression_ratio: float | None = None
     loss_scale: float | None = None
     skipped: bool | None = None
+    grad_norm: float | None = None   # the global gradient norm before clipping, agreed over every rank
     snapshot: Any = None
     cursor: int | None = None
     time: float | None = None
@@ -230,6 +231,16 @@ class Result:
     @property
     def recoveries(self) -> Events:
         return self.events.of("recovery")
+
+    @property
+    def anomalies(self) -> Events:
+        """Steps judged non-finite or spiking, applied nowhere (``integrity.on_anomaly``)."""
+        return self.events.of("anomaly")
+
+    @property
+    def corruptions(self) -> Events:
+        """Replicas found disagreeing: who was proven at fault, and the nodes quarantined."""
+        return self.events.of("corruption")
 
     @property
     def final_loss(self) -> float | None:

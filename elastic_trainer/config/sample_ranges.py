@@ -15,9 +15,9 @@ def check_ranges(ranges, global_batch: int) -> list[tuple[int, int]]:
         if not 0 <= start < end:
             raise ValueError(f"skipped range [{start}, {end}) is empty or negative: give [start, end) with start < end")
         if start % global_batch or end % global_batch:
+            lo, hi = start // global_batch * global_batch, -(-end // global_batch) * global_batch
             raise ValueError(f"skipped range [{start}, {end}) is not whole batches: start and end must be multiples "
-                             f"of train.global_batch_size ({global_batch}), e.g. [{start // global_batch * global_batch}, "
-                             f"{-(-end // global_batch) * global_batch})")
+                             f"of train.global_batch_size ({global_batch}), e.g. [{lo}, {hi})")
         out = add_range(out, start, end)
     return out
 

@@ -79,15 +79,15 @@ class StepLoop:
                     if not done.ok:
                         self.replan(self.recovery.recover(done))
                     continue
-                if run.step >= self.cfg.train.steps:
-                    break
-                run.points.reach("between_steps", step=run.step)
                 if self._replay is not None:   # silent corruption found: replay to prove who (integrity)
                     order, self._replay = self._replay, None
                     run.transition(RunState.RECOVERING, step=order.failed.step)
                     run.goodput.enter("replan")
                     self.replan(order)
                     continue
+                if run.step >= self.cfg.train.steps:
+                    break
+                run.points.reach("between_steps", step=run.step)
                 order = self.growth.maybe_grow()
                 if order is not None:
                     self.replan(order)

@@ -7,6 +7,7 @@ import statistics
 from typing import TextIO
 
 from ..config import TrainerConfig
+from ..integrity.anomaly import describe
 
 
 class ProgressPrinter:
@@ -74,6 +75,15 @@ class ProgressPrinter:
                        f"{ev['replan_s']:.2f}s, restore {ev['restore_s']:.2f}s"
                        + (f", {ev['attempts'] - 1} failed attempt(s) {ev['failed_attempts_s']:.2f}s"
                           if ev.get("attempts", 1) > 1 else ""))
+        elif kind == "anomaly":
+            self._line(f"!! step {ev['step']} anomalous: {describe(ev)}; {ev.get('action')}"
+                       + (f", samples {ev['samples'][0]}..{ev['samples'][1] - 1} left out" if ev.get("samples") else "")
+                       + (f", back to step {ev['restored_step']}" if ev.get("restored_step") is not None else ""))
+        elif kind == "corruption":
+            self._line(f"!! silent data corruption at step {ev['step']}: "
+                       + (f"ranks {ev['suspects']} proven at fault ({ev['proof']}); quarantined: "
+                          f"{', '.join(n[:8] for n in ev['quarantined']) or 'workers ' + str(ev.get('quarantined_workers'))}"
+                          if ev.get("suspects") else f"nobody proven at fault ({ev['proof']})"))
         elif kind == "memory_kill":
             self._line(f"!! out of memory: {ev['detail']}")
         elif kind == "eval":

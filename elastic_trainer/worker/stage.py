@@ -296,11 +296,10 @@ class StageTrainer(StageState):
             self.replica, scale, stats, changed=bool(changed))
         exposed += dt if self.topo.world_size > 1 else 0.0
         decision, anomaly = self.check.judge.judge(step, verdict)
-        gb = self.cfg.train.global_batch_size
         if anomaly is not None:   # applied nowhere: the scale, the state, the snapshot all stay
             return StepResult(step, verdict.loss, time.perf_counter() - t0 - exposed, stats.seconds, stats.bytes,
-                              self.inputs.cursor(step), exposed_comm_s=exposed, loss_scale=scale, lr=lr_at(self.cfg.train, step),
-                              micro_batches=n_micro, grad_norm=None, anomaly=anomaly)
+                              self.inputs.cursor(step), exposed_comm_s=exposed, loss_scale=scale,
+                              lr=lr_at(self.cfg.train, step), micro_batches=n_micro, anomaly=anomaly)
         skipped = decision == "overflow"
         if not skipped:
             self.check.judge.accept(verdict)
@@ -312,7 +311,7 @@ class StageTrainer(StageState):
         waited = self.snapshots.wait()
         lr = lr_at(self.cfg.train, step)
         set_lr(self.optimizer, lr)
-        # On an overflow every rank found it alike (found_inf agrees over the world): none clips or steps.
+        # On an overflow every rank found it alike (the verdict is the world's): none clips or steps.
         if not skipped:
             if self.cfg.train.grad_clip is not None:
                 self.check.clip(grads, verdict, self.cfg.train.grad_clip)
@@ -343,7 +342,7 @@ class StageTrainer(StageState):
                           snapshot_wait_s=waited, lr=lr, forward_s=own["forward"], backward_s=own["backward"],
                           optimizer_s=own["optimizer"], wait_s=max(0.0, wall - waited - sum(own.values())),
                           micro_batches=n_micro, passes_steady_s=shape["steady_s"], passes_shape=shape,
-                          grad_norm=verdict.grad_norm if not skipped else None)
+                          grad_norm=verdict.grad_norm if not skipped else None, verdict_s=dt)
 
     def evaluate(self, step: int) -> float | None:
         """Mean loss of ``eval.batches`` held-out batches, forward only, in eval mode (no dropout),

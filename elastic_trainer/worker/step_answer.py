@@ -28,7 +28,7 @@ def step_answer(rank: int, r, snapshot_bytes: int, buffer_bytes: int, copied, t0
             "backward_s": r.backward_s, "optimizer_s": r.optimizer_s, "wait_s": r.wait_s,
             "micro_batches": r.micro_batches, "passes_steady_s": r.passes_steady_s,
             "passes_shape": r.passes_shape, "grad_norm": r.grad_norm, "anomalies": r.anomalies or [],
-            "fingerprints": r.fingerprints, "check_s": r.check_s,
+            "fingerprints": r.fingerprints, "check_s": r.check_s, "verdict_s": r.verdict_s,
             "snapshot_bytes": snapshot_bytes, "snapshot_buffer_bytes": buffer_bytes, "copied": copied,
             # The whole call here (what the controller's driving cannot save, the rank's own
             # Python between its passes included).

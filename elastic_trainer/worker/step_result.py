@@ -32,3 +32,4 @@ class StepResult:
     anomalies: list | None = None     # the attempts at this step skipped before it (on_anomaly: skip)
     fingerprints: dict | None = None  # a check step's: what this rank holds after it (worker.state_checks)
     check_s: float = 0.0              # and what taking them cost
+    verdict_s: float = 0.0            # the step's verdict: its sums and its one small all-reduce

@@ -49,6 +49,9 @@ def test_soak_300_steps_5_losses_2_joins(fresh_cluster, corpus_dir, tmp_path):
     # A killed node is a death, or silent where the heartbeat finds it before its peers' errors.
     assert {"startup", "during_recovery"} <= kinds and kinds & {"death", "silent"}, kinds
     assert any(r["reason"] == "grow" for r in result.recoveries), "the added nodes were never used"
+    # Checked all along (integrity's defaults): no false alarm through the losses and re-plans.
+    assert not result.anomalies and not result.corruptions, (list(result.anomalies), list(result.corruptions))
+    assert all(r["grad_norm"] > 0 for r in result.history)
     # Every sample exactly once, and the loss of every step as without failures.
     assert_contiguous_data(result, cfg)
     ref = reference_run(cfg, cfg.train.steps)[0]

@@ -76,3 +76,73 @@ def test_skipped_ranges_are_whole_batches_merged_and_move_each_later_cursor():
     assert [cursor(s, 16, ranges) for s in (1, 2, 3)] == [0, 32, 48]
     ranges = add_range(ranges, 32, 80)                  # then a rollback's window from there
     assert ranges == [(16, 80)] and cursor(2, 16, ranges) == 80
+
+
+def _fp(params, optim=None):
+    return {"params": dict(params), "optim": dict(optim or {}), "sharded": False}
+
+
+def test_replicas_are_compared_stage_by_stage_on_what_they_hold_alike():
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.controller.integrity.corruption import compare, compared_parts
+    from elastic_trainer.parallel.topology import Topology
+
+    topo = Topology(3, 2)
+    stage = {r: topo.coords(r)[1] for r in range(6)}
+    fps = {r: _fp({f"s{stage[r]}|param": 10 + stage[r]}, {f"s{stage[r]}|exp_avg": 5}) for r in range(6)}
+    assert compare(fps, topo, ("params", "optim")) == []
+    odd = topo.rank(1, 1)
+    fps[odd] = _fp({"s1|param": 11}, {"s1|exp_avg": 6})
+    (found,) = compare(fps, topo, ("params", "optim"))
+    assert found["stage"] == 1 and found["groups"][1] == [odd] and found["keys"] == ["optim:s1|exp_avg"]
+    assert compare(fps, topo, ("params",)) == []      # a sharded optimizer's slices are not compared
+    cfg = TrainerConfig.model_validate({"data": {"path": "x"}, "comm": {"sync": "local_sgd", "local_steps": 4}})
+    assert compared_parts(cfg, False, 8) == ("params",) and compared_parts(cfg, False, 9) == ()
+
+
+def test_a_replay_blames_the_rank_that_cannot_reproduce_its_result_and_nobody_when_none_can():
+    from elastic_trainer.controller.integrity.corruption import suspects
+
+    parts = ("params",)
+    good, bad, clean = _fp({"w|param": 1}), _fp({"w|param": 2}), _fp({"w|param": 1})
+    blamed, why = suspects({1: bad, 3: good}, {1: clean, 3: clean}, parts)
+    assert blamed == [1] and "rank 1 could not reproduce its own result" in why
+    # dp 3: the odd one out of the replay's majority, even where it reproduces its own result.
+    blamed, _ = suspects({0: good, 1: bad, 2: good}, {0: clean, 1: bad, 2: clean}, parts)
+    assert blamed == [1]
+    # The corruption fed every replica before the check: nobody reproduces, nobody is blamed.
+    blamed, why = suspects({1: bad, 3: _fp({"w|param": 3})}, {1: clean, 3: clean}, parts)
+    assert blamed == [] and why.startswith("unresolved")
+
+
+def test_checks_come_every_interval_at_snapshot_steps_and_where_forced():
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.controller.integrity.corruption import Corruption
+
+    fixed = Corruption(TrainerConfig.model_validate({"data": {"path": "x"}, "train": {"steps": 23},
+                                                  "integrity": {"check_every": 4}}),
+                       None, None, None, lambda: None)
+    assert fixed.checks(1, 10, snapshot=True) == [4, 8, 10]
+    assert fixed.checks(21, 3, snapshot=False) == [23]   # the last step of a 23-step run
+    fixed.forced.add(13)
+    assert fixed.checks(11, 3, snapshot=False) == [12, 13]
+    auto = Corruption(TrainerConfig.model_validate({"data": {"path": "x"}}), None, None, None, lambda: 0.1)
+    assert auto.interval() == 10                 # until a check's cost is measured
+    auto.costs.append(0.004)                     # 4 ms against 100 ms steps, at most 1% of them
+    assert auto.interval() == 4
+    off = Corruption(TrainerConfig.model_validate({"data": {"path": "x"}, "integrity": {"check_every": 0}}),
+                     None, None, None, lambda: 0.1)
+    assert off.checks(1, 10, snapshot=True) == []
+
+
+def test_a_state_fingerprint_sees_one_flipped_bit():
+    from elastic_trainer.integrity.state_fingerprint import differing, state_fingerprint
+
+    p = torch.nn.Parameter(torch.randn(64, 8))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = state_fingerprint([("w", p)], opt)
+    assert set(before) == {"w|param", "w|step", "w|exp_avg", "w|exp_avg_sq"}
+    opt.state[p]["exp_avg"].view(-1).view(torch.int32)[17] ^= 1 << 3
+    assert differing(before, state_fingerprint([("w", p)], opt)) == ["w|exp_avg"]

@@ -141,13 +141,14 @@ class Corruption:
 
     def checks(self, first: int, count: int, snapshot: bool) -> list[int]:
         """The steps of a call from ``first`` (``count`` of them) whose state the ranks fingerprint:
-        every ``interval``-th, the forced ones, and the snapshot step (a call's last)."""
+        every ``interval``-th, the forced ones, the snapshot step (a call's last) and the run's last
+        (its final state is saved verified)."""
         every = self.interval()
         if every == 0 and not self.forced:
             return []
         last = first + count - 1
         out = [s for s in range(first, last + 1) if (every and s % every == 0) or s in self.forced]
-        if snapshot and every and last not in out:
+        if every and (snapshot or last == self.cfg.train.steps) and last not in out:
             out.append(last)
         return out
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 class ReplanOrder:
     """A re-plan decided: why, since when, and what the failure (if any) left to keep."""
 
-    reason: str                       # death | silent | hang | exception | collective | startup | grow | straggler | recut | drain | anomaly
+    # death | silent | hang | exception | collective | startup | grow | straggler | recut | drain | anomaly
+    # | corruption (a replay to prove who) | quarantine (the move off a proven culprit)
+    reason: str
     detected: float                   # perf_counter when the need was found
     failed: StepOutcome | None = None  # the failed step; None for a re-plan between steps or at start-up
     plan_before: dict | None = None   # the plan's description before it, for the event

@@ -399,6 +399,11 @@ class StepDriver:
             "loss_scale": results[0]["loss_scale"], "skipped": skipped.pop(), "lr": results[0].get("lr"),
             # Agreed over every rank (integrity.verdict); None on an fp16 overflow.
             "grad_norm": results[0].get("grad_norm"),
+            # What the step's verdict cost (its one small all-reduce), and on a check step what
+            # fingerprinting the replicas' state did, on the slowest rank.
+            "verdict_s": max(o.get("verdict_s") or 0.0 for o in results),
+            "check_s": max(o.get("check_s") or 0.0 for o in results) if any(o.get("fingerprints") for o in results)
+                       else None,
             "snapshot": out.snapshot,
             # The longest any rank's update waited for the previous snapshot's copy or write.
             "snapshot_wait_s": max(o.get("snapshot_wait_s", 0.0) for o in results),
