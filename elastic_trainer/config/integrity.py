@@ -26,7 +26,11 @@ class IntegritySection(_Strict):
     spike_min_history: int = Field(20, ge=3, description="No spike is judged before this many steps are in the window.")
     spike_mads: float = Field(6.0, gt=0, description="A spike exceeds the median by this many scaled median "
                                                      "absolute deviations (1.4826 MAD)...")
-    spike_ratio: float = Field(1.5, gt=1, description="...and is above this multiple of the median.")
+    spike_ratio_loss: float = Field(1.5, gt=1, description="...and a loss is above this multiple of the median...")
+    spike_ratio_grad_norm: float = Field(
+        10.0, gt=1, description="...and a gradient norm above this one: a norm swings far more than a loss does "
+                                "in healthy training (4x in a step, measured on small GPTs), so only a jump an "
+                                "order of magnitude above its median is taken for a spike.")
     max_anomalies: int = Field(5, ge=1, description="More anomalies than this within anomaly_window steps end the "
                                                     "run (as stop does) rather than skip or roll back again.")
     anomaly_window: int = Field(100, ge=1, description="Steps over which max_anomalies counts.")

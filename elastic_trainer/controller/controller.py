@@ -60,6 +60,7 @@ from .failures.fences import Fences
 from .integrity.anomalies import Anomalies
 from .integrity.corruption import Corruption
 from .replanning.first_placement import place_first
+from .run.controller_faults import ControllerFaults
 from .run.fault_points import FaultPoints
 from .run.goodput import GoodputClock
 from .run.placement import assign_ranks, fault_tolerance, pick_nodes
@@ -173,34 +174,13 @@ class Controller:
         return [w.actor for w in self.pool.handles()]
 
     def inject_fault(self, kind: str, seconds: float = 0.0, step: int | None = None) -> None:
-        """Chaos hooks: ``slow_durable`` holds each durable write ``seconds`` before it fetches its
-        parts (0 ends it); ``controller_error`` raises an unexpected error in the loop before
-        ``step`` (without one: before the next). Only where the config sets ``failure.allow_fault_injection``."""
-        if not self.cfg.failure.allow_fault_injection:
-            raise PermissionError(f"fault injection is off in run {self.run_name!r}: set "
-                                  "failure.allow_fault_injection true in its config to inject faults")
-        if kind == "controller_error":
-            self.record.error_at = step or 0   # 0: the next step
-            return
-        if kind != "slow_durable":
-            raise ValueError(f"unknown controller fault kind {kind!r}; use slow_durable or controller_error")
-        if self.writer is None:
-            raise ValueError("slow_durable needs checkpoint.storage: this run writes no durable checkpoints")
-        self.writer.delay_s = seconds
+        """Chaos hooks (``run.controller_faults``); only with ``failure.allow_fault_injection``."""
+        ControllerFaults(self.cfg, self.run_name, self.record, self.writer).inject(kind, seconds, step)
 
     def fault_point(self, op: str, point: str | None = None, occurrence: int = 1):
-        """A fault campaign's hold on the run (``run.fault_points``): ``arm`` ``point`` at its
-        ``occurrence``-th pass from now, see what is ``held``, ``release`` it, or its ``state``.
-        Only where the config sets ``failure.allow_fault_injection``."""
-        if not self.cfg.failure.allow_fault_injection:
-            raise PermissionError(f"fault points are for fault injection, which is off in run {self.run_name!r}: "
-                                  "set failure.allow_fault_injection true in its config")
-        points = self.record.points
-        if op == "arm":
-            return points.arm(point, occurrence)
-        if op in ("held", "release", "state"):
-            return getattr(points, op)()
-        raise ValueError(f"unknown fault point op {op!r}; use arm, held, release or state")
+        """A fault campaign's hold on the run (``run.controller_faults``); only with
+        ``failure.allow_fault_injection``."""
+        return ControllerFaults(self.cfg, self.run_name, self.record, self.writer).point(op, point, occurrence)
 
     # -- the run -------------------------------------------------------------------------
     def run(self, return_model_state: bool = False, resume: bool | dict = False) -> dict:

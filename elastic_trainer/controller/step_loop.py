@@ -60,7 +60,9 @@ class StepLoop:
                  corruption: Corruption | None = None):
         self.cfg, self.run, self.pool, self.driver = cfg, run, pool, driver
         self.anomalies = anomalies or Anomalies(cfg, run)
-        self.corruption = corruption or Corruption(cfg, run, pool, growth.request_replan, driver.median_step_s)
+        # The controller hands in both; a loop built bare (a test of its other parts) makes its own.
+        self.corruption = corruption or (Corruption(cfg, run, pool, lambda why: growth.request_replan(why),
+                                                    lambda: driver.median_step_s()) if cfg is not None else None)
         self._replay: ReplanOrder | None = None   # a mismatch's replay, carried out before the next step
         self.balance, self.bench, self.snapshots, self.schedule = balance, bench, snapshots, schedule
         self.recovery, self.growth, self.replanner = recovery, growth, replanner

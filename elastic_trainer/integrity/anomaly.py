@@ -48,8 +48,9 @@ class AnomalyJudge:
     def __init__(self, section: IntegritySection, fp16: bool):
         self.section, self.fp16 = section, fp16
         self.spikes = SpikeWatch(section.spikes, section.spike_window, section.spike_min_history,
-                                 section.spike_mads, section.spike_ratio)
-        self.recent: collections.deque[int] = collections.deque()   # steps of the anomalies in the window
+                                 section.spike_mads, {"loss": section.spike_ratio_loss,
+                                                      "grad_norm": section.spike_ratio_grad_norm})
+        self.recent: collections.deque[tuple] = collections.deque()   # (step, try) of the anomalies in the window
 
     def judge(self, step: int, v: Verdict) -> tuple[str, dict | None]:
         """``("apply", None)``, ``("overflow", None)`` (fp16: a gradient overflowed at this loss
@@ -75,19 +76,21 @@ class AnomalyJudge:
     def accept(self, v: Verdict) -> None:
         self.spikes.accept({"loss": v.loss, "grad_norm": v.grad_norm})
 
-    def action(self, step: int) -> str:
-        """What to do about an anomaly at ``step``: the configured action, or ``stop`` where it is one
-        more than ``max_anomalies`` within ``anomaly_window`` steps."""
+    def action(self, step: int, attempt: int = 0) -> str:
+        """What to do about an anomaly at the ``attempt``-th try of ``step``: the configured action,
+        or ``stop`` where it is one more than ``max_anomalies`` within ``anomaly_window`` steps."""
         s = self.section
-        self.recent.append(step)
-        while self.recent and self.recent[0] <= step - s.anomaly_window:
+        if (step, attempt) not in self.recent:   # the same try run again (after a restore) counts once
+            self.recent.append((step, attempt))
+        while self.recent and self.recent[0][0] <= step - s.anomaly_window:
             self.recent.popleft()
         return "stop" if len(self.recent) > s.max_anomalies else s.on_anomaly
 
     def state(self) -> dict:
-        return {"spikes": self.spikes.state(), "anomaly_steps": list(self.recent)}
+        return {"spikes": self.spikes.state(), "anomaly_steps": [list(x) for x in self.recent]}
 
     def load(self, state: dict | None) -> None:
         state = state or {}
         self.spikes.load(state.get("spikes"))
-        self.recent = collections.deque(int(x) for x in state.get("anomaly_steps", []))
+        self.recent = collections.deque(tuple(int(v) for v in x) for x in state.get("anomaly_steps", [])
+                                        if isinstance(x, (list, tuple)))

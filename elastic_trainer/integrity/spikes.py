@@ -2,7 +2,7 @@
 
 A step's loss or gradient norm is a spike where it exceeds the median ``m`` of the last
 ``window`` accepted steps both by ``mads`` scaled median absolute deviations (``1.4826 * MAD``,
-the standard deviation's robust estimate) and by the factor ``ratio`` (``x > ratio * m``). The
+the standard deviation's robust estimate) and by its signal's factor ``ratio`` (``x > ratio * m``). The
 first test alone alarms on a quiet stretch, where the MAD is tiny; the second alone on a noisy
 one. Nothing is judged before ``min_history`` steps are in the window. Only accepted steps enter
 it, so a spike never raises the bar for the next one.
@@ -26,9 +26,11 @@ _MAD_TO_SIGMA = 1.4826
 class SpikeWatch:
     """The recent history of each signal and the rule that judges the next value."""
 
-    def __init__(self, signals, window: int, min_history: int, mads: float, ratio: float):
+    def __init__(self, signals, window: int, min_history: int, mads: float, ratio: float | dict[str, float]):
+        """``ratio``: one factor, or one per signal."""
         self.signals = tuple(signals)
-        self.window, self.min_history, self.mads, self.ratio = window, min_history, mads, ratio
+        self.window, self.min_history, self.mads = window, min_history, mads
+        self.ratio = ratio if isinstance(ratio, dict) else {s: ratio for s in SIGNALS}
         self.history = {s: collections.deque(maxlen=window) for s in SIGNALS}
 
     def judge(self, values: dict[str, float | None]) -> list[dict]:
@@ -41,7 +43,7 @@ class SpikeWatch:
                 continue
             m = statistics.median(past)
             mad = statistics.median(abs(v - m) for v in past)
-            bar = max(m + self.mads * _MAD_TO_SIGMA * mad, self.ratio * m)
+            bar = max(m + self.mads * _MAD_TO_SIGMA * mad, self.ratio[s] * m)
             if x > bar:
                 out.append({"signal": s, "value": x, "median": m, "bar": bar})
         return out

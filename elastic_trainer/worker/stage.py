@@ -221,7 +221,8 @@ class StageTrainer(StageState):
                 return r
             a = r.anomaly
             # Corruption is the hardware's, not the data's: its rank's node is quarantined.
-            a["action"] = "quarantine" if a["anomaly"] == "corruption" else self.check.judge.action(step)
+            a["action"] = ("quarantine" if a["anomaly"] == "corruption"
+                           else self.check.judge.action(step, len(skipped)))
             if a["action"] != "skip":
                 raise StepAnomaly(step, a, r.cursor)
             a["samples"] = self.inputs.skip(step)

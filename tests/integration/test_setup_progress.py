@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from elastic_trainer.errors import WorkerError
-from elastic_trainer.controller.run.workers import get_all
+from elastic_trainer.controller.run.asking import get_all
 
 pytestmark = pytest.mark.integration
 

@@ -16,6 +16,8 @@ class _Pool:
     def __init__(self, workers):
         self.workers = workers            # (wid, node, rank)
         self.draining: dict = {}
+        self.quarantined: dict = {}
+        self.quarantined_workers: set = set()
         self.spawned = 0
         self.joining: dict = {}
 

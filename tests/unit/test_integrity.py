@@ -61,6 +61,7 @@ def test_the_judge_tells_an_fp16_overflow_from_an_anomaly_and_stops_past_the_lim
     kind, a = judge.judge(3, _agree([2.0], float("inf")))
     assert (kind, a["signal"], a["value"]) == ("anomaly", "grad_norm", "inf")
     assert [judge.action(s) for s in (3, 5, 7)] == ["skip", "skip", "stop"]
+    assert judge.action(7) == "stop" and len(judge.recent) == 3   # the same try, run again: counted once
     assert judge.action(30) == "skip"           # the window moved on
     e = pickle.loads(pickle.dumps(StepAnomaly(3, {**a, "action": "rollback"}, 48)))
     assert (e.step, e.cursor, e.anomaly["action"]) == (3, 48, "rollback") and "grad_norm is inf" in str(e)

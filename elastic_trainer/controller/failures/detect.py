@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ...worker.actor import InjectedFault
+from ...worker.step_calls import InjectedFault
 from ..stepping.one_step import StepOutcome
-from ..run.workers import ask_all
+from ..run.asking import ask_all
 
 # Words of the error of an actor Ray's memory monitor killed (its node ran low on memory); not a
 # process's own "out of memory" (a GPU's, say), which another node would not cure.

@@ -20,7 +20,8 @@ from ...parallel.topology import Topology
 from ..run.group_carry import plan_keys, whole_groups
 from ..stepping.one_step import StepOutcome
 from .stuck_steps import stuck
-from ..run.workers import WorkerPool, ask_all
+from ..run.workers import WorkerPool
+from ..run.asking import ask_all
 
 
 # How often, while survivors' steps end after the first cut, to look whether those still in

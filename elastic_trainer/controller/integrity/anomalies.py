@@ -34,7 +34,7 @@ class Anomalies:
         ``corruption``: the run's ``Corruption``, which a slice changed at rest goes to."""
         self.cfg, self.run, self.corruption = cfg, run, corruption
         self.where = where or (lambda: {})
-        self.steps: collections.deque[int] = collections.deque()   # the anomalies' steps in the window
+        self.steps: collections.deque[tuple] = collections.deque()   # the anomalies' (step, batch) in the window
 
     def take(self, out: StepOutcome) -> dict | None:
         """A completed call's anomaly mark (``worker.step_answer.anomaly_answer``), taken out of
@@ -59,7 +59,7 @@ class Anomalies:
         first = next(iter(out.results.values()), {})
         for a in first.get("anomalies") or ():
             self.run.add_skip(*a["samples"])
-            self._over_limit(a["step"])   # counted: the ranks stop a run past the limit within their lease
+            self._over_limit(a["step"], a["samples"][0])   # counted: the ranks stop a run past it within a lease
             self.record(a)
 
     def order(self, mark: dict, out: StepOutcome) -> ReplanOrder | None:
@@ -69,7 +69,7 @@ class Anomalies:
         a, step = dict(mark["anomaly"]), mark["step"]
         if a["action"] == "quarantine" and self.corruption is not None:
             return self.corruption.proven(mark, out)
-        if self._over_limit(step):
+        if self._over_limit(step, mark["cursor"]):
             a["action"] = "stop"
         if a["action"] == "stop":
             self.record(a)
@@ -96,12 +96,15 @@ class Anomalies:
         log.warning("[%s] step %d anomalous: %s; %s%s", self.run.name, a["step"], describe(a), a.get("action"),
                     f" samples {a['samples']}" if a.get("samples") else "")
 
-    def _over_limit(self, step: int) -> bool:
-        """One more anomaly at ``step``: whether it is past ``max_anomalies`` in the window (the
-        ranks count those of a lease; these count across re-plans and rollbacks too)."""
+    def _over_limit(self, step: int, cursor: int) -> bool:
+        """One more anomaly at ``step`` on the batch at ``cursor``: whether it is past
+        ``max_anomalies`` in the window (the ranks count those of a lease; these count across
+        re-plans and rollbacks too). The same step on the same batch, run again after a restore,
+        counts once."""
         section = self.cfg.integrity
-        self.steps.append(step)
-        while self.steps and self.steps[0] <= step - section.anomaly_window:
+        if (step, cursor) not in self.steps:
+            self.steps.append((step, cursor))
+        while self.steps and self.steps[0][0] <= step - section.anomaly_window:
             self.steps.popleft()
         return len(self.steps) > section.max_anomalies
 

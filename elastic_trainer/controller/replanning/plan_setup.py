@@ -34,7 +34,8 @@ from ..state.snapshot_schedule import SnapshotSchedule
 from ..state.snapshots import SnapshotStore
 from ..stepping.one_step import StepDriver
 from .setup_time import SetupTime
-from ..run.workers import WorkerPool, failed, get_all
+from ..run.workers import WorkerPool
+from ..run.asking import failed, get_all
 
 # (restore point, rank -> worker id, plan) -> each rank's sources; durable shards' refs of a restore
 Sources = Callable[[tuple, dict, Plan], dict]

@@ -32,7 +32,8 @@ from .durable_parts import PART_TIMEOUT_S
 from .final_sources import lost_stages_error, snapshot_cover, stage_replicas, take_stages
 from ..run.run_record import RunRecord
 from .snapshots import SnapshotStore
-from ..run.workers import WorkerPool, ask_all
+from ..run.workers import WorkerPool
+from ..run.asking import ask_all
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from ..run.ps_group import ParameterServers
 from .restore import Load, choose_restore, newest_copies, plan_loads
 from ..run.run_record import RunRecord
 from .snapshots import SnapshotStore
-from ..run.workers import WorkerPool, failed
+from ..run.workers import WorkerPool
+from ..run.asking import failed
 
 log = logging.getLogger(__name__)
 # The longest a re-plan between steps waits for the copies of the step just ended.

@@ -37,7 +37,8 @@ from .final_weights import FinalWeights, PartsNotSaved
 from ..run.ps_group import ParameterServers
 from ..run.run_record import RunRecord
 from .snapshots import SnapshotStore
-from ..run.workers import WorkerPool, ask_all
+from ..run.workers import WorkerPool
+from ..run.asking import ask_all
 
 log = logging.getLogger(__name__)
 

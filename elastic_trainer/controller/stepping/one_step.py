@@ -26,7 +26,7 @@ from ...config import TrainerConfig
 from ...errors import WorkerError
 from ...parallel.topology import Topology
 from .heartbeat import Heartbeat
-from ..run.workers import ask_all
+from ..run.asking import ask_all
 
 # After the first error of a step the others get this long to report theirs:
 # ranks blocked behind a vanished peer fail within milliseconds on loopback.
