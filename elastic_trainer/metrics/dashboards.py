@@ -51,6 +51,8 @@ _GRAFANA_UNITS = {
     "ranks": "none",
     "moves": "none",
     "checkpoints": "none",
+    "norm": "none",
+    "proofs": "none",
 }
 # Values that change only at step boundaries or plan changes read best as stairs.
 _STEPPED = {"step", "world_size", "dp", "pp", "controller_state", "durable_checkpoint_step", "durable_failures"}
