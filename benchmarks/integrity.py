@@ -21,7 +21,13 @@ run's end (its loss against a clean run's):
 - ``between``: a parameter as a step between checks wrote it (its gradients reach the other
   replica before the check: found, undone by the replay, nobody blamed).
 
+``verdict``: the verdict's own cost, apart from the waits it stands at (in a step its all-reduce is
+where ranks that finished early wait for the last, which ``verdict_s`` counts): four gloo
+processes on loopback, each summing the squares of the demo's gradients of one stage and
+all-reducing the verdict's vector, timed over 200 calls.
+
     python benchmarks/integrity.py                  # cost: 300 steps x 3 precisions
+    python benchmarks/integrity.py --mode verdict   # the verdict alone
     python benchmarks/integrity.py --mode flip      # the three flips, 150 steps each
 
 Writes benchmarks/results/integrity-<mode>.json.
@@ -120,15 +126,84 @@ def flip(steps: int, every: int, cases: list[str]) -> dict:
     return out
 
 
+def _verdict_rank(rank: int, world: int, port: int, numel: int, calls: int, out) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from elastic_trainer.integrity.verdict import agree, local_sq
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    grads = [torch.randn(n) for n in (numel // 4,) * 4]
+    loss = [torch.tensor(2.0)]
+    # What clipping ran before at dp=2 x pp=2: a scalar all-reduced over the rank's pipeline.
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipe, replica = pipes[rank // 2], replicas[rank % 2]
+    times = {"sq": [], "all_reduce": [], "world_all_reduce": [], "clip_pipeline_all_reduce": []}
+    for i in range(calls + 10):
+        dist.barrier()   # every rank arrives together: the call's own time, no wait for a late peer
+        t0 = time.perf_counter()
+        sq = local_sq(grads, torch.device("cpu"))
+        t1 = time.perf_counter()
+        agree(loss, 1.0, sq, rank // 2, 2, rank, world, [(replica, 2), (pipe, 2)], torch.device("cpu"))
+        t2 = time.perf_counter()
+        dist.barrier()
+        t3 = time.perf_counter()
+        dist.all_reduce(sq.clone(), group=pipe)
+        t4 = time.perf_counter()
+        dist.barrier()
+        t5 = time.perf_counter()
+        agree(loss, 1.0, sq, rank // 2, 2, rank, world, None, torch.device("cpu"))   # one level: the world
+        t6 = time.perf_counter()
+        if i >= 10:
+            times["sq"].append(t1 - t0)
+            times["all_reduce"].append(t2 - t1)
+            times["clip_pipeline_all_reduce"].append(t4 - t3)
+            times["world_all_reduce"].append(t6 - t5)
+    out[rank] = {k: statistics.median(v) for k, v in times.items()}
+    dist.destroy_process_group()
+
+
+def verdict(calls: int) -> dict:
+    import torch.multiprocessing as mp
+
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.models.factory import block_param_counts
+    from elastic_trainer.worker.process_group import free_port
+
+    cfg = TrainerConfig.model_validate(demo_config(10, "verdict"))
+    numel = sum(block_param_counts(cfg.model)) // 2   # one stage of the demo's two
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_verdict_rank, args=(4, free_port("127.0.0.1"), numel, calls, out), nprocs=4, join=True)
+    per_rank = dict(out)
+    res = {"stage_params": numel, "sq_s_median": statistics.median(r["sq"] for r in per_rank.values()),
+           "all_reduce_s_median": statistics.median(r["all_reduce"] for r in per_rank.values()),
+           "clip_pipeline_all_reduce_s_median": statistics.median(r["clip_pipeline_all_reduce"]
+                                                                  for r in per_rank.values()),
+           "world_all_reduce_s_median": statistics.median(r["world_all_reduce"] for r in per_rank.values())}
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("cost", "flip"), default="cost")
+    ap.add_argument("--mode", choices=("cost", "flip", "verdict"), default="cost")
     ap.add_argument("--steps", type=int, default=None, help="300 (cost), 150 (flip)")
     ap.add_argument("--precisions", default="fp32,bf16,fp16")
     ap.add_argument("--every", type=int, default=4, help="flip: integrity.check_every")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.mode == "verdict":
+        res = verdict(200)
+        path = Path(args.out or ROOT / "benchmarks" / "results" / "integrity-verdict.json")
+        path.write_text(json.dumps(res, indent=1))
+        print(f"wrote {path}")
+        return
     c, _ = start_cluster(5)
     try:
         if args.mode == "cost":

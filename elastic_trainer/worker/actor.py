@@ -215,6 +215,8 @@ class TrainWorker(StepCalls, SnapshotServing, GroupControl, WorkerQuestions):
         t.append(time.perf_counter())
         self._build_key = _build_key(cfg, device)
         trainer.clock.slow_factor = self.faults.slow_factor(rank)
+        if self.faults.integrity is not None:
+            self.faults.integrity.bind(rank, at_start=not sources)
         trainer.faults = trainer.inputs.faults = self.faults.integrity
         self.trainer, self.rank = trainer, rank
         log.info("[%s] worker %d: rank %d of dp=%d x pp=%d, blocks %s, at step %d (%s)", self.run_name,

@@ -13,7 +13,9 @@
 
 Given by ``TrainWorker.inject_fault`` or, from the start, as a JSON list in the environment
 variable ``ELASTIC_TRAINER_INTEGRITY_FAULTS`` (``scaling.env_vars``), e.g.
-``[{"kind": "nan", "step": 20, "rank": 3}]``.
+``[{"kind": "nan", "step": 20, "rank": 3}]``. A fault of a rank belongs to the worker that is that
+rank when the run starts (``bind``), wherever later plans put it, as a faulty device's would: a
+replacement that takes the rank over later, reading the same environment, does not inherit it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,24 @@ class IntegrityFaults:
     def __init__(self, environ=None):
         env = os.environ if environ is None else environ
         self.specs: list[dict] = []
+        self._bound = False
         for spec in json.loads(env.get(ENV) or "[]"):
             self.add(spec)
+
+    def bind(self, rank: int, at_start: bool) -> None:
+        """At this worker's first set-up (as ``rank``; ``at_start``: the run's start, from the
+        seed): the environment's faults of ``rank`` become this worker's (``rank`` None), those of
+        other ranks go; a worker that joins a run under way keeps none but its data's (poison)."""
+        if self._bound:
+            return
+        self._bound = True
+        kept = []
+        for spec in self.specs:
+            if spec["kind"] == "poison":
+                kept.append(spec)
+            elif at_start and spec.get("rank") == rank:
+                kept.append({**spec, "rank": None})
+        self.specs = kept
 
     def add(self, spec: dict) -> None:
         kind = spec.get("kind")
@@ -41,7 +59,7 @@ class IntegrityFaults:
             a, b = spec.get("steps") or (None, None)
             if a is None or b is None or not 1 <= a <= b:
                 raise ValueError(f"a poison fault names its steps as [first, last], got {spec.get('steps')}")
-        elif spec.get("step") is None or spec.get("rank") is None:
+        elif spec.get("step") is None or ("rank" not in spec and not self._bound):
             raise ValueError(f"a {kind} fault names its step and rank, got {spec}")
         if kind == "flip" and spec.get("where", "parameter") not in WHERE:
             raise ValueError(f"a flip goes into one of {', '.join(WHERE)}, got {spec.get('where')!r}")
@@ -49,7 +67,7 @@ class IntegrityFaults:
 
     def _take(self, kind: str, step: int, rank: int) -> dict | None:
         for spec in self.specs:
-            if spec["kind"] == kind and spec["step"] == step and spec["rank"] == rank:
+            if spec["kind"] == kind and spec["step"] == step and spec.get("rank") in (None, rank):
                 self.specs.remove(spec)
                 return spec
         return None
@@ -67,7 +85,7 @@ class IntegrityFaults:
     def flip(self, step: int, rank: int, where: str) -> dict | None:
         """The flip into ``where`` at ``step`` on ``rank`` (used up), or None."""
         for spec in self.specs:
-            if (spec["kind"] == "flip" and spec["step"] == step and spec["rank"] == rank
+            if (spec["kind"] == "flip" and spec["step"] == step and spec.get("rank") in (None, rank)
                     and spec.get("where", "parameter") == where):
                 self.specs.remove(spec)
                 return spec

@@ -111,7 +111,7 @@ class StageTrainer(StageState):
                              grad_scale=1.0 if topo.pp == 1 or self.scaler is not None else 1.0 / cfg.micro_batches,
                              seed=cfg.train.seed, exchange=exchange, free_grads=p.shard_optimizer == "gradients",
                              hold={n for n, _ in named if n in tied})
-        self.check = StepCheck(cfg, topo, rank, groups.world, device, sharded)
+        self.check = StepCheck(cfg, topo, rank, groups, device, sharded)
         self.state_checks = StateChecks(self)
         self.zero = (ShardedOptimizer(named, self.sync, exchange, dist.get_rank(groups.dp), cfg.train,
                                       build_optimizer, skip_in_norm=self.ties.followers) if sharded else None)
@@ -287,9 +287,8 @@ class StageTrainer(StageState):
         self.state_checks.flip(step, "gradient")
         grads = shard_grads if self.zero is not None else [p.grad for p in self.params if p.grad is not None]
         changed = self.state_checks.changed_at_rest()
-        # Every rank's verdict over the plan's world by its handle (after an abort or a shrink it
-        # raises, never reaching the world the next plan keeps): the step's loss, its gradient
-        # norm, and where a value was not finite.
+        # Every rank's verdict, summed over its DP group then its pipeline (the groups the step's
+        # other collectives use): the step's loss, its gradient norm, where a value was not finite.
         verdict, dt = self.check.agree(
             losses if self.has_last else [], self._loss_mult if scale is not None else 1.0,
             self.zero.norm_grads() if self.zero is not None else [p.grad for p in self._norm_params

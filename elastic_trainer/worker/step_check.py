@@ -21,9 +21,12 @@ from ..parallel.topology import Topology
 class StepCheck:
     """One rank's verdicts: ``agree`` a step, ``judge`` it, ``clip`` by its norm."""
 
-    def __init__(self, cfg: TrainerConfig, topo: Topology, rank: int, world_group, device: torch.device,
+    def __init__(self, cfg: TrainerConfig, topo: Topology, rank: int, groups, device: torch.device,
                  sharded: bool):
-        self.topo, self.rank, self.group, self.device = topo, rank, world_group, device
+        """``groups``: the rank's process groups (``dp``, ``pp``): the verdict sums over one, then the
+        other (``integrity.verdict``)."""
+        self.topo, self.rank, self.device = topo, rank, device
+        self.levels = [(groups.dp, topo.dp), (groups.pp, topo.pp)]
         self.sharded = sharded
         self.judge = AnomalyJudge(cfg.integrity, fp16=cfg.train.precision == "fp16")
 
@@ -37,7 +40,7 @@ class StepCheck:
         sq = local_sq(grads, self.device)
         slots = 1 if self.sharded else self.topo.dp
         v = agree(losses, loss_mult, sq, 0 if self.sharded else replica, slots, self.rank, self.topo.world_size,
-                  self.group, self.device, sq_div=(scale * scale) if scale else 1.0, changed=changed)
+                  self.levels, self.device, sq_div=(scale * scale) if scale else 1.0, changed=changed)
         dt = timer.stop().seconds()
         if self.topo.world_size > 1:
             # Its time is the step's communication; its few bytes are not gradient traffic, which

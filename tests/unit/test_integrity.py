@@ -116,14 +116,14 @@ def test_a_replay_blames_the_rank_that_cannot_reproduce_its_result_and_nobody_wh
     assert blamed == [] and why.startswith("unresolved")
 
 
-def test_checks_come_every_interval_at_snapshot_steps_and_where_forced():
+def test_checks_come_every_interval_at_the_last_step_and_where_forced():
     from elastic_trainer.config import TrainerConfig
     from elastic_trainer.controller.integrity.corruption import Corruption
 
     fixed = Corruption(TrainerConfig.model_validate({"data": {"path": "x"}, "train": {"steps": 23},
                                                   "integrity": {"check_every": 4}}),
                        None, None, None, lambda: None)
-    assert fixed.checks(1, 10, snapshot=True) == [4, 8, 10]
+    assert fixed.checks(1, 10, snapshot=True) == [4, 8]
     assert fixed.checks(21, 3, snapshot=False) == [23]   # the last step of a 23-step run
     fixed.forced.add(13)
     assert fixed.checks(11, 3, snapshot=False) == [12, 13]
@@ -147,3 +147,16 @@ def test_a_state_fingerprint_sees_one_flipped_bit():
     assert set(before) == {"w|param", "w|step", "w|exp_avg", "w|exp_avg_sq"}
     opt.state[p]["exp_avg"].view(-1).view(torch.int32)[17] ^= 1 << 3
     assert differing(before, state_fingerprint([("w", p)], opt)) == ["w|exp_avg"]
+
+
+def test_a_rank_s_fault_belongs_to_the_worker_that_was_that_rank_at_the_start():
+    from elastic_trainer.worker.integrity_faults import ENV, IntegrityFaults
+
+    env = {ENV: '[{"kind": "flip", "step": 9, "rank": 2}, {"kind": "poison", "steps": [3, 4]}]'}
+    first = IntegrityFaults(env)
+    first.bind(2, at_start=True)
+    first.bind(0, at_start=False)          # later plans move it: the fault goes with it
+    assert first.flip(9, 0, "parameter") is not None and first.flip(9, 0, "parameter") is None
+    late = IntegrityFaults(env)             # a replacement taking rank 2 over, reading the same env
+    late.bind(2, at_start=False)
+    assert late.flip(9, 2, "parameter") is None and late.poisoned(16, 8)

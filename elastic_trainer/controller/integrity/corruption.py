@@ -1,11 +1,12 @@
 """Silent data corruption: found by comparing replicas, proven by replay, fenced by quarantine.
 
 Every ``integrity.check_every`` steps (``auto``: as often as keeps the checks under
-``check_max_overhead`` of the step time, from their measured cost) and at every snapshot step,
-the ranks fingerprint their state after the update (``worker.state_checks``) and this compares
-each stage's replicas (``compare``). A step whose check passed is *verified*; every snapshot
-step is checked, so the newest snapshot at or before the last verified step is one every
-replica agreed on.
+``check_max_overhead`` of the step time, from their measured cost), at a durable checkpoint's
+step and at the last, the ranks fingerprint their state after the update
+(``worker.state_checks``) and this compares each stage's replicas (``compare``). A step whose
+check passed is *verified*, and so is every step before it: replicas that part (a bit flipped in
+one) never meet again by themselves, so agreeing at a step means they agreed all along. The
+newest snapshot at or before the last verified step is one every replica agreed on.
 
 A mismatch blames nobody yet. The run goes back to that snapshot on the same plan and replays
 the steps to the mismatched one, checked again (``prove``): the rank that cannot reproduce its
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 _FIRST_EVERY = 10     # check_every auto, before a check's cost is measured
 _MOST_EVERY = 1000
+# How long a quarantine's re-plan waits for the replacement started for it (then it shrinks).
+QUARANTINE_WAIT_S = 60.0
 
 
 def compared_parts(cfg: TrainerConfig, sharded: bool, step: int) -> tuple[str, ...]:
@@ -141,15 +144,18 @@ class Corruption:
 
     def checks(self, first: int, count: int, snapshot: bool) -> list[int]:
         """The steps of a call from ``first`` (``count`` of them) whose state the ranks fingerprint:
-        every ``interval``-th, the forced ones, the snapshot step (a call's last) and the run's last
-        (its final state is saved verified)."""
+        every ``interval``-th, the forced ones, a durable checkpoint's step and the run's last (what
+        is saved is saved verified). ``snapshot``: whether the call's last step takes one (a
+        snapshot needs no check of its own: one at or before the last passed check is verified,
+        since replicas that part never meet again)."""
         every = self.interval()
         if every == 0 and not self.forced:
             return []
         last = first + count - 1
-        out = [s for s in range(first, last + 1) if (every and s % every == 0) or s in self.forced]
-        if every and (snapshot or last == self.cfg.train.steps) and last not in out:
-            out.append(last)
+        durable = self.cfg.checkpoint.durable_every if self.cfg.checkpoint.storage else None
+        out = [s for s in range(first, last + 1)
+               if (every and (s % every == 0 or (durable and s % durable == 0) or s == self.cfg.train.steps))
+               or s in self.forced]
         return out
 
     def durable_ok(self, step: int) -> bool:

@@ -20,12 +20,9 @@ from ..run.run_record import RunRecord
 from ..run.run_state import RunState
 from ..state.snapshot_schedule import SnapshotSchedule
 from ..run.workers import WorkerPool
+from ..integrity.corruption import QUARANTINE_WAIT_S
 from .drains import Drains
 from .replacements import Replacements
-
-
-# How long a quarantine's re-plan waits for the replacement started for it (then it shrinks).
-QUARANTINE_WAIT_S = 60.0
 
 
 class Growth:

@@ -29,6 +29,7 @@ from ..state.restore_points import RestorePoints
 from ..run.run_record import RunRecord
 from ..run.run_state import RunState
 from ..failures.survivor_collectives import shrunk_ranks
+from ..integrity.corruption import QUARANTINE_WAIT_S
 from ..run.orders import ReplanOrder
 from ..run.workers import WorkerPool
 
@@ -60,6 +61,11 @@ class Replanner:
             # as a grow does) left the new worker and the survivors naming the new groups apart,
             # and the set-up waited out the rendezvous timeout before its retry built them all.
             whole = set()
+        if order.reason == "corruption" and self.pool.joining:
+            # A culprit proven at once (its own checksum) is quarantined as the run goes back: the
+            # replacement started for it is waited for, so its ranks move there (the layout stays).
+            with run.goodput.phase("integrity"):
+                pool.await_joining(QUARANTINE_WAIT_S, required=False)
         if order.abort_setups:
             self.setup.abort()
         cause = order.cause
@@ -74,7 +80,7 @@ class Replanner:
             with run.goodput.phase("waiting_for_nodes"):
                 self._wait_for_min_workers()
             plan, ranks, why = self._next_plan(keep=order.after_failure, cut=order.cut,
-                                               move=order.reason in ("drain", "quarantine"))
+                                               move=order.reason in ("drain", "quarantine", "corruption"))
             reuse = None
             kept = shrunk_ranks(shrunk, plan, pool) if ranks is None else None
             if kept is not None and any(w in self.bench.benched for w in kept.values()):
