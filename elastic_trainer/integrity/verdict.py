@@ -8,11 +8,12 @@ gives every rank the same step loss, gradient norms and flags, so every rank jud
 alike with no further message: a non-finite or spiking step is dropped everywhere or nowhere.
 
 The SUM runs in two levels, over the rank's data-parallel group, then over its pipeline (each
-rank is in one of each, so the two sums are the world's): a ring's latency grows with its
-ranks, and two rings of dp and pp ranks take fewer steps than one of dp x pp (on 4 gloo
-processes sharing 2 cores: 2 x 0.8 ms against 6 ms). A group of one rank is skipped. The
-pipeline level is the collective clipping ran before (the norm over the stages), and the whole
-reduction is also fp16's overflow check, which took a collective of its own.
+rank is in one of each, so the two sums are the world's): a ring's steps grow with its ranks,
+and rings of dp and pp ranks take 2(dp - 1) + 2(pp - 1) steps against 2(dp * pp - 1) for the
+world's. A group of one rank is skipped. The pipeline level is the collective clipping ran
+before (the norm over the stages), and the whole reduction is also fp16's overflow check,
+which took a collective of its own. Where neither was on, the data-parallel level is a round
+trip the step did not make before (measured in docs/integrity.md).
 
 Torch only.
 """
