@@ -20,8 +20,9 @@ class IntegritySection(_Strict):
                             "batches since left out), or stop (the run ends with an error, the last good step "
                             "saved).")
     spikes: list[Literal["loss", "grad_norm"]] = Field(
-        default_factory=lambda: ["loss", "grad_norm"],
-        description="The signals judged for spikes; [] judges non-finite values only.")
+        default_factory=lambda: ["loss"],
+        description="The signals judged for spikes; [] judges non-finite values only. grad_norm is not judged "
+                    "by default: in healthy training it jumps 10x and more (clipping is its remedy).")
     spike_window: int = Field(50, ge=5, description="Accepted steps whose median a value is judged against.")
     spike_min_history: int = Field(20, ge=3, description="No spike is judged before this many steps are in the window.")
     spike_mads: float = Field(6.0, gt=0, description="A spike exceeds the median by this many scaled median "

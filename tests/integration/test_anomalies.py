@@ -67,9 +67,11 @@ def test_a_poisoned_window_spikes_the_loss_and_a_stop_ends_the_run_with_the_stat
         cluster, corpus_dir):
     # Judged from step 21 (integrity.spike_min_history: 20): the window at step 22, whose targets
     # are all one rare token. This early the norm is noisy (measured: 4.2 against a median of 1.8,
-    # MAD 0.3): the test asks for 3 MADs and 2x, where the defaults (6 MADs, 10x) take it for noise.
+    # MAD 0.3): the test judges the norm, at 3 MADs and 2x, where by default it is not judged (and
+    # 6 MADs and 10x would take it for noise).
     poison = [{"kind": "poison", "steps": [22, 22]}]
-    cfg = _cfg(corpus_dir, poison, name="spike", on_anomaly="stop", spike_mads=3.0, spike_ratio_grad_norm=2.0)
+    cfg = _cfg(corpus_dir, poison, name="spike", on_anomaly="stop", spikes=["loss", "grad_norm"], spike_mads=3.0,
+               spike_ratio_grad_norm=2.0)
     with pytest.raises(RunError, match=r"step 22 was anomalous: grad_norm .* spiked .*integrity.on_anomaly: stop"):
         Trainer(cfg, verbose=False).fit()
     # The last good step's state, on the workers still: what the run left.

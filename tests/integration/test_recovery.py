@@ -70,14 +70,15 @@ class Chaos:
 
 def assert_contiguous_data(result, cfg, last: int | None = None):
     """Every step up to ``last`` (default ``train.steps``) once, each reading the batch after the last."""
+    # Each step judged and the replicas checked (integrity's defaults) through whatever the run
+    # lived through: no false alarm.
+    assert not result.anomalies and not result.corruptions, ([dict(e) for e in result.anomalies],
+                                                             [dict(e) for e in result.corruptions])
     steps = [r["step"] for r in result.history]
     assert steps == list(range(1, (last or cfg.train.steps) + 1))
     gb = cfg.train.global_batch_size
     # Every step read the batch right after the previous one: nothing skipped or read twice.
     assert [r["cursor"] for r in result.history] == [(s - 1) * gb for s in steps]
-    # Each step judged and the replicas checked (integrity's defaults) through whatever the run
-    # lived through: no false alarm.
-    assert not result.anomalies and not result.corruptions, (list(result.anomalies), list(result.corruptions))
 
 
 def pids(result):
