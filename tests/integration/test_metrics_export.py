@@ -39,7 +39,7 @@ class Recorder:
         m.record_event({"kind": "state", "from": "STARTING", "to": "RUNNING", "time": 1.0})
         m.record_step({"step": 3, "loss": 1.5, "dp": 2, "pp": 1, "world_size": 2, "step_time_s": 0.5,
                        "tokens_per_s": 100.0, "comm_time_s": 0.1, "comm_bytes": 10, "exposed_comm_s": 0.05,
-                       "compression_ratio": 2.0, "lr": 1e-3, "pace": {"0": 1.0, "1": 1.4},
+                       "compression_ratio": 2.0, "lr": 1e-3, "grad_norm": 0.7, "pace": {"0": 1.0, "1": 1.4},
                        "rank_peak_rss_bytes": {"0": 1e8, "1": 2e8}, "rank_peak_device_bytes": {"0": 5e7, "1": 6e7}})
         m.record_step({"eval_loss": 1.4})
         for _ in range(2):
@@ -53,6 +53,8 @@ class Recorder:
         m.record_event({"kind": "straggler", "rank": 1, "step": 3, "pace": 1.4})
         m.record_event({"kind": "rebalance", "step": 3, "action": "shares", "shares": [6, 2]})
         m.record_event({"kind": "drain", "node": "n", "step": 3, "outcome": "moved"})
+        m.record_event({"kind": "anomaly", "anomaly": "spike", "step": 3, "action": "skip"})
+        m.record_event({"kind": "corruption", "step": 3, "suspects": [1], "quarantined": ["n"]})
         m.record_goodput({"wall_s": 10.0, "effective_s": 9.0, "goodput": 0.9,
                           "seconds": {"training": 9.0, "restore": 1.0}})
         return m.enabled
