@@ -15,11 +15,13 @@ from ..conftest import tiny_config
 class _Pool:
     def __init__(self, nodes):
         self.nodes, self.draining, self.joining = list(nodes), {}, {}
+        self.quarantined, self.quarantined_workers = {}, set()
 
     def handles(self):
-        return [SimpleNamespace(node=n) for n in self.nodes]
+        return [SimpleNamespace(node=n, wid=i) for i, n in enumerate(self.nodes)]
 
     staying = WorkerPool.staying   # the pool's own count, over these handles
+    leaving = WorkerPool.leaving
 
 
 def _replacements(nodes, request):

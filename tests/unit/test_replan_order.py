@@ -23,9 +23,13 @@ from ..conftest import tiny_config
 
 class _Pool:
     def __init__(self, wids):
-        self.workers = {w: SimpleNamespace(rank=w, node=f"n{w}") for w in wids}
+        self.workers = {w: SimpleNamespace(rank=w, node=f"n{w}", wid=w) for w in wids}
         self.dropped = []
         self.draining = {}
+        self.quarantined, self.quarantined_workers, self.joining = {}, set(), {}
+
+    def handles(self):
+        return list(self.workers.values())
 
     def __len__(self):
         return len(self.workers)
@@ -79,7 +83,8 @@ def _run(state=RunState.RUNNING, workers=(0, 1)):
 
 def _replanner(cfg, run, setup, pool):
     bench = SimpleNamespace(usable=lambda: list(pool.workers), benched=set(), after_replan=lambda step, refs: None)
-    points = SimpleNamespace(restore_point=lambda between_steps=False: (8, {}, {"0": "memory"}), sources=None,
+    points = SimpleNamespace(restore_point=lambda between_steps=False, at_most=None: (8, {}, {"0": "memory"}),
+                             sources=None,
                              durable_refs=None, holder_reads=0, relayed_reads=0)
     budget = FailureBudget(cfg, emergency=lambda why: None)
     fences = SimpleNamespace(fence=lambda wids, *where: None)

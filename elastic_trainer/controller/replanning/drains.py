@@ -97,7 +97,8 @@ class Drains:
         self._last = now
         notices = self._read()
         quarantined = [h.wid for h in self.pool.handles() if h.rank is None
-                       and (h.node in self.pool.quarantined or h.wid in self.pool.quarantined_workers)]
+                       and (h.node in self.pool.quarantined or h.wid in self.pool.quarantined_workers)
+                       ] if self.pool.quarantined or self.pool.quarantined_workers else []
         if quarantined:   # moved off a quarantined node: let go
             self.pool.drop(quarantined)
             self.run.event("quarantine", step=self.run.step, action="moved off", let_go=quarantined,
