@@ -30,21 +30,23 @@ def bits_sum(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_INT[t.element_size()]).sum(dtype=torch.int64)
 
 
-def state_fingerprint(named_params, optimizer, owned: dict | None = None, optim: bool = True) -> dict[str, int]:
-    """``{"name|param": int, "name|<state key>": int}`` of a rank's parameters and (with ``optim``)
-    the optimizer state it holds: each parameter's own (``owned`` None), or that of the slices it
-    owns (``owned``: name -> the tensor the optimizer steps, a sharded optimizer's)."""
+def state_fingerprint(named_params, optimizer, owned: dict | None = None, optim: bool = True,
+                      params: bool = True) -> dict[str, int]:
+    """``{"name|param": int, "name|<state key>": int}`` of a rank's parameters (with ``params``) and
+    (with ``optim``) the optimizer state it holds: each parameter's own (``owned`` None), or that of
+    the slices it owns (``owned``: name -> the tensor the optimizer steps, a sharded optimizer's)."""
     keys, sums = [], []
     for n, p in named_params:
-        keys.append(f"{n}|param")
-        sums.append(bits_sum(p))
+        if params:
+            keys.append(f"{n}|param")
+            sums.append(bits_sum(p))
         if not optim:
             continue
         key = p if owned is None else owned.get(n)
         for k, v in (optimizer.state.get(key) or {} if key is not None else {}).items():
             if torch.is_tensor(v):
                 keys.append(f"{n}|{k}")
-                sums.append(bits_sum(v.to(sums[0].device)))
+                sums.append(bits_sum(v.to(p.device)))
     if not sums:
         return {}
     return dict(zip(keys, torch.stack(sums).tolist()))

@@ -36,7 +36,6 @@ class Verdict:
     grad_norm: float            # the global gradient norm (local-step and server modes: the largest replica's)
     replica_sq: torch.Tensor    # this rank's replica's (or the whole model's) squared norm, on the device
     flags: list[float]          # per rank: 0, or LOSS / GRADS where its own values were not finite
-    bytes: int                  # what this rank sent
 
     @property
     def finite(self) -> bool:
@@ -96,4 +95,4 @@ def agree(losses: list[torch.Tensor], loss_div: float, sq: torch.Tensor, slot: i
     flags = host[2 + slots:]
     # A flag summed with NaN from elsewhere is NaN: the rank's own slot is only ever written by it.
     flags = [f if math.isfinite(f) else GRADS for f in flags]
-    return Verdict(loss, norm, vec[2 + slot] / sq_div, flags, vec.element_size() * vec.numel())
+    return Verdict(loss, norm, vec[2 + slot] / sq_div, flags)

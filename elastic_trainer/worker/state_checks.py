@@ -37,13 +37,13 @@ class StateChecks:
         """(parameters, optimizer state) fingerprints of what this rank holds: its parameters whole
         (a sharded rank's gathered), the optimizer state it keeps (a sharded rank's slice's)."""
         t = self.t
+        if t.zero is None:   # one pass: each parameter, then its state
+            both = state_fingerprint(t.named_parameters(), t.optimizer)
+            params = {k: v for k, v in both.items() if k.endswith("|param")}
+            return params, {k: v for k, v in both.items() if not k.endswith("|param")}
         params = state_fingerprint(t.named_parameters(), t.optimizer, optim=False)
-        if t.zero is not None:
-            named = [(o.name, o.view) for o in t.zero.owned]
-            optim = state_fingerprint(named, t.optimizer, self._owned())
-        else:
-            optim = state_fingerprint(t.named_parameters(), t.optimizer)
-        return params, {k: v for k, v in optim.items() if not k.endswith("|param")}
+        named = [(o.name, o.view) for o in t.zero.owned]
+        return params, state_fingerprint(named, t.optimizer, self._owned(), params=False)
 
     def fingerprint(self) -> tuple[dict, float]:
         """``{"params": ..., "optim": ...}`` of what this rank holds after a check step's update,

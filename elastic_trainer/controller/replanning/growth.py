@@ -20,7 +20,6 @@ from ..run.run_record import RunRecord
 from ..run.run_state import RunState
 from ..state.snapshot_schedule import SnapshotSchedule
 from ..run.workers import WorkerPool
-from ..integrity.corruption import QUARANTINE_WAIT_S
 from .drains import Drains
 from .replacements import Replacements
 
@@ -90,11 +89,6 @@ class Growth:
         self.drains.poll()
         if self._reason is None and not self._grow_wanted and not self._look():
             return None
-        if self._reason == "quarantine" and self.pool.joining:
-            # A worker proven to corrupt data trains no more: the run waits for its replacement
-            # (a spare keeps the layout) rather than step on with it or shrink.
-            with run.goodput.phase("integrity"):
-                self.pool.await_joining(QUARANTINE_WAIT_S, required=False)
         if self._reason == "drain" and not self.drains.ready():
             return None   # a replacement is starting, and the deadline leaves time to take it in
         if self.schedule.last_taken != run.step:

@@ -61,9 +61,9 @@ class Replanner:
             # as a grow does) left the new worker and the survivors naming the new groups apart,
             # and the set-up waited out the rendezvous timeout before its retry built them all.
             whole = set()
-        if order.reason == "corruption" and self.pool.joining:
-            # A culprit proven at once (its own checksum) is quarantined as the run goes back: the
-            # replacement started for it is waited for, so its ranks move there (the layout stays).
+        if order.reason in ("corruption", "quarantine") and self.pool.joining:
+            # A worker proven to corrupt data trains no more: the replacement started for it is
+            # waited for, so its ranks move there (the layout stays) rather than the run shrink.
             with run.goodput.phase("integrity"):
                 pool.await_joining(QUARANTINE_WAIT_S, required=False)
         if order.abort_setups:
